@@ -1,0 +1,184 @@
+"""Qwen2 architecture hyper-parameters: presets and the HF `config.json` mapping.
+
+Presets serve models built from scratch and memory plans; when importing weights the
+checkpoint's own `config.json` is the truth (`Qwen2Config.from_hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_from_name(name: str) -> Any:
+  """Maps a dtype name from a config to a jnp dtype, with an error naming the choices."""
+  try:
+    return _DTYPES[name]
+  except KeyError:
+    raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+  """Shape and numerics of a Qwen2 decoder. Field names follow HF's `Qwen2Config`."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 32768
+  bos_token_id: int = 151643
+  eos_token_id: int = 151645
+  # Numerics: parameters are stored in `param_dtype`, matmuls run in `dtype`; norms,
+  # softmax and logits are always accumulated in float32.
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  # Rematerialisation per decoder layer: "none", "full" (save nothing) or
+  # "dots" (save matmul outputs without batch dims). `remat_layers` picks which
+  # layers (empty = all) so memory can be traded per layer.
+  remat: str = "none"
+  remat_layers: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(
+          f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+          f"num_key_value_heads={self.num_key_value_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    if self.remat not in ("none", "full", "dots"):
+      raise ValueError(f"remat={self.remat!r}; expected 'none', 'full' or 'dots'")
+    dtype_from_name(self.param_dtype)
+    dtype_from_name(self.dtype)
+
+  def replace(self, **changes) -> "Qwen2Config":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def jnp_param_dtype(self):
+    return dtype_from_name(self.param_dtype)
+
+  @property
+  def jnp_dtype(self):
+    return dtype_from_name(self.dtype)
+
+  def num_params(self) -> int:
+    """Exact parameter count, the LM head counted once when tied."""
+    e, i, l = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+    q = self.num_attention_heads * self.head_dim
+    kv = self.num_key_value_heads * self.head_dim
+    attn = e * q + q + 2 * (e * kv + kv) + q * e
+    per_layer = attn + 3 * e * i + 2 * e
+    head = 0 if self.tie_word_embeddings else self.vocab_size * e
+    return self.vocab_size * e + l * per_layer + e + head
+
+  # --- HF config.json ---------------------------------------------------------------
+
+  @classmethod
+  def from_hf(cls, hf: dict[str, Any] | str, **overrides) -> "Qwen2Config":
+    """Builds the config from an HF `config.json` (a dict, a file or a model directory)."""
+    source = "config dict"
+    if isinstance(hf, (str, os.PathLike)):
+      path = os.path.join(hf, "config.json") if os.path.isdir(hf) else str(hf)
+      source = path
+      with open(path) as f:
+        hf = json.load(f)
+    arch = hf.get("model_type")
+    if arch not in ("qwen2", None):
+      raise ValueError(f"{source}: model_type={arch!r}, expected 'qwen2'")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                           "num_hidden_layers", "num_attention_heads") if k not in hf]
+    if missing:
+      raise ValueError(f"{source}: missing keys {missing}")
+    rope = hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    eos = hf.get("eos_token_id", 151645)
+    kwargs = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        rope_theta=float(theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        bos_token_id=hf.get("bos_token_id") or 151643,
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  def to_hf(self, torch_dtype: str | None = None) -> dict[str, Any]:
+    """The HF `config.json` dict for this architecture (`Qwen2ForCausalLM`)."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads,
+        "head_dim": self.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": self.rms_norm_eps,
+        "rope_theta": self.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings,
+        "max_window_layers": self.num_hidden_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": self.bos_token_id,
+        "eos_token_id": self.eos_token_id,
+        "dtype": torch_dtype or self.param_dtype,
+    }
+
+
+def _qwen25(layers, hidden, inter, heads, kv, tied, vocab, head_dim=128, **kw) -> Qwen2Config:
+  return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                     num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv, head_dim=head_dim, tie_word_embeddings=tied, **kw)
+
+
+# Published Qwen2.5 shapes (config.json of the releases) plus tiny test models. The tiny
+# ones keep the real vocabulary so the real tokenizer drives them.
+PRESETS: dict[str, Qwen2Config] = {
+    "qwen2.5-0.5b": _qwen25(24, 896, 4864, 14, 2, True, 151936, head_dim=64),
+    "qwen2.5-1.5b": _qwen25(28, 1536, 8960, 12, 2, True, 151936),
+    "qwen2.5-3b": _qwen25(36, 2048, 11008, 16, 2, True, 151936),
+    "qwen2.5-7b": _qwen25(28, 3584, 18944, 28, 4, False, 152064),
+    "qwen2.5-14b": _qwen25(48, 5120, 13824, 40, 8, False, 152064),
+    "qwen2.5-32b": _qwen25(64, 5120, 27648, 40, 8, False, 152064),
+    "qwen2.5-72b": _qwen25(80, 8192, 29568, 64, 8, False, 152064),
+    # Tiny: random-init models for tests and the CPU demo.
+    "tiny": _qwen25(2, 64, 128, 4, 2, True, 151936, head_dim=16),
+    "tiny-untied": _qwen25(2, 64, 128, 4, 2, False, 151936, head_dim=16),
+    "small": _qwen25(4, 256, 768, 8, 2, True, 151936, head_dim=32),
+}
+
+
+def get_preset(name: str, **overrides) -> Qwen2Config:
+  try:
+    base = PRESETS[name]
+  except KeyError:
+    raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+  return base.replace(**overrides) if overrides else base
