@@ -104,7 +104,9 @@ class Qwen2Config:
       raise ValueError(f"{source}: missing keys {missing}")
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    eos = hf.get("eos_token_id", 151645)
+    eos = hf.get("eos_token_id")
+    eos = 151645 if eos is None else eos
+    bos = hf.get("bos_token_id")
     kwargs = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -117,7 +119,7 @@ class Qwen2Config:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        bos_token_id=hf.get("bos_token_id") or 151643,
+        bos_token_id=151643 if bos is None else bos,
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
     kwargs.update(overrides)

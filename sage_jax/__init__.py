@@ -1,0 +1,1 @@
+"""sage_jax: SAGE (Skill Augmented GRPO for self-Evolution) on AppWorld in JAX/Flax."""

@@ -1,0 +1,306 @@
+"""Hugging Face safetensors import and export for `Qwen2`.
+
+Import streams one tensor at a time from the safetensors files straight into its target
+sharding; export writes sharded safetensors with an index, config.json,
+generation_config.json and (optionally) the tokenizer files, loadable by
+`transformers.AutoModelForCausalLM.from_pretrained`.
+
+One explicit table, `NAME_TABLE`, maps HF tensor names to module paths and says how each
+tensor is laid out; both directions use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from typing import Any, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from sage_jax import sharding as shd
+from sage_jax.model.config import Qwen2Config
+from sage_jax.model.qwen2 import Qwen2
+
+# kind: "copy" (same shape), "flat" (HF keeps it flat: [heads * head_dim] biases), or
+# "kernel<n>": a torch Linear weight [out, in] that we store as [in..., out...] with n
+# leading input axes (HF = ours.reshape(in, out).T).
+NAME_TABLE: tuple[tuple[str, str, str], ...] = (
+    ("model.embed_tokens.weight", "embed_tokens", "copy"),
+    ("model.norm.weight", "norm.weight", "copy"),
+    ("lm_head.weight", "lm_head", "kernel1"),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", "copy"),
+    ("model.layers.{i}.post_attention_layernorm.weight",
+     "layers.{i}.post_attention_layernorm.weight", "copy"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.q_proj.kernel", "kernel1"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers.{i}.self_attn.q_proj.bias", "flat"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.k_proj.kernel", "kernel1"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers.{i}.self_attn.k_proj.bias", "flat"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.v_proj.kernel", "kernel1"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers.{i}.self_attn.v_proj.bias", "flat"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj.kernel", "kernel2"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj.kernel", "kernel1"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj.kernel", "kernel1"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", "kernel1"),
+)
+
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that does not match the model it is loaded into."""
+
+
+def _compile(template: str) -> re.Pattern:
+  return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+
+
+_HF_PATTERNS = [(_compile(hf), ours, kind) for hf, ours, kind in NAME_TABLE]
+
+
+def hf_to_path(hf_name: str) -> tuple[str, str] | None:
+  """HF tensor name -> (dotted module path, kind), or None for names not in the table."""
+  for pattern, ours, kind in _HF_PATTERNS:
+    m = pattern.match(hf_name)
+    if m:
+      return ours.format(**m.groupdict()), kind
+  return None
+
+
+def path_to_hf(path: str) -> tuple[str, str]:
+  for hf, ours, kind in NAME_TABLE:
+    m = _compile(ours).match(path)
+    if m:
+      return hf.format(**m.groupdict()), kind
+  raise KeyError(f"module path {path!r} has no HF name in NAME_TABLE")
+
+
+def hf_layout(ours: np.ndarray | jax.ShapeDtypeStruct, kind: str) -> tuple[int, ...]:
+  """The HF shape of a tensor whose module shape is `ours.shape`."""
+  shape = tuple(ours.shape)
+  if kind == "copy":
+    return shape
+  if kind == "flat":
+    return (math.prod(shape),)
+  n_in = int(kind[len("kernel"):])
+  return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+def to_module_layout(hf: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+  if kind in ("copy", "flat"):
+    return hf.reshape(shape)
+  return hf.T.reshape(shape)
+
+
+def to_hf_layout(ours: np.ndarray, kind: str) -> np.ndarray:
+  if kind in ("copy", "flat"):
+    return ours.reshape(hf_layout(ours, kind))
+  n_in = int(kind[len("kernel"):])
+  flat = ours.reshape(math.prod(ours.shape[:n_in]), -1)
+  return np.ascontiguousarray(flat.T)
+
+
+def _flat_paths(state: nnx.State) -> dict[str, nnx.Variable]:
+  return {".".join(str(p) for p in path): v for path, v in nnx.to_flat_state(state)}
+
+
+# --- Import --------------------------------------------------------------------------------
+
+
+def _weight_files(model_dir: str) -> dict[str, str]:
+  """HF tensor name -> file path, checking that every referenced shard exists."""
+  index = os.path.join(model_dir, "model.safetensors.index.json")
+  single = os.path.join(model_dir, "model.safetensors")
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    files = {name: os.path.join(model_dir, fname) for name, fname in weight_map.items()}
+    missing = sorted({p for p in files.values() if not os.path.exists(p)})
+    if missing:
+      raise CheckpointError(f"{index} references missing shard file(s): {missing}")
+    return files
+  if os.path.exists(single):
+    with safe_open(single, framework="numpy") as f:
+      return {name: single for name in f.keys()}
+  raise CheckpointError(f"{model_dir}: neither model.safetensors nor "
+                        "model.safetensors.index.json found")
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
+  """Yields (file, HF name, array) one tensor at a time, file by file."""
+  files = _weight_files(model_dir)
+  by_file: dict[str, list[str]] = {}
+  for name, path in files.items():
+    by_file.setdefault(path, []).append(name)
+  for path, names in sorted(by_file.items()):
+    with safe_open(path, framework="numpy") as f:
+      present = set(f.keys())
+      for name in sorted(names):
+        if name not in present:
+          raise CheckpointError(f"{path}: the index lists tensor {name!r}, but the file lacks it")
+        yield path, name, f.get_tensor(name)
+
+
+def _checkpoint_dtype(model_dir: str) -> str:
+  with open(os.path.join(model_dir, "config.json")) as f:
+    hf = json.load(f)
+  name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+  return name if name in _NP_DTYPES else "float32"
+
+
+def load_tensors(cfg: Qwen2Config, tensors: Iterable[tuple[str, str, np.ndarray]],
+                 mesh: Mesh | None = None, rules: shd.ShardingRules = shd.ShardingRules(),
+                 origin: str = "checkpoint") -> Qwen2:
+  """Builds a `Qwen2` from (source, HF name, array) triples, placing each tensor as it comes.
+
+  Every tensor is checked against the model's expected name and shape; the model is only
+  assembled once every parameter has arrived, so a failure never leaves a partial model.
+  """
+  abstract = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  expected = _flat_paths(abstract_state)
+  loaded: dict[str, jax.Array] = {}
+  for source, name, array in tensors:
+    mapped = hf_to_path(name)
+    if mapped is None:
+      raise CheckpointError(f"{source}: unknown tensor {name!r} (not a Qwen2 weight)")
+    path, kind = mapped
+    if path == "lm_head" and cfg.tie_word_embeddings:
+      logging.info("%s: ignoring %s, the config ties it to the embeddings", source, name)
+      continue
+    if path not in expected:
+      raise CheckpointError(f"{source}: tensor {name!r} does not fit the config "
+                            f"({cfg.num_hidden_layers} layers, tied={cfg.tie_word_embeddings})")
+    if path in loaded:
+      raise CheckpointError(f"{source}: tensor {name!r} appears twice")
+    var = expected[path]
+    target = var.get_value()
+    want = hf_layout(target, kind)
+    if tuple(array.shape) != want:
+      raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
+                            f"the config expects {want}")
+    value = to_module_layout(array, kind, target.shape).astype(target.dtype)
+    loaded[path] = _place(value, shd.logical_axes_of(var), mesh, rules)
+  missing = sorted(set(expected) - set(loaded))
+  if missing:
+    raise CheckpointError(f"{origin} lacks {len(missing)} tensor(s) the config needs, "
+                          f"e.g. {[path_to_hf(p)[0] for p in missing[:5]]}")
+  flat = [(tuple(int(p) if p.isdigit() else p for p in path.split(".")),
+           expected[path].replace(loaded[path])) for path in expected]
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _place(value: np.ndarray, axes, mesh: Mesh | None, rules: shd.ShardingRules) -> jax.Array:
+  if mesh is None:
+    return jnp.asarray(value)
+  sharding = shd.named_sharding(axes, value.shape, mesh, rules)
+  return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def load_hf(model_dir: str, *, mesh: Mesh | None = None,
+            rules: shd.ShardingRules = shd.ShardingRules(),
+            param_dtype: str | None = None, dtype: str | None = None) -> Qwen2:
+  """Loads an HF Qwen2 checkpoint directory (config.json + safetensors).
+
+  `param_dtype` defaults to the checkpoint's own dtype; `dtype` (compute) to `param_dtype`.
+  """
+  param_dtype = param_dtype or _checkpoint_dtype(model_dir)
+  cfg = Qwen2Config.from_hf(model_dir, param_dtype=param_dtype, dtype=dtype or param_dtype)
+  return load_tensors(cfg, iter_safetensors(model_dir), mesh, rules, origin=model_dir)
+
+
+# --- Export --------------------------------------------------------------------------------
+
+
+def generation_config(cfg: Qwen2Config) -> dict[str, Any]:
+  return {
+      "bos_token_id": cfg.bos_token_id,
+      "eos_token_id": sorted({cfg.eos_token_id, cfg.bos_token_id}, reverse=True),
+      "pad_token_id": cfg.bos_token_id,
+  }
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  if jax.process_count() > 1 and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
+            max_shard_bytes: int = 2 << 30, tokenizer_dir: str | None = None) -> list[str]:
+  """Writes `model` as an HF checkpoint directory; returns the safetensors file names.
+
+  Tensors are gathered one at a time. Files go to `<out_dir>.tmp` first and are moved into
+  place at the end, so an interrupted export never looks complete. In a multi-host run every
+  process must call this (the gathers are collective); only process 0 writes.
+  """
+  cfg = model.config
+  dtype = dtype or cfg.param_dtype
+  np_dtype = _NP_DTYPES[dtype]
+  params = _flat_paths(nnx.state(model, nnx.Param))
+  plan = _plan_shards(params, np.dtype(np_dtype).itemsize, max_shard_bytes)
+  writer = jax.process_index() == 0
+  tmp = out_dir.rstrip("/") + ".tmp"
+  if writer:
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+  weight_map = {}
+  for fname, paths in plan:
+    tensors = {}
+    for path in paths:
+      hf_name, kind = path_to_hf(path)
+      tensors[hf_name] = to_hf_layout(_to_host(params[path].get_value()), kind).astype(np_dtype)
+      weight_map[hf_name] = fname
+    if writer:
+      save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+  if not writer:
+    return [f for f, _ in plan]
+  total = sum(math.prod(v.get_value().shape) for v in params.values()) * np.dtype(np_dtype).itemsize
+  with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+              f, indent=2)
+  with open(os.path.join(tmp, "config.json"), "w") as f:
+    json.dump(cfg.to_hf(torch_dtype=dtype), f, indent=2)
+  with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+    json.dump(generation_config(cfg), f, indent=2)
+  if tokenizer_dir:
+    for name in os.listdir(tokenizer_dir):
+      if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens",
+                          "chat_template")):
+        shutil.copy(os.path.join(tokenizer_dir, name), tmp)
+  if os.path.exists(out_dir):
+    shutil.rmtree(out_dir)
+  os.replace(tmp, out_dir)
+  return [f for f, _ in plan]
+
+
+def _plan_shards(params: dict[str, nnx.Variable], itemsize: int,
+                 max_bytes: int) -> list[tuple[str, list[str]]]:
+  """Groups tensors (in HF-name order) into files of at most `max_bytes` each."""
+  order = sorted(params, key=lambda p: _natural_key(path_to_hf(p)[0]))
+  groups: list[list[str]] = [[]]
+  size = 0
+  for path in order:
+    n = math.prod(params[path].get_value().shape) * itemsize
+    if groups[-1] and size + n > max_bytes:
+      groups.append([])
+      size = 0
+    groups[-1].append(path)
+    size += n
+  k = len(groups)
+  return [(f"model-{i + 1:05d}-of-{k:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _natural_key(name: str):
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

@@ -1,0 +1,269 @@
+"""Qwen2 decoder in Flax NNX: one set of modules for prefill, cached decode and training.
+
+Module and attribute names follow HF's `Qwen2ForCausalLM` so the name table in
+`sage_jax/checkpoint/hf.py` stays a plain mapping. Kernels are stored as
+[in, ...out] with heads kept as their own axis, so tensor parallelism can split heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sage_jax.model.config import Qwen2Config
+from sage_jax.sharding import constrain
+
+_F32 = jnp.float32
+
+
+def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
+  if init == "ones":
+    value = jnp.ones(shape, dtype)
+  elif init == "zeros":
+    value = jnp.zeros(shape, dtype)
+  else:
+    value = (0.02 * jax.random.normal(rngs.params(), shape, _F32)).astype(dtype)
+  return nnx.Param(value, logical_axes=axes)
+
+
+# --- KV cache ---------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Per-layer keys and values, [batch, max_len, kv_heads, head_dim] each.
+
+  A token at position p of sequence b lives at index p of row b, so each sequence has its
+  own length and position, and a slot can be refilled from position 0 for a new sequence:
+  queries only ever see keys at positions <= their own, all written by this sequence.
+  """
+
+  k: list[jax.Array]
+  v: list[jax.Array]
+
+  @classmethod
+  def zeros(cls, cfg: Qwen2Config, batch: int, max_len: int, dtype=None) -> "KVCache":
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    dtype = dtype or cfg.jnp_dtype
+    make = lambda: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
+    return cls([make() for _ in range(cfg.num_hidden_layers)],
+               [make() for _ in range(cfg.num_hidden_layers)])
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+
+CACHE_AXES = ("cache_batch", "cache_len", "cache_kv_heads", None)
+
+
+def _write(buf: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """Scatters new[b, t] to buf[b, positions[b, t]]; positions >= max_len are dropped (padding)."""
+  rows = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], positions.shape)
+  return buf.at[rows, positions].set(new.astype(buf.dtype), mode="drop")
+
+
+# --- Layers -----------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.weight = _param(None, (dim,), param_dtype, ("norm",), "ones")
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(_F32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding (HF's half-split layout) of x: [b, t, heads, dim] at positions [b, t]."""
+  dim = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=_F32) / dim))
+  angles = positions.astype(_F32)[..., None] * inv_freq  # [b, t, dim/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  half = dim // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+class Linear(nnx.Module):
+  """y = x @ kernel (+ bias); kernel [in..., out...] contracted over the `n_in` leading axes."""
+
+  def __init__(self, in_shape, out_shape, axes, *, bias: bool, param_dtype, rngs):
+    in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+    self.n_in = len(in_shape)
+    self.kernel = _param(rngs, in_shape + out_shape, param_dtype, axes, "normal")
+    self.bias = (_param(None, out_shape, param_dtype, axes[self.n_in:], "zeros")
+                 if bias else None)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.kernel[...].astype(x.dtype)
+    y = jax.lax.dot_general(x, kernel, (((tuple(range(x.ndim - self.n_in, x.ndim))),
+                                         tuple(range(self.n_in))), ((), ())))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(x.dtype)
+    return y
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with q/k/v bias, optionally over a KV cache."""
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    e, h, kv, d, pd = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.head_dim, cfg.jnp_param_dtype)
+    self.q_proj = Linear((e,), (h, d), ("embed", "heads", "head_dim"), bias=True,
+                         param_dtype=pd, rngs=rngs)
+    self.k_proj = Linear((e,), (kv, d), ("embed", "kv_heads", "head_dim"), bias=True,
+                         param_dtype=pd, rngs=rngs)
+    self.v_proj = Linear((e,), (kv, d), ("embed", "kv_heads", "head_dim"), bias=True,
+                         param_dtype=pd, rngs=rngs)
+    self.o_proj = Linear((h, d), (e,), ("heads", "head_dim", "embed"), bias=False,
+                         param_dtype=pd, rngs=rngs)
+    self.theta = cfg.rope_theta
+    self.num_kv_heads = kv
+
+  def __call__(self, x, positions, mask, kv_cache=None):
+    q = constrain(rotary(self.q_proj(x), positions, self.theta),
+                  ("act_batch", "act_len", "act_heads", None))
+    k = rotary(self.k_proj(x), positions, self.theta)
+    v = self.v_proj(x)
+    if kv_cache is not None:
+      k = constrain(_write(kv_cache[0], k, positions), CACHE_AXES)
+      v = constrain(_write(kv_cache[1], v, positions), CACHE_AXES)
+      kv_cache = (k, v)
+    b, t, h, d = q.shape
+    q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=_F32)
+    scores = scores * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(_F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+    out = constrain(out, ("act_batch", "act_len", "act_heads", None))
+    return self.o_proj(out), kv_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    e, i, pd = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_param_dtype
+    self.gate_proj = Linear((e,), (i,), ("embed", "mlp"), bias=False, param_dtype=pd, rngs=rngs)
+    self.up_proj = Linear((e,), (i,), ("embed", "mlp"), bias=False, param_dtype=pd, rngs=rngs)
+    self.down_proj = Linear((i,), (e,), ("mlp", "embed"), bias=False, param_dtype=pd, rngs=rngs)
+
+  def __call__(self, x):
+    h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+    return self.down_proj(constrain(h, ("act_batch", "act_len", "act_mlp")))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
+    self.self_attn = Attention(cfg, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                            cfg.jnp_param_dtype)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, mask, kv_cache=None):
+    attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, mask, kv_cache)
+    x = x + attn
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return constrain(x, ("act_batch", "act_len", "act_embed")), kv_cache
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _run_layer(layer, x, positions, mask, kv_cache):
+  return layer(x, positions, mask, kv_cache)
+
+
+# --- Model ------------------------------------------------------------------------------
+
+
+class Qwen2(nnx.Module):
+  """Qwen2 causal LM.
+
+  `__call__(tokens, positions, cache=..., segment_ids=...)` serves all three uses:
+  - training: no cache; `segment_ids` (0 = padding) keep packed sequences apart;
+  - prefill / decode: with a `KVCache`; each row writes its tokens at its own positions
+    and attends to everything at or before them. Padding tokens in a row get a position
+    >= cache length, so they are never written.
+  """
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    self.config = cfg
+    pd = cfg.jnp_param_dtype
+    self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), pd,
+                               ("vocab", "embed"), "normal")
+    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+    self.lm_head = (None if cfg.tie_word_embeddings else
+                    _param(rngs, (cfg.hidden_size, cfg.vocab_size), pd, ("embed", "vocab"),
+                           "normal"))
+
+  def hidden_states(self, tokens, positions, *, cache: KVCache | None = None,
+                    segment_ids=None):
+    """Final-norm hidden states [b, t, embed] (and the updated cache)."""
+    cfg = self.config
+    x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(cfg.jnp_dtype)
+    x = constrain(x, ("act_batch", "act_len", "act_embed"))
+    if cache is None:
+      mask = _training_mask(tokens.shape, segment_ids)
+    else:
+      key_pos = jnp.arange(cache.max_len)
+      mask = key_pos[None, None, :] <= positions[:, :, None]
+    remat_layers = set(cfg.remat_layers) or set(range(cfg.num_hidden_layers))
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      run = _run_layer
+      if cfg.remat != "none" and i in remat_layers:
+        run = nnx.remat(_run_layer, policy=_REMAT_POLICIES[cfg.remat])
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+      x, layer_cache = run(layer, x, positions, mask, layer_cache)
+      if cache is not None:
+        new_k.append(layer_cache[0])
+        new_v.append(layer_cache[1])
+    x = self.norm(x)
+    return x, (None if cache is None else KVCache(new_k, new_v))
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """Float32 logits [..., vocab] of final hidden states."""
+    if self.lm_head is None:
+      w = self.embed_tokens[...].astype(hidden.dtype)
+      out = jnp.einsum("...e,ve->...v", hidden, w, preferred_element_type=_F32)
+    else:
+      w = self.lm_head[...].astype(hidden.dtype)
+      out = jnp.einsum("...e,ev->...v", hidden, w, preferred_element_type=_F32)
+    return constrain(out, ("act_batch", "act_len", "act_vocab")) if out.ndim == 3 else out
+
+  def __call__(self, tokens, positions, *, cache: KVCache | None = None, segment_ids=None):
+    hidden, cache = self.hidden_states(tokens, positions, cache=cache, segment_ids=segment_ids)
+    return self.logits(hidden), cache
+
+
+def _training_mask(shape, segment_ids):
+  """[b, t, t] causal mask; with segment ids, tokens attend only within their segment."""
+  b, t = shape
+  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
+  if segment_ids is None:
+    return jnp.broadcast_to(causal, (b, t, t))
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return causal & same
+
+
+def init_model(cfg: Qwen2Config, seed: int = 0) -> Qwen2:
+  """A randomly initialised model on the default device."""
+  return Qwen2(cfg, rngs=nnx.Rngs(seed))

@@ -1,0 +1,145 @@
+"""HF safetensors import/export: round trips, transformers reload, and bad input."""
+
+import json
+import os
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import jax.numpy as jnp
+
+from sage_jax.checkpoint import hf
+from tests.hf_reference import hf_logits, tiny_hf_model
+
+
+def _flat(model):
+  return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _logits(model, tokens):
+  out, _ = model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
+  return np.asarray(out)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_reloads_in_transformers_with_same_logits(tmp_path, tied):
+  tiny_hf_model(str(tmp_path / "src"), tied=tied)
+  model = hf.load_hf(str(tmp_path / "src"))
+  # Small shards so the index and multi-file path is exercised.
+  files = hf.save_hf(model, str(tmp_path / "out"), max_shard_bytes=100_000)
+  assert len(files) > 1
+  index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+  assert set(index["weight_map"].values()) == set(files)
+  assert ("lm_head.weight" in index["weight_map"]) == (not tied)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no missing / unexpected weight warnings
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out"), attn_implementation="eager",
+        output_loading_info=True)
+  reloaded, info = reloaded
+  assert not any(info.values()), info
+  assert reloaded.config.tie_word_embeddings == tied
+  tokens = np.random.RandomState(0).randint(0, 512, (2, 16))
+  np.testing.assert_allclose(hf_logits(reloaded, tokens), _logits(model, tokens), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_import_export_import_is_bit_exact(tmp_path, dtype):
+  tiny_hf_model(str(tmp_path / "src"), dtype=dtype, tied=False)
+  first = hf.load_hf(str(tmp_path / "src"))
+  assert first.config.param_dtype == str(dtype).removeprefix("torch.")
+  hf.save_hf(first, str(tmp_path / "out"))
+  second = hf.load_hf(str(tmp_path / "out"))
+  a, b = _flat(first), _flat(second)
+  assert a.keys() == b.keys()
+  for k in a:
+    assert a[k].dtype == b[k].dtype and np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), k
+  # And the exported bytes equal the source file's tensors.
+  src = load_file(str(tmp_path / "src" / "model.safetensors"))
+  out = {}
+  for f in os.listdir(tmp_path / "out"):
+    if f.endswith(".safetensors"):
+      out.update(load_file(str(tmp_path / "out" / f)))
+  assert src.keys() == out.keys()
+  for k in src:
+    assert np.array_equal(src[k].view(np.uint8), out[k].view(np.uint8)), k
+
+
+@pytest.fixture
+def src(tmp_path):
+  d = tmp_path / "src"
+  tiny_hf_model(str(d), tied=False)
+  hf.save_hf(hf.load_hf(str(d)), str(tmp_path / "sharded"), max_shard_bytes=100_000)
+  return tmp_path
+
+
+def _rewrite(path, edit):
+  tensors = load_file(str(path))
+  edit(tensors)
+  save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_missing_shard_names_the_file(src):
+  d = src / "sharded"
+  victim = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[1]
+  os.remove(d / victim)
+  with pytest.raises(hf.CheckpointError, match=victim):
+    hf.load_hf(str(d))
+
+
+def test_wrong_shape_names_file_and_tensor(src):
+  f = src / "src" / "model.safetensors"
+  name = "model.layers.1.mlp.up_proj.weight"
+  _rewrite(f, lambda t: t.__setitem__(name, t[name][:-1]))
+  with pytest.raises(hf.CheckpointError, match=rf"model.safetensors.*{name}.*shape"):
+    hf.load_hf(str(src / "src"))
+
+
+def test_unknown_tensor_names_it(src):
+  f = src / "src" / "model.safetensors"
+  _rewrite(f, lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", np.zeros(3, np.float32)))
+  with pytest.raises(hf.CheckpointError, match="unknown tensor 'model.layers.0.mlp.extra.weight'"):
+    hf.load_hf(str(src / "src"))
+
+
+def test_config_not_matching_weights(src):
+  cfg_path = src / "src" / "config.json"
+  cfg = json.load(open(cfg_path))
+  cfg["num_hidden_layers"] = 3
+  json.dump(cfg, open(cfg_path, "w"))
+  with pytest.raises(hf.CheckpointError, match=r"src lacks .*model.layers.2"):
+    hf.load_hf(str(src / "src"))
+  cfg["num_hidden_layers"] = 1
+  json.dump(cfg, open(cfg_path, "w"))
+  with pytest.raises(hf.CheckpointError, match="model.safetensors.*model.layers.1.*does not fit"):
+    hf.load_hf(str(src / "src"))
+
+
+def test_index_listing_absent_tensor(src):
+  d = src / "sharded"
+  index = json.load(open(d / "model.safetensors.index.json"))
+  index["weight_map"]["model.layers.0.mlp.ghost.weight"] = index["weight_map"]["model.norm.weight"]
+  json.dump(index, open(d / "model.safetensors.index.json", "w"))
+  with pytest.raises(hf.CheckpointError, match="ghost"):
+    hf.load_hf(str(d))
+
+
+def test_export_is_atomic(src, monkeypatch):
+  model = hf.load_hf(str(src / "src"))
+  out = src / "out"
+  hf.save_hf(model, str(out))
+  before = sorted(os.listdir(out))
+
+  def broken(*a, **k):
+    raise OSError("disk full")
+
+  monkeypatch.setattr(hf, "save_file", broken)
+  with pytest.raises(OSError):
+    hf.save_hf(model, str(out))
+  assert sorted(os.listdir(out)) == before  # the previous export is untouched
