@@ -250,7 +250,6 @@ def create_sharded(make_module: Callable[[], nnx.Module], mesh: Mesh,
   graphdef, abstract_state = nnx.split(abstract)
   shardings = state_shardings(abstract_state, mesh, rules)
 
-  @jax.jit
   def init():
     return nnx.state(make_module())
 
