@@ -1,0 +1,1 @@
+"""Environments the agent acts in. Host-side only: no JAX state, no model."""
