@@ -1,0 +1,73 @@
+"""Configuration of the AppWorld environment pool."""
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvPoolConfig:
+  """Everything that decides how the pool runs AppWorld; filled from the run's config."""
+  # Worker processes, each holding at most one live world (one concurrent episode each).
+  num_workers: int = 4
+  # AppWorld data root (holds data/); None means $APPWORLD_ROOT.
+  appworld_root: str | None = None
+  # Where AppWorld writes experiment outputs (DB diffs, logs); None means appworld_root.
+  # Set it when the data is shared or read-only: outputs go to <outputs_root>/experiments.
+  outputs_root: str | None = None
+  # Delete an episode's outputs once it is closed (its result record is kept in memory).
+  keep_outputs: bool = True
+  # Pool-side limit on one call (start, execute, evaluate, close), on top of AppWorld's own
+  # timeout; a worker that does not answer in time is killed and replaced.
+  call_timeout_s: float = 150.0
+  # Limit on spawning a worker: interpreter start, imports, data check.
+  start_timeout_s: float = 120.0
+  # Address-space limit of each worker (RLIMIT_AS); None leaves it unlimited.
+  memory_limit_mb: int | None = 4096
+  # AppWorld's own settings of each world.
+  max_interactions: int = 50
+  timeout_seconds: int = 100
+  random_seed: int = 100
+  # Observations longer than this are cut (a 50 MB print must not reach the model).
+  max_output_chars: int = 20_000
+  # Serve each worker over HTTP on 127.0.0.1 instead of a pipe.
+  use_servers: bool = False
+  # Directory for the workers' stderr logs; None discards them.
+  log_dir: str | None = None
+
+  def __post_init__(self):
+    if self.num_workers < 1:
+      raise ValueError(f"num_workers must be >= 1, got {self.num_workers}.")
+    if self.timeout_seconds < 1:
+      raise ValueError(f"timeout_seconds must be >= 1, got {self.timeout_seconds}.")
+    if self.call_timeout_s <= self.timeout_seconds:
+      raise ValueError(
+        f"call_timeout_s ({self.call_timeout_s}) must exceed AppWorld's timeout_seconds "
+        f"({self.timeout_seconds}), so that AppWorld's own timeout fires first.")
+    if self.start_timeout_s <= 0:
+      raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}.")
+    if self.memory_limit_mb is not None and self.memory_limit_mb < 512:
+      raise ValueError(f"memory_limit_mb must be >= 512 (a worker holds ~300 MB), got "
+                       f"{self.memory_limit_mb}.")
+    if self.max_interactions < 1 or self.max_output_chars < 1:
+      raise ValueError("max_interactions and max_output_chars must be >= 1.")
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "EnvPoolConfig":
+    """Builds a config from a mapping (e.g. an ml_collections ConfigDict's to_dict())."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"Unknown EnvPoolConfig keys: {unknown}; known: {sorted(known)}.")
+    return cls(**values)
+
+  def data_root(self) -> str:
+    """The AppWorld root to run, from the config or $APPWORLD_ROOT."""
+    root = self.appworld_root or os.environ.get("APPWORLD_ROOT")
+    if not root:
+      raise ValueError(
+        "No AppWorld data: set EnvPoolConfig.appworld_root or $APPWORLD_ROOT. Build the mini "
+        "world with `python -m sage_jax.envs.appworld.build_mini --out=DIR` (or call "
+        "sage_jax.envs.appworld.ensure_mini_world()), or point it at the official data.")
+    return os.path.abspath(root)

@@ -1,0 +1,32 @@
+"""Task ids of an AppWorld data root: splits and scenarios. Pure Python, no appworld."""
+
+import collections
+import os
+
+
+def scenario_id(task_id: str) -> str:
+  """AppWorld task ids are `<scenario>_<n>`; tasks of one scenario share a procedure."""
+  scenario, sep, number = task_id.partition("_")
+  if not sep or not scenario or not number.isdigit():
+    raise ValueError(f"Not an AppWorld task id (<scenario>_<n>): {task_id!r}")
+  return scenario
+
+
+def read_split(root: str, split: str) -> list[str]:
+  """Task ids listed in <root>/data/datasets/<split>.txt, in file order."""
+  path = os.path.join(root, "data", "datasets", f"{split}.txt")
+  if not os.path.exists(path):
+    available = sorted(f.removesuffix(".txt")
+                       for f in os.listdir(os.path.dirname(path))) if os.path.isdir(
+                         os.path.dirname(path)) else []
+    raise FileNotFoundError(f"No split {split!r} at {path}; available: {available}")
+  with open(path) as f:
+    return [line.strip() for line in f if line.strip()]
+
+
+def group_by_scenario(task_ids: list[str]) -> dict[str, list[str]]:
+  """Scenario id -> its task ids, sorted by task number (the order of a chain)."""
+  groups = collections.defaultdict(list)
+  for task_id in task_ids:
+    groups[scenario_id(task_id)].append(task_id)
+  return {s: sorted(ids, key=lambda t: int(t.partition("_")[2])) for s, ids in groups.items()}

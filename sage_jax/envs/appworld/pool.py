@@ -1,0 +1,341 @@
+"""A pool of AppWorld worker processes serving many episodes at once.
+
+Each worker slot has one host thread that takes the next queued episode, runs its calls
+in order on its worker, and replaces the worker when it faults. Calls return futures, so
+the trainer's main thread (JAX) never blocks on AppWorld; `AsyncEpisode` wraps them for
+asyncio:
+
+  with EnvPool(config) as pool:
+    async with pool.episode(task_id, experiment, library_code=code) as ep:
+      output = await ep.execute("print(apis.supervisor.show_profile())")
+      evaluation = await ep.evaluate()
+    ep.result  # the episode's one EpisodeResult; pool.results holds them all
+
+Multi-host: every host runs its own pool over its own share of episodes; nothing is shared
+between pools but the (read-only) data root.
+"""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+from typing import Any
+
+from sage_jax.envs.appworld import config as config_lib
+from sage_jax.envs.appworld import data_root
+from sage_jax.envs.appworld import process
+from sage_jax.envs.appworld.results import EpisodeResult
+from sage_jax.envs.appworld.results import EpisodeStart
+from sage_jax.envs.appworld.results import Evaluation
+
+
+def fault_observation(error: str) -> str:
+  """What the agent reads when the environment itself failed under its code."""
+  return (f"Execution failed. Traceback:\nEnvironmentError: {error}\n"
+          "The environment was restarted and this episode has ended.")
+
+
+class EpisodeError(RuntimeError):
+  """AppWorld refused a request (e.g. an unknown task id); the worker is fine."""
+
+
+@dataclasses.dataclass
+class _Command:
+  op: str  # execute | evaluate | close
+  payload: dict[str, Any]
+  future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _StartJob:
+  task_id: str
+  experiment: str
+  library_code: str | None
+  future: concurrent.futures.Future
+
+
+class Episode:
+  """One task in one world. Methods return futures; calls run in submission order."""
+
+  def __init__(self, pool: "EnvPool", task_id: str, experiment: str):
+    self.task_id = task_id
+    self.experiment = experiment
+    self.start: EpisodeStart | None = None
+    self.num_steps = 0
+    self.task_completed = False
+    self.error: str | None = None  # set once an environment fault has ended the episode
+    self.evaluation: Evaluation | None = None
+    self.result: EpisodeResult | None = None
+    self._pool = pool
+    self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+    self._closing = False
+
+  def _submit(self, op: str, **payload) -> concurrent.futures.Future:
+    if self._closing:
+      raise RuntimeError(f"Episode {self.task_id} ({self.experiment}) is closed.")
+    future = concurrent.futures.Future()
+    self._commands.put(_Command(op, payload, future))
+    return future
+
+  def execute(self, code: str) -> concurrent.futures.Future:
+    """Runs agent code; resolves to AppWorld's output text (cut to max_output_chars)."""
+    return self._submit("execute", code=code)
+
+  def evaluate(self) -> concurrent.futures.Future:
+    """Resolves to the Evaluation of the world as it is now."""
+    return self._submit("evaluate")
+
+  def close(self, evaluate: bool = True) -> concurrent.futures.Future:
+    """Ends the episode (evaluating first unless done or told not to); resolves to its
+    EpisodeResult, also appended to pool.results."""
+    future = self._submit("close", evaluate=evaluate)
+    self._closing = True
+    return future
+
+
+class AsyncEpisode:
+  """asyncio face of an Episode: the same calls, awaited."""
+
+  def __init__(self, episode: Episode):
+    self.episode = episode
+
+  def __getattr__(self, name: str) -> Any:  # start, error, result, num_steps, ...
+    return getattr(self.episode, name)
+
+  async def execute(self, code: str) -> str:
+    return await asyncio.wrap_future(self.episode.execute(code))
+
+  async def evaluate(self) -> Evaluation:
+    return await asyncio.wrap_future(self.episode.evaluate())
+
+  async def close(self, evaluate: bool = True) -> EpisodeResult:
+    return await asyncio.wrap_future(self.episode.close(evaluate))
+
+
+class _EpisodeContext:
+  """`with` / `async with` around an episode: starts it, and always closes it."""
+
+  def __init__(self, pool: "EnvPool", task_id: str, experiment: str, library_code: str | None):
+    self._begin = lambda: pool.begin(task_id, experiment, library_code)
+    self._episode: Episode | None = None
+
+  def __enter__(self) -> Episode:
+    self._episode = self._begin().result()
+    return self._episode
+
+  def __exit__(self, *exc_info) -> None:
+    if not self._episode._closing:
+      self._episode.close().result()
+
+  async def __aenter__(self) -> AsyncEpisode:
+    future = self._begin()
+    try:
+      self._episode = await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+      # The episode may still start after we stopped waiting: close it then, so that
+      # it yields its result and frees its worker.
+      future.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().close())
+      raise
+    return AsyncEpisode(self._episode)
+
+  async def __aexit__(self, *exc_info) -> None:
+    if not self._episode._closing:
+      await asyncio.wrap_future(self._episode.close())
+
+
+class EnvPool:
+  """N AppWorld worker processes; each serves one episode at a time."""
+
+  def __init__(self, config: config_lib.EnvPoolConfig):
+    self.config = config
+    self.results: list[EpisodeResult] = []
+    self.worker_restarts = 0
+    self._jobs: queue.SimpleQueue[_StartJob | None] = queue.SimpleQueue()
+    self._lock = threading.Lock()
+    self._live: dict[tuple[str, str], Episode | None] = {}  # None until started
+    self._threads: list[threading.Thread] = []
+    self._closed = False
+
+  # --- lifecycle --------------------------------------------------------------------------
+
+  def start(self) -> "EnvPool":
+    """Spawns the workers (in parallel); raises AppWorldDataError for a bad data root."""
+    self.config.data_root()  # fail fast when no root is configured at all
+    ready = [concurrent.futures.Future() for _ in range(self.config.num_workers)]
+    for slot, future in enumerate(ready):
+      thread = threading.Thread(target=self._serve, args=(slot, future), daemon=True,
+                                name=f"appworld-slot-{slot}")
+      thread.start()
+      self._threads.append(thread)
+    errors = [f.exception() for f in ready]
+    if any(errors):
+      self.close()
+      fatal = next((e for e in errors if isinstance(e, data_root.AppWorldDataError)), None)
+      raise fatal or next(e for e in errors if e)
+    return self
+
+  def close(self) -> None:
+    """Stops taking episodes, lets live ones finish their queued calls, stops workers."""
+    if self._closed:
+      return
+    self._closed = True
+    with self._lock:
+      unclosed = [e for e in self._live.values() if e is not None and not e._closing]
+    for episode in unclosed:  # their slots wait for a close; results still get recorded
+      episode.close()
+    for _ in self._threads:
+      self._jobs.put(None)
+    for thread in self._threads:
+      thread.join()
+
+  def __enter__(self) -> "EnvPool":
+    return self.start()
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  # --- episodes ---------------------------------------------------------------------------
+
+  def begin(self, task_id: str, experiment: str,
+            library_code: str | None = None) -> concurrent.futures.Future:
+    """Queues an episode; resolves to its started Episode once a worker is free.
+
+    `library_code` (a skill library) runs in the world before the agent's first turn; its
+    output is in Episode.start.library_output and a failure there does not end the
+    episode. Two live episodes may not share (experiment, task_id): AppWorld would write
+    both to the same output directory.
+    """
+    if self._closed or not self._threads:
+      raise RuntimeError("The pool is not running: use `with EnvPool(config) as pool`.")
+    key = (experiment, task_id)
+    with self._lock:
+      if key in self._live:
+        raise ValueError(f"Episode {task_id} of experiment {experiment!r} is already live; "
+                         "use a distinct experiment name per concurrent rollout.")
+      self._live[key] = None
+    future = concurrent.futures.Future()
+    future.add_done_callback(lambda f: f.cancelled() and self._forget(key))
+    self._jobs.put(_StartJob(task_id, experiment, library_code, future))
+    return future
+
+  def episode(self, task_id: str, experiment: str,
+              library_code: str | None = None) -> _EpisodeContext:
+    """`with pool.episode(...) as ep` (futures) or `async with` (awaitables)."""
+    return _EpisodeContext(self, task_id, experiment, library_code)
+
+  def _forget(self, key: tuple[str, str]) -> None:
+    with self._lock:
+      self._live.pop(key, None)
+
+  # --- the slot threads -------------------------------------------------------------------
+
+  def _spawn(self, slot: int) -> process.WorkerProcess | None:
+    name = f"slot{slot}-{self.worker_restarts}"
+    try:
+      return process.WorkerProcess(self.config, name)
+    except process.WorkerFault:
+      return None  # the next episode on this slot ends with an error and spawns again
+
+  def _serve(self, slot: int, ready: concurrent.futures.Future) -> None:
+    try:
+      worker = process.WorkerProcess(self.config, f"slot{slot}")
+    except Exception as e:  # noqa: BLE001 - reported to start()
+      ready.set_exception(e)
+      return
+    ready.set_result(None)
+    try:
+      while (job := self._jobs.get()) is not None:
+        if not job.future.set_running_or_notify_cancel():
+          continue
+        if worker is None or not worker.alive:
+          worker = self._spawn(slot)
+        try:
+          self._run_episode(worker, job)
+        finally:
+          self._forget((job.experiment, job.task_id))
+        if worker is not None and not worker.alive:
+          with self._lock:
+            self.worker_restarts += 1
+          worker = self._spawn(slot)
+    finally:
+      if worker is not None:
+        worker.kill()
+
+  def _call(self, worker: process.WorkerProcess | None, episode: Episode, request: dict):
+    """One worker call; on a fault, ends the episode and returns None."""
+    if worker is None:
+      episode.error = "no environment worker could be started"
+      return None
+    try:
+      return worker.call(request, self.config.call_timeout_s)
+    except process.WorkerFault as e:
+      episode.error = str(e)
+      return None
+
+  def _run_episode(self, worker: process.WorkerProcess | None, job: _StartJob) -> None:
+    episode = Episode(self, job.task_id, job.experiment)
+    answer = self._call(worker, episode, {"op": "start", "task_id": job.task_id,
+                                          "experiment": job.experiment,
+                                          "library_code": job.library_code})
+    if answer is not None and not answer["ok"]:
+      job.future.set_exception(EpisodeError(f"Cannot start {job.task_id}: {answer['error']}"))
+      return
+    if answer is not None:
+      answer.pop("ok")
+      episode.start = EpisodeStart(**answer)
+    with self._lock:
+      self._live[(job.experiment, job.task_id)] = episode
+    job.future.set_result(episode)
+    while True:
+      command = episode._commands.get()
+      try:
+        value = self._run_command(worker, episode, command)
+      except Exception as e:  # noqa: BLE001 - delivered to the caller's future
+        command.future.set_exception(e)
+      else:
+        command.future.set_result(value)
+      if command.op == "close":
+        return
+
+  def _run_command(self, worker, episode: Episode, command: _Command):
+    if command.op == "execute":
+      if episode.error is None:
+        answer = self._call(worker, episode, {"op": "execute", **command.payload})
+        if answer is not None:
+          if not answer["ok"]:
+            raise EpisodeError(answer["error"])
+          episode.num_steps = answer["num_steps"]
+          episode.task_completed = answer["task_completed"]
+          return answer["output"]
+      return fault_observation(episode.error)
+    if command.op == "evaluate":
+      return self._evaluate(worker, episode)
+    # close
+    if command.payload["evaluate"] and episode.evaluation is None and episode.error is None:
+      self._evaluate(worker, episode)
+    if episode.error is None:
+      answer = self._call(worker, episode, {"op": "close"})
+      if answer is not None and not answer["ok"]:
+        episode.error = answer["error"]
+    result = EpisodeResult(
+      task_id=episode.task_id, experiment=episode.experiment,
+      evaluation=episode.evaluation if episode.error is None else None,
+      num_steps=episode.num_steps, task_completed=episode.task_completed,
+      error=episode.error)
+    episode.result = result
+    with self._lock:
+      self.results.append(result)
+    return result
+
+  def _evaluate(self, worker, episode: Episode) -> Evaluation:
+    if episode.error is None:
+      answer = self._call(worker, episode, {"op": "evaluate"})
+      if answer is not None:
+        if not answer["ok"]:
+          raise EpisodeError(answer["error"])
+        answer.pop("ok")
+        episode.evaluation = Evaluation(
+          failed_requirements=tuple(answer.pop("failed_requirements")), **answer)
+        return episode.evaluation
+    return Evaluation(success=False, num_passed=0, num_failed=0, error=episode.error)
