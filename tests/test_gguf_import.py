@@ -1,0 +1,226 @@
+"""GGUF import against transformers' own GGUF loader, on the real Qwen2.5-Coder-0.5B-Instruct
+and on small GGUF files written with `gguf.GGUFWriter`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.checkpoint import gguf_import
+from sage_jax.model.config import Qwen2Config
+
+_TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
+         "        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+         "The capital of France is Paris. The capital of Germany is Berlin.")
+
+
+def _write_gguf(path, arch="qwen2", layers=2, tied=False, drop=(), extra=()):
+  """A small random GGUF in llama.cpp's layout (float32 and float16 tensors)."""
+  hidden, ffn, heads, kv_heads, vocab = 16, 32, 4, 2, 24
+  head_dim = hidden // heads
+  writer = gguf.GGUFWriter(path, arch)
+  writer.add_name("tiny qwen2")
+  writer.add_block_count(layers)
+  writer.add_context_length(128)
+  writer.add_embedding_length(hidden)
+  writer.add_feed_forward_length(ffn)
+  writer.add_head_count(heads)
+  writer.add_head_count_kv(kv_heads)
+  writer.add_rope_freq_base(1e6)
+  writer.add_layer_norm_rms_eps(1e-6)
+  writer.add_token_list([f"t{i}" for i in range(vocab)])
+  writer.add_eos_token_id(2)
+  writer.add_bos_token_id(1)
+  shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+  if not tied:
+    shapes["output.weight"] = (vocab, hidden)
+  for i in range(layers):
+    shapes.update({
+        f"blk.{i}.attn_norm.weight": (hidden,),
+        f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
+        f"blk.{i}.attn_q.bias": (heads * head_dim,),
+        f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+        f"blk.{i}.attn_k.bias": (kv_heads * head_dim,),
+        f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+        f"blk.{i}.attn_v.bias": (kv_heads * head_dim,),
+        f"blk.{i}.attn_output.weight": (hidden, heads * head_dim),
+        f"blk.{i}.ffn_norm.weight": (hidden,),
+        f"blk.{i}.ffn_gate.weight": (ffn, hidden),
+        f"blk.{i}.ffn_up.weight": (ffn, hidden),
+        f"blk.{i}.ffn_down.weight": (hidden, ffn),
+    })
+  shapes.update({name: (hidden,) for name in extra})
+  rng = np.random.default_rng(0)
+  for name, shape in shapes.items():
+    if name not in drop:
+      dtype = np.float16 if name.endswith("ffn_up.weight") else np.float32
+      writer.add_tensor(name, rng.standard_normal(shape).astype(dtype))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+# --- Small files -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_small_file_config_and_tensors_as_transformers_reads_them(tmp_path, tied):
+  path = _write_gguf(tmp_path / "tiny.gguf", tied=tied)
+  config, tensors = gguf_import.read_gguf(path)
+  assert config == load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+  assert config["tie_word_embeddings"] is tied
+
+  tensors = dict(tensors)
+  model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
+  expected = {k: v for k, v in model.state_dict().items()
+              if not (tied and k == "lm_head.weight")}
+  assert sorted(tensors) == sorted(expected)
+  for name, value in tensors.items():
+    assert value.dtype == np.float32 and value.shape == tuple(expected[name].shape), name
+
+
+def test_small_file_tensors_are_transformers_tensors(tmp_path):
+  path = _write_gguf(tmp_path / "tiny.gguf")
+  config, tensors = gguf_import.read_gguf(path)
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+  reference = model.state_dict()
+  for name, value in tensors:
+    np.testing.assert_array_equal(value, reference[name].numpy(), err_msg=name)
+
+
+def test_rejects_other_architectures(tmp_path):
+  path = _write_gguf(tmp_path / "llama.gguf", arch="llama")
+  with pytest.raises(gguf_import.GGUFError, match="architecture 'llama'"):
+    gguf_import.read_gguf(path)
+
+
+def test_rejects_unknown_tensors(tmp_path):
+  path = _write_gguf(tmp_path / "extra.gguf", extra=("blk.0.attn_q_norm.weight", "blk.2.attn_norm.weight"))
+  with pytest.raises(gguf_import.GGUFError,
+                     match=r"unknown qwen2 tensors \['blk.0.attn_q_norm.weight', 'blk.2.attn_norm.weight'\]"):
+    gguf_import.read_gguf(path)
+
+
+def test_rejects_missing_tensors(tmp_path):
+  path = _write_gguf(tmp_path / "short.gguf", drop=("blk.1.ffn_up.weight",))
+  with pytest.raises(gguf_import.GGUFError, match=r"missing tensors \['blk.1.ffn_up.weight'\]"):
+    gguf_import.read_gguf(path)
+
+
+def test_export_refuses_a_foreign_vocabulary(tmp_path):
+  path = _write_gguf(tmp_path / "tiny.gguf")
+  with pytest.raises(gguf_import.GGUFError, match="24 tokens, the Qwen2.5 tokenizer has 151665"):
+    gguf_import.export_hf(path, tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
+# --- The real Qwen2.5-Coder-0.5B-Instruct ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def coder_gguf():
+  return gguf_import.fetch_qwen25_coder_0p5b_gguf()
+
+
+@pytest.fixture(scope="module")
+def ours(coder_gguf):
+  config, tensors = gguf_import.read_gguf(coder_gguf)
+  return config, dict(tensors)
+
+
+@pytest.fixture(scope="module")
+def reference(coder_gguf):
+  """transformers' own GGUF loader: dequantised, mapped and configured by transformers."""
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      coder_gguf.parent, gguf_file=coder_gguf.name).eval()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_fetch_is_cached(coder_gguf):
+  assert coder_gguf.stat().st_size == gguf_import.CODER_0P5B_GGUF_BYTES
+  assert gguf_import.fetch_qwen25_coder_0p5b_gguf() == coder_gguf
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_tensors_equal_transformers_exactly(ours, reference):
+  _, tensors = ours
+  state = reference.state_dict()
+  assert sorted(tensors) == sorted(state)
+  assert len(tensors) == 2 + 24 * 12 + 1
+  for name, value in tensors.items():
+    assert value.dtype == np.float32, name
+    assert np.array_equal(value, state[name].numpy()), name
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_config_as_transformers_builds_it(ours, reference):
+  config, _ = ours
+  assert config == {
+      "model_type": "qwen2",
+      "_model_name_or_path": "Qwen2.5 Coder 0.5B Instruct AWQ",
+      "num_hidden_layers": 24,
+      "hidden_size": 896,
+      "intermediate_size": 4864,
+      "num_attention_heads": 14,
+      "num_key_value_heads": 2,
+      "max_position_embeddings": 32768,
+      "rope_theta": 1e6,
+      "rms_norm_eps": float(np.float32(1e-6)),  # GGUF stores it as float32
+      "vocab_size": 151936,
+      "bos_token_id": 151643,
+      "eos_token_id": 151645,
+      "pad_token_id": 151643,
+      # The original is tied, but the GGUF stores a separately quantised head: untied.
+      "tie_word_embeddings": False,
+  }
+  ignore = {"_name_or_path", "dtype", "architectures", "quantization_config", "transformers_version"}
+  built = {k: v for k, v in transformers.Qwen2Config(**config).to_dict().items() if k not in ignore}
+  loaded = {k: v for k, v in reference.config.to_dict().items() if k not in ignore}
+  assert built == loaded
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_cli_writes_a_checkpoint_transformers_loads(coder_gguf, ours, tmp_path):
+  out = tmp_path / "qwen2.5-coder-0.5b-instruct"
+  # The export also checks that the GGUF's vocabulary and chat template are the Qwen2.5
+  # tokenizer's that it writes.
+  subprocess.run([sys.executable, "-m", "sage_jax.checkpoint.gguf_import", f"--out={out}"],
+                 check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert sorted(p.name for p in out.iterdir()) == sorted(
+      ["config.json", "generation_config.json", "model.safetensors",
+       *tokenizer_lib.TOKENIZER_FILES])
+  config, tensors = ours
+  assert Qwen2Config.from_hf(str(out)) == Qwen2Config.from_hf(config)
+  generation = json.loads((out / "generation_config.json").read_text())
+  assert generation["eos_token_id"] == [151645, 151643]
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  state = model.state_dict()
+  assert sorted(state) == sorted(tensors)
+  for name, value in tensors.items():
+    assert np.array_equal(state[name].numpy(), value), name
+
+  # The weights work as a Qwen2 (rotate-half rotary) model. " Paris" alone would survive a
+  # wrong q/k permutation; the loss would not (1.29 here, 1.99 with llama's permutation undone).
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  prompt = tok("The capital of France is", return_tensors="pt")
+  text = tok(_TEXT, return_tensors="pt")["input_ids"]
+  with torch.no_grad():
+    generated = model.generate(**prompt, max_new_tokens=1, do_sample=False)
+    loss = model(text, labels=text).loss.item()
+  assert tok.decode(generated[0, prompt["input_ids"].shape[1]:]) == " Paris"
+  assert loss < 1.5
