@@ -45,7 +45,6 @@ QWEN25_ADDED_TOKENS = (
     ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
 )
 FIRST_ADDED_ID = 151643
-QWEN25_VOCAB_SIZE = FIRST_ADDED_ID + len(QWEN25_ADDED_TOKENS)  # 151665
 
 # The chat template of the Qwen2.5 Instruct releases (identical to the one embedded in the
 # Qwen2.5-Coder-0.5B-Instruct GGUF, which a test checks).
