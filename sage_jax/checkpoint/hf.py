@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from sage_jax import sharding as shd
+from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.model.config import Qwen2Config
 from sage_jax.model.qwen2 import Qwen2
 
@@ -275,10 +276,7 @@ def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
   with open(os.path.join(tmp, "generation_config.json"), "w") as f:
     json.dump(generation_config(cfg), f, indent=2)
   if tokenizer_dir:
-    for name in os.listdir(tokenizer_dir):
-      if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens",
-                          "chat_template")):
-        shutil.copy(os.path.join(tokenizer_dir, name), tmp)
+    tokenizer_lib.save_tokenizer(tmp, tokenizer_dir)
   if os.path.exists(out_dir):
     shutil.rmtree(out_dir)
   os.replace(tmp, out_dir)

