@@ -1,0 +1,120 @@
+"""Expands a sweep (configs/sweeps/*.py) into runs and hands each to a launcher.
+
+A sweep file defines `get_sweep(arg)` returning
+  {"config": "configs/sage.py:<preset>", "axes": [{name: overrides, ...}, ...]}
+and the runs are the product of its axes: one run per combination, named by joining the
+chosen names, with the overrides merged. Every run gets its own workdir under --workdir_root.
+
+  python launch/sweep.py --sweep=configs/sweeps/reward_ablation.py:qwen2.5-7b \\
+      --workdir_root=runs/reward_ablation --launcher=slurm --dry_run
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch import common, local, tpu_pod  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHERS = ("local", "slurm", "multinode", "tpu_pod")
+
+FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  name: str
+  config: str
+  overrides: dict
+  workdir: str
+
+
+def load_sweep(spec: str) -> dict:
+  path, _, arg = spec.partition(":")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"sweep file {path!r} does not exist")
+  module_spec = importlib.util.spec_from_file_location("sweep_definition", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  sweep = module.get_sweep(arg) if arg else module.get_sweep()
+  for key in ("config", "axes"):
+    if key not in sweep:
+      raise ValueError(f"{path}: get_sweep() must return a dict with {key!r}")
+  return sweep
+
+
+def expand(sweep: dict, workdir_root: str) -> list[Run]:
+  runs = []
+  axes = [list(axis.items()) for axis in sweep["axes"]]
+  for combo in itertools.product(*axes):
+    name = "-".join(str(n) for n, _ in combo)
+    overrides = {}
+    for _, o in combo:
+      clash = set(overrides) & set(o)
+      if clash:
+        raise ValueError(f"run {name!r}: axes set {sorted(clash)} twice")
+      overrides.update(o)
+    runs.append(Run(name, sweep["config"], overrides, os.path.join(workdir_root, name)))
+  names = [r.name for r in runs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"sweep has duplicate run names: {names}")
+  return runs
+
+
+def commands_for(run: Run, launcher: str, module: str = "sage_jax.train", *, project=None,
+                 zone=None, tpu=None) -> list[list[str]]:
+  """The exact commands that start `run` with `launcher`."""
+  args = common.entry_command(run.config, run.workdir, run.overrides, module=module)[3:]
+  if launcher == "local":
+    return [local.build(run.config, run.workdir, run.overrides, module)[1]]
+  if launcher == "slurm":
+    return [["sbatch", f"--job-name={run.name}", f"--export=ALL,SAGE_JAX_MODULE={module}",
+             os.path.join(REPO, "launch", "slurm.sbatch"), *args]]
+  if launcher == "multinode":
+    return [["env", f"SAGE_JAX_MODULE={module}", os.path.join(REPO, "launch", "multinode.sh"),
+             *args]]
+  if launcher == "tpu_pod":
+    missing = [n for n, v in (("project", project), ("zone", zone), ("tpu", tpu)) if not v]
+    if missing:
+      raise ValueError(f"launcher tpu_pod needs --{', --'.join(missing)}")
+    return tpu_pod.build(project=project, zone=zone, tpu=tpu.format(name=run.name),
+                         config=run.config, workdir=run.workdir, overrides=run.overrides,
+                         module=module)
+  raise ValueError(f"unknown launcher {launcher!r}; choose from {LAUNCHERS}")
+
+
+def main(argv):
+  del argv
+  runs = expand(load_sweep(FLAGS.sweep), FLAGS.workdir_root)
+  for run in runs:
+    commands = commands_for(run, FLAGS.launcher, FLAGS.module, project=FLAGS.project,
+                            zone=FLAGS.zone, tpu=FLAGS.tpu)
+    print(f"# {run.name}")
+    print(common.show(commands))
+    if not FLAGS.dry_run:
+      for cmd in commands:
+        subprocess.run(cmd, check=True)
+
+
+def define_flags():
+  flags.DEFINE_string("sweep", None, "configs/sweeps/<file>.py[:arg]", required=True)
+  flags.DEFINE_string("workdir_root", None, "Parent of the runs' workdirs.", required=True)
+  flags.DEFINE_enum("launcher", "local", LAUNCHERS, "Where each run goes.")
+  flags.DEFINE_string("module", "sage_jax.train", "Entry point module.")
+  flags.DEFINE_string("project", None, "tpu_pod: GCP project.")
+  flags.DEFINE_string("zone", None, "tpu_pod: zone.")
+  flags.DEFINE_string("tpu", None, "tpu_pod: TPU name; '{name}' becomes the run name.")
+  flags.DEFINE_bool("dry_run", False, "Print the exact commands; run nothing.")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

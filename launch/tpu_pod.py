@@ -1,0 +1,96 @@
+"""Runs one entry point on every worker of a Cloud TPU pod slice.
+
+The code at git HEAD is packed, copied to every worker, installed into a venv there, and the
+same command runs on all workers at once (`--worker=all`); `jax.distributed.initialize()`
+(called by the entry points) finds the other workers by itself. Each worker tees its output to
+`<remote_dir>/logs/<hostname>.log`. Use a bucket (gs://...) or a shared filesystem as the
+workdir: every host writes its shards of each checkpoint there.
+
+  python launch/tpu_pod.py --project=P --zone=us-east5-a --tpu=sage-v5p --accelerator_type=v5p-64 \\
+      --config=configs/sage.py:qwen2.5-32b --workdir=gs://bucket/runs/sage32b [--create] [--dry_run]
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch import common  # noqa: E402
+
+
+ARCHIVE = "/tmp/sage_jax_code.tar.gz"
+
+
+def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax.train",
+          create=False, accelerator_type="v5p-64", runtime_version="v2-alpha-tpuv5",
+          remote_dir="sage_jax", jax_tpu="jax[tpu]==0.10.2") -> list[list[str]]:
+  """The full list of commands, in order."""
+  where = [f"--zone={zone}", f"--project={project}"]
+  gcloud = ["gcloud", "compute", "tpus", "tpu-vm"]
+  commands = []
+  if create:
+    commands.append(gcloud + ["create", tpu, *where, f"--accelerator-type={accelerator_type}",
+                              f"--version={runtime_version}"])
+  commands.append(["git", "archive", "--format=tar.gz", f"--output={ARCHIVE}", "HEAD"])
+  commands.append(gcloud + ["scp", ARCHIVE, f"{tpu}:~/sage_jax_code.tar.gz", "--worker=all",
+                            *where])
+  setup = " && ".join([
+      f"mkdir -p {remote_dir}/logs",
+      f"tar -xzf ~/sage_jax_code.tar.gz -C {remote_dir}",
+      f"cd {remote_dir}",
+      "python3 -m venv .venv",
+      ". .venv/bin/activate",
+      "pip install -q -r requirements.txt -e .",
+      f"pip install -q {shlex.quote(jax_tpu)}",
+      "appworld install",
+  ])
+  commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={setup}"])
+  entry = shlex.join(common.entry_command(config, workdir, overrides, module=module))
+  run = (f"cd {remote_dir} && . .venv/bin/activate && "
+         f"{entry} 2>&1 | tee logs/$(hostname).log")
+  commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={run}"])
+  return commands
+
+
+def main(argv):
+  del argv
+  commands = build(project=FLAGS.project, zone=FLAGS.zone, tpu=FLAGS.tpu,
+                   config=FLAGS.config, workdir=FLAGS.workdir,
+                   overrides=common.parse_overrides(FLAGS.override), module=FLAGS.module,
+                   create=FLAGS.create, accelerator_type=FLAGS.accelerator_type,
+                   runtime_version=FLAGS.runtime_version, remote_dir=FLAGS.remote_dir,
+                   jax_tpu=FLAGS.jax_tpu_requirement)
+  if FLAGS.dry_run:
+    print(common.show(commands))
+    return
+  for cmd in commands:
+    subprocess.run(cmd, check=True)
+
+
+def define_flags():
+  flags.DEFINE_string("project", None, "GCP project.", required=True)
+  flags.DEFINE_string("zone", None, "TPU zone.", required=True)
+  flags.DEFINE_string("tpu", None, "TPU VM (pod slice) name.", required=True)
+  flags.DEFINE_string("accelerator_type", "v5p-64", "For --create.")
+  flags.DEFINE_string("runtime_version", "v2-alpha-tpuv5", "For --create.")
+  flags.DEFINE_bool("create", False, "Create the TPU VM first.")
+  flags.DEFINE_string("config", None, "configs/<file>.py:<preset>", required=True)
+  flags.DEFINE_string("workdir", None, "Run directory (gs:// or shared FS).", required=True)
+  flags.DEFINE_string("module", "sage_jax.train", "Entry point module.")
+  flags.DEFINE_multi_string("override", [], "KEY=VALUE config overrides.")
+  flags.DEFINE_string("remote_dir", "sage_jax", "Code directory on the workers.")
+  flags.DEFINE_string("jax_tpu_requirement", "jax[tpu]==0.10.2",
+                      "JAX build for TPU, installed over requirements.txt.")
+  flags.DEFINE_bool("dry_run", False, "Print every command instead of running them.")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,136 @@
+"""Every launcher and sweep in dry-run mode: the exact commands they would run."""
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launch import common, sweep, tpu_pod
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWEEPS = os.path.join(REPO, "configs", "sweeps")
+
+
+def _run(argv, env=None):
+  out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **(env or {})})
+  assert out.returncode == 0, out.stderr
+  return out.stdout
+
+
+def test_local_dry_run():
+  out = _run([sys.executable, "launch/local.py", "--config=configs/sage.py:demo",
+              "--workdir=runs/demo", "--cpu_devices=8", "--override=rollout.group_size=4",
+              "--dry_run"])
+  argv = shlex.split(out)
+  assert argv[:3] == ["env", "XLA_FLAGS=--xla_force_host_platform_device_count=8",
+                      "JAX_PLATFORMS=cpu"]
+  assert argv[4:] == ["-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                      "--workdir=runs/demo", "--config.rollout.group_size=4"]
+
+
+def test_tpu_pod_dry_run_prints_every_step():
+  out = _run([sys.executable, "launch/tpu_pod.py", "--project=proj", "--zone=us-east5-a",
+              "--tpu=sage-v5p", "--accelerator_type=v5p-64", "--create",
+              "--config=configs/sage.py:qwen2.5-32b", "--workdir=gs://bucket/run",
+              "--override=seed=1", "--dry_run"])
+  lines = [shlex.split(line) for line in out.strip().splitlines()]
+  assert [l[:5] for l in lines] == [
+      ["gcloud", "compute", "tpus", "tpu-vm", "create"],
+      ["git", "archive", "--format=tar.gz", f"--output={tpu_pod.ARCHIVE}", "HEAD"],
+      ["gcloud", "compute", "tpus", "tpu-vm", "scp"],
+      ["gcloud", "compute", "tpus", "tpu-vm", "ssh"],
+      ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]]
+  assert "--accelerator-type=v5p-64" in lines[0]
+  for line in lines[2:]:
+    assert "--worker=all" in line and "--zone=us-east5-a" in line and "--project=proj" in line
+  setup, run = lines[3][-1], lines[4][-1]
+  assert "pip install -q -r requirements.txt -e ." in setup and "jax[tpu]==0.10.2" in setup
+  assert ("python -m sage_jax.train --config=configs/sage.py:qwen2.5-32b "
+          "--workdir=gs://bucket/run --config.seed=1") in run
+  assert run.endswith("| tee logs/$(hostname).log")
+
+
+def test_slurm_dry_run(tmp_path):
+  fake_bin = tmp_path / "bin"
+  fake_bin.mkdir()
+  # SLURM is not installed here: this stands in for `scontrol show hostnames`.
+  (fake_bin / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-1\\ngpu-node-2\\n'\n")
+  (fake_bin / "scontrol").chmod(0o755)
+  env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-node-[1-2]",
+         "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(tmp_path), "DRY_RUN": "1"}
+  out = _run(["bash", "launch/slurm.sbatch", "--config=configs/sage.py:qwen2.5-32b",
+              "--workdir=/shared/run x"], env)
+  first, second = out.strip().splitlines()
+  assert first == "JAX_COORDINATOR_ADDRESS=gpu-node-1:12345 JAX_NUM_PROCESSES=2"
+  argv = shlex.split(second)
+  assert argv[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+  assert argv[3] == f"--output={tmp_path}/logs/%x-%j-node%t.log"
+  assert argv[4:6] == ["bash", "-c"] and 'export JAX_PROCESS_ID="$SLURM_PROCID"' in argv[6]
+  assert argv[-2:] == ["--config=configs/sage.py:qwen2.5-32b", "--workdir=/shared/run x"]
+
+
+def test_multinode_dry_run():
+  out = _run(["bash", "launch/multinode.sh", "--config=configs/sage.py:qwen2.5-7b",
+              "--workdir=/shared/run"], {"HOSTS": "h0 h1 h2", "DRY_RUN": "1"})
+  lines = [shlex.split(line) for line in out.strip().splitlines()]
+  assert [l[:2] for l in lines] == [["ssh", "h0"], ["ssh", "h1"], ["ssh", "h2"]]
+  for i, (_, _, remote) in enumerate(lines):
+    assert (f"JAX_COORDINATOR_ADDRESS=h0:12345 JAX_NUM_PROCESSES=3 JAX_PROCESS_ID={i} "
+            "python -m sage_jax.train --config=configs/sage.py:qwen2.5-7b "
+            "--workdir=/shared/run") in remote
+
+
+def test_multinode_without_hosts_fails_clearly():
+  out = subprocess.run(["bash", "launch/multinode.sh"], cwd=REPO, capture_output=True,
+                       text=True, env={k: v for k, v in os.environ.items() if k != "HOSTS"})
+  assert out.returncode == 2 and "set HOSTS" in out.stderr
+
+
+@pytest.mark.parametrize("name,runs", [
+    ("reward_ablation.py", ["outcome_only", "chain_based", "skill_integrated"]),
+    ("chain_length.py", ["k1", "k2", "k3"]),
+    ("retrieval.py", ["same_scenario", "query_ngram", "query_embedding", "skill_embedding"]),
+    ("seeds.py", ["sage-seed0", "sage-seed1", "sage-seed2",
+                  "grpo-seed0", "grpo-seed1", "grpo-seed2"]),
+])
+def test_sweeps_expand(name, runs):
+  expanded = sweep.expand(sweep.load_sweep(os.path.join(SWEEPS, name)), "runs/x")
+  assert [r.name for r in expanded] == runs
+  assert all(r.workdir == f"runs/x/{r.name}" for r in expanded)
+
+
+def test_sweep_dry_run_for_every_launcher():
+  base = [sys.executable, "launch/sweep.py", "--sweep=configs/sweeps/chain_length.py:demo",
+          "--workdir_root=runs/k", "--dry_run"]
+  local_out = _run(base + ["--launcher=local"])
+  assert local_out.count("-m sage_jax.train --config=configs/sage.py:demo") == 3
+  assert "--workdir=runs/k/k2 --config.rollout.chain_length=2" in local_out
+  slurm_out = _run(base + ["--launcher=slurm"])
+  assert "sbatch --job-name=k3" in slurm_out and "launch/slurm.sbatch" in slurm_out
+  multi_out = _run(base + ["--launcher=multinode"])
+  assert multi_out.count("launch/multinode.sh") == 3
+  tpu_out = _run(base + ["--launcher=tpu_pod", "--project=p", "--zone=z", "--tpu=pod-{name}"])
+  assert "tpu-vm ssh pod-k1 --worker=all" in tpu_out
+
+
+def test_sweep_errors_are_clear():
+  with pytest.raises(ValueError, match="needs --project, --zone"):
+    sweep.commands_for(sweep.Run("a", "c.py:x", {}, "w"), "tpu_pod", tpu="t")
+  with pytest.raises(ValueError, match="set \\['seed'\\] twice"):
+    sweep.expand({"config": "c", "axes": [{"a": {"seed": 1}}, {"b": {"seed": 2}}]}, "r")
+  with pytest.raises(ValueError, match="not KEY=VALUE"):
+    common.parse_overrides(["seed"])
+
+
+def test_shell_scripts_pass_shellcheck():
+  if shutil.which("shellcheck") is None:
+    if os.environ.get("CI"):
+      pytest.fail("shellcheck is not installed (CI installs it from Debian's packages)")
+    pytest.skip("shellcheck not installed")
+  scripts = ["launch/slurm.sbatch", "launch/multinode.sh", ".ci/run"]
+  out = subprocess.run(["shellcheck", *scripts], cwd=REPO, capture_output=True, text=True)
+  assert out.returncode == 0, out.stdout
