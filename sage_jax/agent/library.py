@@ -1,0 +1,122 @@
+"""The skill library: per rollout (or per evaluation run), keyed by scenario.
+
+A skill is a saved top-level function: its code (with the imports of the block that defined
+it), signature, docstring, the task that last saved it, the skills it calls, and usage
+statistics. Saving a function under an existing name of the scenario replaces it (an update)
+and keeps its statistics.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+from sage_jax.agent.skills import FunctionInfo
+
+
+@dataclasses.dataclass
+class Skill:
+  name: str
+  code: str  # installable source: imports, then the definition
+  signature: str
+  docstring: str
+  scenario: str
+  source_task: str  # the task whose code saved this version
+  source_instruction: str  # that task's instruction (query-based retrieval compares it)
+  calls: tuple[str, ...] = ()  # plain names its body calls
+  version: int = 1
+  created_by: str = ""  # the task that first saved the name
+  uses: int = 0  # tasks that used it
+  successes: int = 0  # tasks that used it and succeeded
+
+  @property
+  def description(self) -> str:
+    """Name, signature and docstring: what the prompt shows and skill embeddings see."""
+    return f"{self.signature}\n{self.docstring}".strip()
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+class SkillLibrary:
+  """Skills by scenario, then by name. Not thread-safe: one rollout owns one library."""
+
+  def __init__(self, skills: Iterable[Skill] = ()):
+    self._skills: dict[str, dict[str, Skill]] = {}
+    for skill in skills:
+      self._skills.setdefault(skill.scenario, {})[skill.name] = skill
+
+  def __len__(self) -> int:
+    return sum(len(s) for s in self._skills.values())
+
+  def scenarios(self) -> list[str]:
+    return list(self._skills)
+
+  def skills(self, scenario: str | None = None) -> list[Skill]:
+    """Every skill (or a scenario's), in saving order."""
+    if scenario is not None:
+      return list(self._skills.get(scenario, {}).values())
+    return [s for by_name in self._skills.values() for s in by_name.values()]
+
+  def get(self, scenario: str, name: str) -> Skill | None:
+    return self._skills.get(scenario, {}).get(name)
+
+  def save(self, functions: Mapping[str, FunctionInfo], *, scenario: str, task_id: str,
+           instruction: str) -> list[Skill]:
+    """Adds (or replaces) the scenario's skills with `functions`; returns the saved skills."""
+    by_name = self._skills.setdefault(scenario, {})
+    saved = []
+    for name, f in functions.items():
+      old = by_name.pop(name, None)  # re-inserted last: saving order = recency
+      skill = Skill(name=name, code=f.code, signature=f.signature, docstring=f.docstring,
+                    scenario=scenario, source_task=task_id, source_instruction=instruction,
+                    calls=tuple(sorted(f.calls)), version=old.version + 1 if old else 1,
+                    created_by=old.created_by if old else task_id,
+                    uses=old.uses if old else 0, successes=old.successes if old else 0)
+      by_name[name] = skill
+      saved.append(skill)
+    return saved
+
+  def record_use(self, skills: Iterable[Skill], success: bool) -> None:
+    for skill in skills:
+      skill.uses += 1
+      skill.successes += int(success)
+
+  def with_dependencies(self, skills: Iterable[Skill]) -> list[Skill]:
+    """`skills` plus the skills of their scenarios that they call, transitively."""
+    out: dict[tuple[str, str], Skill] = {}
+    stack = list(skills)
+    while stack:
+      skill = stack.pop(0)
+      key = (skill.scenario, skill.name)
+      if key in out:
+        continue
+      out[key] = skill
+      stack.extend(dep for name in skill.calls
+                   if (dep := self.get(skill.scenario, name)) is not None)
+    return list(out.values())
+
+  def copy(self) -> "SkillLibrary":
+    return copy.deepcopy(self)
+
+  def to_list(self) -> list[dict]:
+    return [s.to_dict() for s in self.skills()]
+
+  @classmethod
+  def from_list(cls, items: Iterable[Mapping]) -> "SkillLibrary":
+    return cls(Skill(**{**item, "calls": tuple(item.get("calls", ()))}) for item in items)
+
+
+def install_code(skills: Iterable[Skill]) -> str | None:
+  """One block that defines `skills` in a world; None if there are none.
+
+  Each skill's code carries the imports of its defining block. Skills of the same name (from
+  different scenarios) keep the first one given.
+  """
+  bodies, names = [], set()
+  for skill in skills:
+    if skill.name not in names:
+      names.add(skill.name)
+      bodies.append(skill.code.rstrip())
+  return "\n\n\n".join(bodies) + "\n" if bodies else None

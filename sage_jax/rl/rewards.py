@@ -1,0 +1,101 @@
+"""Rewards of Sequential Rollout episodes: outcome-only, chain-based, Skill-integrated (SAGE).
+
+Per rollout, a chain of K tasks e_0 .. e_{K-1} (one rollout walks them in order with its own
+library). o_k is the outcome of task k: 1.0 on success (default) or the fraction of tests
+passed.
+
+- "outcome": r_k = o_k.
+- "chain": r_k = o_k + chain_bonus when every task of the chain succeeded.
+- "sage" (Skill-integrated Reward): r_k = o_k
+    + w_gen  if some later task j > k succeeded and used a skill whose library version task k
+             saved (skill-generation reward; for K = 2: task 1 gets it when task 2 succeeded
+             and used a skill generated in task 1),
+    + w_use  if k > 0 and task k succeeded and used a library skill (skill-usage reward).
+  For K > 2 this is the natural generalisation: a task is credited once (not per later
+  user) for a skill version it wrote that a later successful task used; credit goes to the
+  task that saved the version that ran, so a task that updated a skill earns it, and every
+  task after the first can earn the usage reward.
+- No-code penalty: an episode with a response without code gets r_k = no_code_penalty
+  (default -1.0) instead of the above. no_code_mode "any" (default): any turn without code
+  triggers it; "all": only when no turn had code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from sage_jax.rl.episode import EpisodeRecord
+
+VARIANTS = ("outcome", "chain", "sage")
+OUTCOMES = ("success", "fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """variant: "outcome", "chain" or "sage". outcome: "success" or "fraction" (of tests
+  passed). w_gen / w_use: SAGE's skill-generation and skill-usage weights. chain_bonus: the
+  chain-based bonus. no_code_penalty / no_code_mode: see the module docstring."""
+
+  variant: str = "sage"
+  outcome: str = "success"
+  w_gen: float = 1.0
+  w_use: float = 1.0
+  chain_bonus: float = 1.0
+  no_code_penalty: float = -1.0
+  no_code_mode: str = "any"
+
+  def __post_init__(self):
+    if self.variant not in VARIANTS:
+      raise ValueError(f"variant={self.variant!r}; expected one of {VARIANTS}")
+    if self.outcome not in OUTCOMES:
+      raise ValueError(f"outcome={self.outcome!r}; expected one of {OUTCOMES}")
+    if self.no_code_mode not in ("any", "all"):
+      raise ValueError(f"no_code_mode={self.no_code_mode!r}; expected 'any' or 'all'")
+
+
+def outcome(record: EpisodeRecord, config: RewardConfig) -> float:
+  if config.outcome == "fraction":
+    return float(record.fraction_passed)
+  return 1.0 if record.success else 0.0
+
+
+def no_code(record: EpisodeRecord, config: RewardConfig) -> bool:
+  if config.no_code_mode == "all":
+    return record.num_steps > 0 and record.no_code_turns == record.num_steps
+  return record.no_code_turns > 0
+
+
+def generation_credited(chain: Sequence[EpisodeRecord], k: int) -> bool:
+  """Whether a later task of the chain succeeded using a skill version task k saved."""
+  source = chain[k].task_id
+  return any(later.success and source in later.used_skill_sources.values()
+             for later in chain[k + 1:])
+
+
+def chain_rewards(chain: Sequence[EpisodeRecord], config: RewardConfig) -> list[float]:
+  """Rewards of one rollout's chain (records in chain order); also stored in `.reward`."""
+  rewards = []
+  all_succeeded = all(r.success for r in chain)
+  for k, record in enumerate(chain):
+    if no_code(record, config):
+      reward = config.no_code_penalty
+    else:
+      reward = outcome(record, config)
+      if config.variant == "chain" and all_succeeded:
+        reward += config.chain_bonus
+      elif config.variant == "sage":
+        if generation_credited(chain, k):
+          reward += config.w_gen
+        if k > 0 and record.success and record.used_skill:
+          reward += config.w_use
+    record.reward = float(reward)
+    rewards.append(float(reward))
+  return rewards
+
+
+def assign_rewards(rollouts: Iterable[Sequence[EpisodeRecord]],
+                   config: RewardConfig) -> list[list[float]]:
+  """`chain_rewards` of every rollout (each a chain of records in order)."""
+  return [chain_rewards(sorted(chain, key=lambda r: r.chain_position), config)
+          for chain in rollouts]

@@ -1,0 +1,235 @@
+"""Sequential Rollout: chains of K tasks of one scenario, G rollouts per chain, each rollout
+walking its chain in order with its own skill library.
+
+Many groups run at once: every rollout is an asyncio task; AppWorld episodes queue on the
+env pool's workers and turns on the sampler's slots. A task episode yields an
+`EpisodeRecord` with the conversation's exact ids, the loss mask, the sampler's logprobs,
+skill events and AppWorld's evaluation; `rewards` and `advantages` then fill `reward` and
+`advantage`.
+
+Single-task mode (`RolloutConfig.single_task`): K = 1 and no library, the GRPO baseline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sage_jax.agent import agent as agent_lib
+from sage_jax.agent.config import AgentConfig
+from sage_jax.agent.library import SkillLibrary, install_code
+from sage_jax.agent.policy import Policy, PolicyTurn, TaskContext, TurnRequest
+from sage_jax.agent.retrieval import Retriever
+from sage_jax.envs.appworld import dataset
+from sage_jax.rl import advantages as advantages_lib
+from sage_jax.rl import rewards as rewards_lib
+from sage_jax.rl.episode import EpisodeRecord
+from sage_jax.tokenizer import Tokenizer
+
+CHAIN_ORDERS = ("random", "ordered")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """chain_length: K tasks per chain (drawn from one scenario's tasks). group_size: G
+  rollouts of the same chain. single_task: K = 1 without a library (the GRPO baseline).
+  chain_order: "random" (K distinct tasks of the scenario in random order) or "ordered"
+  (K consecutive tasks by task number, starting at a random one). experiment_prefix: AppWorld
+  experiment names are `<prefix>_g<group>_r<rollout>`. seed: chain sampling and the
+  sampler's per-rollout seeds."""
+
+  chain_length: int = 2
+  group_size: int = 8
+  single_task: bool = False
+  chain_order: str = "random"
+  experiment_prefix: str = "rollout"
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.chain_length < 1 or self.group_size < 1:
+      raise ValueError("chain_length and group_size must be >= 1")
+    if self.chain_order not in CHAIN_ORDERS:
+      raise ValueError(f"chain_order={self.chain_order!r}; expected one of {CHAIN_ORDERS}")
+
+  @property
+  def effective_chain_length(self) -> int:
+    return 1 if self.single_task else self.chain_length
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  scenario: str
+  task_ids: tuple[str, ...]
+
+
+def sample_chains(task_ids: Sequence[str], chain_length: int, num_chains: int,
+                  rng: random.Random, order: str = "random") -> list[Chain]:
+  """`num_chains` chains of `chain_length` tasks, each from one scenario with enough tasks;
+  scenarios are drawn uniformly (with replacement once all were used)."""
+  scenarios = {s: ids for s, ids in dataset.group_by_scenario(list(task_ids)).items()
+               if len(ids) >= chain_length}
+  if not scenarios:
+    raise ValueError(f"no scenario has {chain_length} tasks to chain")
+  names = sorted(scenarios)
+  chains, pool = [], []
+  for _ in range(num_chains):
+    if not pool:
+      pool = names[:]
+      rng.shuffle(pool)
+    scenario = pool.pop()
+    ids = scenarios[scenario]
+    if order == "ordered":
+      start = rng.randrange(len(ids) - chain_length + 1)
+      picked = ids[start:start + chain_length]
+    else:
+      picked = rng.sample(ids, chain_length)
+    chains.append(Chain(scenario, tuple(picked)))
+  return chains
+
+
+def scenario_chains(task_ids: Sequence[str]) -> list[Chain]:
+  """Every scenario's tasks in order, one chain per scenario (what evaluation walks)."""
+  return [Chain(s, tuple(ids)) for s, ids in dataset.group_by_scenario(list(task_ids)).items()]
+
+
+def read_task_specs(appworld_root: str, task_id: str) -> dict:
+  with open(os.path.join(appworld_root, "data", "tasks", task_id, "specs.json")) as f:
+    return json.load(f)
+
+
+def read_difficulty(appworld_root: str, task_id: str) -> int | None:
+  path = os.path.join(appworld_root, "data", "tasks", task_id, "ground_truth", "metadata.json")
+  try:
+    with open(path) as f:
+      return json.load(f).get("difficulty")
+  except (OSError, ValueError):
+    return None
+
+
+@dataclasses.dataclass
+class RolloutContext:
+  """What every rollout of a batch shares."""
+
+  policy: Policy
+  pool: Any  # sage_jax.envs.appworld.EnvPool (started)
+  tokenizer: Tokenizer
+  agent: AgentConfig
+  retriever: Retriever
+  appworld_root: str
+
+
+async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: int,
+                    experiment: str, library: SkillLibrary | None, seed: int = 0,
+                    on_record: Callable[[EpisodeRecord], None] | None = None
+                    ) -> list[EpisodeRecord]:
+  """Walks `chain` in order: retrieve skills, install them, run the agent, evaluate, save the
+  task's skills into `library` (None: no library, the baseline). Returns one record per task."""
+  records = []
+  for position, task_id in enumerate(chain.task_ids):
+    skills, code = None, None
+    if library is not None and ctx.agent.use_library:
+      instruction = read_task_specs(ctx.appworld_root, task_id)["instruction"]
+      skills = ctx.retriever.retrieve(library, scenario=chain.scenario, instruction=instruction)
+      code = install_code(skills)
+    async with ctx.pool.episode(task_id, experiment, library_code=code) as episode:
+      trace = await agent_lib.run_task(
+          policy=ctx.policy, episode=episode, tokenizer=ctx.tokenizer, config=ctx.agent,
+          skills=skills, scenario=chain.scenario, seed=seed * 1000 + position)
+    result = episode.result
+    by_name = {s.name: s for s in trace.visible_skills}
+    used = [by_name[n] for n in trace.events.used if n in by_name]
+    record = EpisodeRecord.from_trace(
+        trace, result, chain_position=position, group=group, rollout=rollout,
+        experiment=experiment, used_skill_sources={s.name: s.source_task for s in used},
+        difficulty=read_difficulty(ctx.appworld_root, task_id))
+    if library is not None and ctx.agent.use_library:
+      library.record_use(used, record.success)
+      library.save(trace.saved, scenario=chain.scenario, task_id=task_id,
+                   instruction=trace.instruction)
+    records.append(record)
+    if on_record is not None:
+      on_record(record)
+  return records
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+  """A batch of groups: records[group][rollout][chain position]."""
+
+  chains: list[Chain]
+  records: list[list[list[EpisodeRecord]]]
+  libraries: list[list[SkillLibrary | None]]
+  advantage_stats: advantages_lib.AdvantageStats | None = None
+
+  def flat(self) -> list[EpisodeRecord]:
+    return [r for group in self.records for chain in group for r in chain]
+
+
+async def run_groups(ctx: RolloutContext, chains: Sequence[Chain], config: RolloutConfig,
+                     *, initial_library: SkillLibrary | None = None) -> RolloutBatch:
+  """G rollouts of every chain, all concurrently; each rollout gets its own library (a copy
+  of `initial_library`, empty by default; none in single-task mode)."""
+  libraries = [[None if config.single_task else
+                (initial_library.copy() if initial_library is not None else SkillLibrary())
+                for _ in range(config.group_size)] for _ in chains]
+  jobs = []
+  for g, chain in enumerate(chains):
+    if config.single_task:
+      chain = Chain(chain.scenario, chain.task_ids[:1])
+    for r in range(config.group_size):
+      jobs.append(run_chain(ctx, chain, group=g, rollout=r,
+                            experiment=f"{config.experiment_prefix}_g{g}_r{r}",
+                            library=libraries[g][r],
+                            seed=config.seed * 1_000_003 + g * 1009 + r))
+  results = await asyncio.gather(*jobs)
+  it = iter(results)
+  records = [[next(it) for _ in range(config.group_size)] for _ in chains]
+  return RolloutBatch(list(chains), records, libraries)
+
+
+def score(batch: RolloutBatch, reward: rewards_lib.RewardConfig,
+          advantage: advantages_lib.AdvantageConfig = advantages_lib.AdvantageConfig()
+          ) -> advantages_lib.AdvantageStats:
+  """Fills `reward` (per rollout chain) and `advantage` (per group and chain position)."""
+  for group in batch.records:
+    rewards_lib.assign_rewards(group, reward)
+  batch.advantage_stats = advantages_lib.assign_advantages(batch.flat(), advantage)
+  return batch.advantage_stats
+
+
+def collect(ctx: RolloutContext, chains: Sequence[Chain], config: RolloutConfig,
+            reward: rewards_lib.RewardConfig,
+            advantage: advantages_lib.AdvantageConfig = advantages_lib.AdvantageConfig(),
+            ) -> RolloutBatch:
+  """Synchronous entry for the trainer: runs the groups, then rewards and advantages."""
+  batch = asyncio.run(run_groups(ctx, chains, config))
+  score(batch, reward, advantage)
+  return batch
+
+
+# --- The sampler as a policy ------------------------------------------------------------------
+
+
+def rollout_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
+  """Means over a batch's episodes (for logging)."""
+  if not records:
+    return {}
+  mean = lambda xs: float(np.mean(list(xs)))
+  later = [r for r in records if r.chain_position > 0]
+  return {
+      "success": mean(r.success for r in records),
+      "reward": mean(r.reward for r in records),
+      "steps": mean(r.num_steps for r in records),
+      "generated_tokens": mean(r.generated_tokens for r in records),
+      "no_code_rate": mean(r.no_code for r in records),
+      "skill_use_rate_later_tasks": mean(r.used_skill for r in later) if later else 0.0,
+      "skills_saved": mean(len(r.events.saved) for r in records),
+      "env_errors": float(sum(bool(r.errors) for r in records)),
+  }
