@@ -1,0 +1,186 @@
+"""The GRPO policy loss over the model's own tokens.
+
+Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_old:
+
+  pg   = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))   (clip-higher: eps_high > eps_low)
+  dual clip (A < 0 only): pg = min(pg, -A * c), c = dual_clip_c > 1
+  truncated importance weight (optional): pg *= min(pi_old / pi_sampler, tis_cap), no gradient
+  KL to a frozen reference (optional, k3): kl = exp(ref - logp) - (ref - logp) - 1
+  loss_t = pg + kl_coef * kl - entropy_coef * entropy
+
+The batch loss is sum_t weight_t * loss_t with weights from `rl.batch.loss_weights` (token-mean,
+seq-mean-token-mean, or Dr.GRPO's constant normaliser), computed over the whole batch so that
+micro-batches add up exactly.
+
+`old_logprobs` are the rollout's `model_logprobs` (the unmodified model at sampling time), so
+one update per batch is strictly on-policy: r = 1 at the start of the update, up to numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+
+from sage_jax.model.qwen2 import Qwen2
+from sage_jax.rl.batch import AGGREGATIONS, Aggregation, TrainBatch
+from sage_jax.train.logprobs import token_logprobs
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """GRPO update hyper-parameters (defaults: the paper's strictly on-policy GRPO, no KL).
+
+  clip_eps_low / clip_eps_high: ratio clip range [1 - low, 1 + high]; high > low is
+    "clip-higher" (DAPO uses 0.2 / 0.28).
+  dual_clip_c: dual-clip bound c (> 1, e.g. 3.0) on the loss of negative-advantage tokens;
+    None = off.
+  loss_aggregation: "token-mean" (every token of the batch weighs the same),
+    "seq-mean-token-mean", or "seq-mean-token-sum-norm" (Dr.GRPO; needs `norm_constant`).
+  norm_constant: the constant normaliser of seq-mean-token-sum-norm, e.g. the generation
+    budget in tokens.
+  kl_coef: weight of the KL penalty to the frozen reference (0 = off, no reference forward).
+  kl_estimator: k3 (Schulman's unbiased, non-negative estimator; default), k1 or k2.
+  entropy_coef: entropy bonus weight (0 = off; entropy is still reported).
+  tis_cap: truncated importance sampling against the sampler's logprobs: tokens are
+    weighted by min(pi_old / pi_sampler, tis_cap); None = off.
+  num_mini_batches: optimiser updates per rollout batch (1 = strictly on-policy).
+  shuffle_mini_batches: shuffle sequences before splitting them into mini-batches.
+  recompute_old_logprobs: recompute pi_old with the trainer's forward before the first
+    update instead of using the rollout's model_logprobs (e.g. when sampling in another
+    precision).
+  logprob_chunk: positions per chunk of the logits computation (0 = all at once), see
+    `train.logprobs`.
+  """
+
+  clip_eps_low: float = 0.2
+  clip_eps_high: float = 0.2
+  dual_clip_c: float | None = None
+  loss_aggregation: Aggregation = "token-mean"
+  norm_constant: float | None = None
+  kl_coef: float = 0.0
+  kl_estimator: KLEstimator = "k3"
+  entropy_coef: float = 0.0
+  tis_cap: float | None = None
+  num_mini_batches: int = 1
+  shuffle_mini_batches: bool = True
+  recompute_old_logprobs: bool = False
+  logprob_chunk: int = 0
+
+  def __post_init__(self):
+    if not 0 <= self.clip_eps_low < 1 or self.clip_eps_high < 0:
+      raise ValueError(f"clip_eps_low={self.clip_eps_low} must be in [0, 1) and "
+                       f"clip_eps_high={self.clip_eps_high} >= 0")
+    if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+      raise ValueError(f"dual_clip_c={self.dual_clip_c} must be > 1 (or None)")
+    if self.loss_aggregation not in AGGREGATIONS:
+      raise ValueError(f"loss_aggregation={self.loss_aggregation!r}; expected one of "
+                       f"{AGGREGATIONS}")
+    if self.loss_aggregation == "seq-mean-token-sum-norm" and not (
+        self.norm_constant and self.norm_constant > 0):
+      raise ValueError("loss_aggregation='seq-mean-token-sum-norm' needs norm_constant > 0")
+    if self.kl_coef < 0 or self.entropy_coef < 0:
+      raise ValueError("kl_coef and entropy_coef must be >= 0")
+    if self.kl_estimator not in ("k1", "k2", "k3"):
+      raise ValueError(f"kl_estimator={self.kl_estimator!r}; expected k1, k2 or k3")
+    if self.tis_cap is not None and self.tis_cap <= 0:
+      raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (or None)")
+    if self.num_mini_batches < 1:
+      raise ValueError(f"num_mini_batches={self.num_mini_batches} must be >= 1")
+    if self.logprob_chunk < 0:
+      raise ValueError(f"logprob_chunk={self.logprob_chunk} must be >= 0")
+
+  @property
+  def use_kl(self) -> bool:
+    return self.kl_coef > 0
+
+
+def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k3") -> jax.Array:
+  """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta."""
+  log_ratio = ref_logprobs - logprobs
+  if estimator == "k1":
+    return -log_ratio
+  if estimator == "k2":
+    return 0.5 * log_ratio ** 2
+  if estimator == "k3":
+    return jnp.exp(log_ratio) - log_ratio - 1.0
+  raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
+                   entropy: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Per-position loss (0 off the mask) and per-position statistics (sums over the mask give
+  the metrics). `logprobs`: log pi_theta of each target."""
+  mask = batch.loss_mask
+  adv = batch.advantages
+  log_ratio = jnp.where(mask > 0, logprobs - batch.old_logprobs, 0.0)
+  ratio = jnp.exp(log_ratio)
+  low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
+  pg_unclipped = -adv * ratio
+  pg_clipped = -adv * jnp.clip(ratio, low, high)
+  pg = jnp.maximum(pg_unclipped, pg_clipped)
+  clipped = pg_clipped > pg_unclipped
+  stats = {
+      "clip_frac": clipped.astype(jnp.float32),
+      "clip_frac_low": (clipped & (ratio < low)).astype(jnp.float32),
+      "clip_frac_high": (clipped & (ratio > high)).astype(jnp.float32),
+      "ratio_mean": ratio,
+      "max/ratio": ratio,
+      "max/neg_ratio": -ratio,  # reported as ratio_min
+  }
+  if config.dual_clip_c is not None:
+    bound = -adv * config.dual_clip_c
+    dual = (adv < 0) & (pg > bound)
+    pg = jnp.where(dual, bound, pg)
+    stats["dual_clip_frac"] = dual.astype(jnp.float32)
+  if config.tis_cap is not None:
+    w = jnp.minimum(jnp.exp(batch.old_logprobs - batch.sampler_logprobs), config.tis_cap)
+    w = jax.lax.stop_gradient(jnp.where(mask > 0, w, 0.0))
+    pg = pg * w
+    stats["tis_weight"] = w
+  stats["pg_loss"] = pg
+  loss = pg
+  if config.use_kl:
+    kl = kl_penalty(logprobs, batch.ref_logprobs, config.kl_estimator)
+    loss = loss + config.kl_coef * kl
+    stats["kl"] = kl
+  if entropy is not None:
+    if config.entropy_coef:
+      loss = loss - config.entropy_coef * entropy
+    stats["entropy"] = entropy
+  stats["logprob"] = logprobs
+  stats["sampler_model_kl_k3"] = kl_penalty(batch.old_logprobs, batch.sampler_logprobs, "k3")
+  loss = jnp.where(mask > 0, loss, 0.0)
+  stats = {k: jnp.where(mask > 0, v, 0.0 if not k.startswith("max/") else -jnp.inf)
+           for k, v in stats.items()}
+  return loss, stats
+
+
+def batch_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
+               entropy: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """sum(weights * per-token loss), and the statistics reduced: sums over masked tokens
+  (divide by the token count for means), maxima under "max/" keys, and the weighted
+  pg and KL parts under "weighted/"."""
+  loss_tok, stats = per_token_loss(config, logprobs, batch, entropy)
+  loss = jnp.sum(batch.weights * loss_tok)
+  out = {k: (jnp.max(v) if k.startswith("max/") else jnp.sum(v)) for k, v in stats.items()}
+  out["weighted/pg_loss"] = jnp.sum(batch.weights * stats["pg_loss"])
+  if "kl" in stats:
+    out["weighted/kl"] = jnp.sum(batch.weights * stats["kl"])
+  return loss, out
+
+
+def make_loss_fn(config: GRPOConfig) -> Callable[[Qwen2, TrainBatch], tuple[jax.Array, dict]]:
+  """The train step's loss for one micro-batch [R, T]: (weighted loss sum, statistics)."""
+
+  def loss_fn(model: Qwen2, batch: TrainBatch):
+    logprobs, entropy = token_logprobs(model, batch.tokens, batch.positions, batch.segment_ids,
+                                       batch.targets, chunk=config.logprob_chunk)
+    entropy = entropy if config.entropy_coef else jax.lax.stop_gradient(entropy)
+    return batch_loss(config, logprobs, batch, entropy)
+
+  return loss_fn

@@ -1,0 +1,85 @@
+"""Optax AdamW with warmup + constant / cosine / linear schedules and global-norm clipping."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Schedule = Literal["constant", "cosine", "linear"]
+WeightDecayMask = Literal["all", "matrices"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW and its learning-rate schedule.
+
+  learning_rate: peak learning rate (after warmup).
+  schedule: "constant", "cosine" or "linear" decay after warmup.
+  warmup_steps: linear warmup from 0 to the peak over this many updates.
+  decay_steps: length of the cosine / linear decay after warmup (required for those).
+  end_lr_ratio: final learning rate of a decay as a fraction of the peak.
+  b1, b2, eps: Adam moments.
+  weight_decay: decoupled weight decay (AdamW).
+  weight_decay_mask: "all" parameters, or "matrices" only (no biases, norms).
+  max_grad_norm: clip gradients to this global norm before the update (0 = off).
+  """
+
+  learning_rate: float = 1e-6
+  schedule: Schedule = "constant"
+  warmup_steps: int = 0
+  decay_steps: int = 0
+  end_lr_ratio: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.01
+  weight_decay_mask: WeightDecayMask = "all"
+  max_grad_norm: float = 1.0
+
+  def __post_init__(self):
+    if self.learning_rate < 0 or self.warmup_steps < 0 or self.decay_steps < 0:
+      raise ValueError(f"{self}: learning_rate, warmup_steps and decay_steps must be >= 0")
+    if self.schedule not in ("constant", "cosine", "linear"):
+      raise ValueError(f"schedule={self.schedule!r}; expected constant, cosine or linear")
+    if self.schedule != "constant" and self.decay_steps <= 0:
+      raise ValueError(f"schedule={self.schedule!r} needs decay_steps > 0")
+    if self.weight_decay_mask not in ("all", "matrices"):
+      raise ValueError(f"weight_decay_mask={self.weight_decay_mask!r}; expected all or matrices")
+    if self.max_grad_norm < 0:
+      raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0")
+
+
+def make_schedule(config: OptimizerConfig) -> optax.Schedule:
+  """Learning rate as a function of the update count (0-based)."""
+  peak = config.learning_rate
+  if config.schedule == "constant":
+    after = optax.constant_schedule(peak)
+  elif config.schedule == "cosine":
+    after = optax.cosine_decay_schedule(peak, config.decay_steps, alpha=config.end_lr_ratio)
+  else:
+    after = optax.linear_schedule(peak, peak * config.end_lr_ratio, config.decay_steps)
+  if not config.warmup_steps:
+    return after
+  # Step 0 already trains at peak / warmup_steps: no wasted update at learning rate 0.
+  warmup = lambda step: peak * jnp.minimum(step + 1, config.warmup_steps) / config.warmup_steps
+  return optax.join_schedules([warmup, after], [config.warmup_steps])
+
+
+def _matrices(params):
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """(clip -> AdamW, the schedule) from the config."""
+  schedule = make_schedule(config)
+  mask = _matrices if config.weight_decay_mask == "matrices" else None
+  parts = []
+  if config.max_grad_norm:
+    parts.append(optax.clip_by_global_norm(config.max_grad_norm))
+  parts.append(optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                           weight_decay=config.weight_decay, mask=mask))
+  return optax.chain(*parts), schedule

@@ -1,0 +1,71 @@
+"""The train state: parameters, optimiser state, step and RNG, sharded like the model.
+
+Parameters are the model's `nnx.State` (what `nnx.split(model)` returns), stored in the model
+config's `param_dtype` (float32 master weights while `dtype` runs the matmuls in bfloat16, if
+so configured). The optimiser's moments take each parameter's sharding; its counters are
+replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sage_jax import sharding as shd
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  """params: the model's nnx.State; opt_state: optax state; step: updates done (int32);
+  rng: raw key data (uint32) of the state's random stream, advanced by every update."""
+
+  params: nnx.State
+  opt_state: Any
+  step: jax.Array
+  rng: jax.Array
+
+  def replace(self, **changes) -> "TrainState":
+    return dataclasses.replace(self, **changes)
+
+
+def state_shardings(params: nnx.State, tx: optax.GradientTransformation, mesh: Mesh,
+                    rules: shd.ShardingRules = shd.ShardingRules()) -> TrainState:
+  """NamedShardings for every leaf of the TrainState built from `params` (real or abstract)."""
+  param_sh = shd.state_shardings(params, mesh, rules)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  abstract_opt = jax.eval_shape(tx.init, params)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
+                                 transform_non_params=lambda _: replicated)
+  return TrainState(params=param_sh, opt_state=opt_sh, step=replicated, rng=replicated)
+
+
+def create_train_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int,
+                       shardings: TrainState | None = None) -> TrainState:
+  """A fresh state at step 0 (the parameters are placed, then used as they are)."""
+
+  def init(params):
+    return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+                      rng=jax.random.key_data(jax.random.key(seed)))
+
+  if shardings is None:
+    return jax.jit(init)(params)
+  params = jax.device_put(params, shardings.params)
+  return jax.jit(init, out_shardings=shardings)(params)
+
+
+def abstract_train_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int = 0,
+                         shardings: TrainState | None = None) -> TrainState:
+  """Shapes, dtypes and shardings of the train state, for restoring a checkpoint."""
+  abstract = jax.eval_shape(
+      lambda p: create_train_state(p, tx, seed=seed), params)
+  if shardings is None:
+    return abstract
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)

@@ -1,0 +1,213 @@
+"""One jitted train step: gradient accumulation over micro-batches, clipping, AdamW.
+
+`train_step(state, batch) -> (state, metrics)` is a pure function of a `TrainState` and a
+`TrainBatch` [M, R, T]. It scans the M micro-batches, summing the gradients of each one's
+weighted loss (the weights already normalise over the whole batch, so the sum is the gradient
+of the batch loss), skips micro-batches without a loss token (padding to the fixed M costs
+nothing), then applies the optimiser once. The state is donated; its shardings are pinned, so
+after the first call per row length nothing compiles again.
+
+A loss function is `loss_fn(model, micro_batch) -> (loss, stats)`: `loss` the micro-batch's
+weighted loss sum, `stats` a dict of scalars: sums over loss tokens (the step divides them by
+the batch's loss tokens), maxima under keys "max/...", and already-normalised sums under
+"weighted/...".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from sage_jax import sharding as shd
+from sage_jax.model.qwen2 import Qwen2
+from sage_jax.rl.batch import TrainBatch
+from sage_jax.train.logprobs import token_logprobs
+from sage_jax.train.optimizer import OptimizerConfig, make_optimizer
+from sage_jax.train.state import (TrainState, abstract_train_state, create_train_state,
+                                  state_shardings)
+
+LossFn = Callable[[Qwen2, TrainBatch], tuple[jax.Array, dict[str, jax.Array]]]
+BATCH_AXES = (None, "act_batch", None)  # [micro, rows, positions]
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """seed: the train state's RNG seed. skip_empty_micro_batches: do not compute micro-batches
+  without loss tokens (exact: they contribute nothing). logprob_chunk: chunking of the
+  logits in `Trainer.logprobs` (see `train.logprobs`)."""
+
+  seed: int = 0
+  skip_empty_micro_batches: bool = True
+  logprob_chunk: int = 0
+
+
+def _reduce_stats(stats_list: dict[str, jax.Array], total_tokens: jax.Array) -> dict:
+  out = {}
+  for k, v in stats_list.items():
+    if k.startswith("max/"):
+      name = k[4:]
+      if name.startswith("neg_"):
+        out[name[4:] + "_min"] = -v
+      else:
+        out[name + "_max"] = v
+    elif k.startswith("weighted/"):
+      out[k[9:]] = v
+    else:
+      out[k] = v / jnp.maximum(total_tokens, 1.0)
+  return out
+
+
+def _combine(acc: dict, new: dict) -> dict:
+  return {k: (jnp.maximum(acc[k], v) if k.startswith("max/") else acc[k] + v)
+          for k, v in new.items()}
+
+
+def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, *, mesh: Mesh | None = None,
+                    rules: shd.ShardingRules = shd.ShardingRules(),
+                    param_shardings: Any = None, skip_empty_micro_batches: bool = True):
+  """The pure (un-jitted) train step `(state, batch) -> (state, metrics)`."""
+
+  def rules_ctx():
+    return contextlib.nullcontext() if mesh is None else shd.use_rules(mesh, rules)
+
+  def micro_grads(params, micro: TrainBatch):
+    def objective(p):
+      return loss_fn(nnx.merge(graphdef, p), micro)
+
+    (loss, stats), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    grads = jax.tree.map(lambda g: g.astype(_F32), grads)
+    if param_shardings is not None:
+      grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+    return loss, stats, grads
+
+  def train_step(state: TrainState, batch: TrainBatch):
+    with rules_ctx():
+      params = state.params
+      first = jax.tree.map(lambda x: x[0], batch)
+      loss_shape, stats_shape, grads_shape = jax.eval_shape(micro_grads, params, first)
+      zeros = lambda s: jnp.zeros(s.shape, s.dtype)
+      empty_stats = {k: (jnp.full(s.shape, -jnp.inf, s.dtype) if k.startswith("max/")
+                         else zeros(s)) for k, s in stats_shape.items()}
+      empty = (zeros(loss_shape), empty_stats, jax.tree.map(zeros, grads_shape))
+
+      def body(carry, micro):
+        if skip_empty_micro_batches:
+          out = jax.lax.cond(jnp.any(micro.loss_mask > 0), lambda: micro_grads(params, micro),
+                             lambda: empty)
+        else:
+          out = micro_grads(params, micro)
+        loss, stats, grads = out
+        acc_loss, acc_stats, acc_grads = carry
+        return (acc_loss + loss, _combine(acc_stats, stats),
+                jax.tree.map(jnp.add, acc_grads, grads)), None
+
+      (loss, stats, grads), _ = jax.lax.scan(body, empty, batch)
+      grad_norm = optax.global_norm(grads)
+      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+      updates, opt_state = tx.update(grads, state.opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      total_tokens = jnp.sum(batch.loss_mask)
+      metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+                 "loss_tokens": total_tokens, **_reduce_stats(stats, total_tokens)}
+      rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[1])
+      new_state = TrainState(params=new_params, opt_state=opt_state, step=state.step + 1,
+                             rng=rng)
+      return new_state, metrics
+
+  return train_step
+
+
+class Trainer:
+  """Owns the train state of one model and the jitted step over it.
+
+  `trainer.state.params` is always the current nnx.State of the model, on device in its
+  sharding: a sampler in the same process takes it as it is (`Engine.update_params`), with no
+  host copy. The step donates the previous state, so hand the new params to the sampler
+  after every `step` (as the loops do).
+  """
+
+  def __init__(self, model: Qwen2, loss_fn: LossFn,
+               optimizer: OptimizerConfig = OptimizerConfig(),
+               config: TrainerConfig = TrainerConfig(), *, mesh: Mesh | None = None,
+               rules: shd.ShardingRules = shd.ShardingRules()):
+    self.config = config
+    self.model_config = model.config
+    self.mesh, self.rules = mesh, rules
+    self.graphdef, params = nnx.split(model)
+    self.tx, self.schedule = make_optimizer(optimizer)
+    self.shardings = None if mesh is None else state_shardings(params, self.tx, mesh, rules)
+    self.state = create_train_state(params, self.tx, seed=config.seed, shardings=self.shardings)
+    step = make_train_step(
+        self.graphdef, loss_fn, self.tx, self.schedule, mesh=mesh, rules=rules,
+        param_shardings=None if mesh is None else self.shardings.params,
+        skip_empty_micro_batches=config.skip_empty_micro_batches)
+    sh = self.shardings
+    self._step = jax.jit(step, donate_argnums=0,
+                         in_shardings=None if sh is None else (sh, None),
+                         out_shardings=None if sh is None else (sh, None))
+    self._logprobs = jax.jit(self._logprobs_impl)
+
+  # --- State ------------------------------------------------------------------------------
+
+  @property
+  def params(self) -> nnx.State:
+    return self.state.params
+
+  @property
+  def step_count(self) -> int:
+    return int(self.state.step)
+
+  def model(self) -> Qwen2:
+    """A model view of the current parameters (shares the arrays; do not keep it across steps)."""
+    return nnx.merge(self.graphdef, self.state.params)
+
+  def abstract_state(self) -> TrainState:
+    return abstract_train_state(self.state.params, self.tx, seed=self.config.seed,
+                                shardings=self.shardings)
+
+  # --- Device -----------------------------------------------------------------------------
+
+  def place_batch(self, batch: TrainBatch) -> TrainBatch:
+    """Puts a host batch on device, rows split over the data-parallel mesh axes."""
+    if self.mesh is None:
+      return jax.tree.map(jnp.asarray, batch)
+    return jax.tree.map(
+        lambda x: jax.device_put(x, shd.named_sharding(BATCH_AXES, x.shape, self.mesh,
+                                                       self.rules)), batch)
+
+  def step(self, batch: TrainBatch) -> dict[str, jax.Array]:
+    """One optimiser update on `batch` (host or device); returns device scalars."""
+    self.state, metrics = self._step(self.state, self.place_batch(batch))
+    return metrics
+
+  def _logprobs_impl(self, params, batch: TrainBatch):
+    ctx = contextlib.nullcontext() if self.mesh is None else shd.use_rules(self.mesh, self.rules)
+    with ctx:
+      def one(micro):
+        model = nnx.merge(self.graphdef, params)
+        lp, _ = token_logprobs(model, micro.tokens, micro.positions, micro.segment_ids,
+                               micro.targets, chunk=self.config.logprob_chunk)
+        return jnp.where(micro.loss_mask > 0, lp, 0.0)
+      return jax.lax.map(one, batch)
+
+  def logprobs(self, batch: TrainBatch, params: nnx.State | None = None) -> np.ndarray:
+    """log pi(target) for every masked position of `batch` [M, R, T] (0 elsewhere) under
+    `params` (default: the current ones), e.g. pi_old recomputed or a frozen reference."""
+    params = self.state.params if params is None else params
+    return np.asarray(self._logprobs(params, self.place_batch(batch)))
+
+  @property
+  def num_compiled(self) -> int:
+    """Compiled variants of the train step (a recompilation probe for tests)."""
+    return self._step._cache_size()

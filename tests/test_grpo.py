@@ -1,0 +1,170 @@
+"""GRPO loss against hand-computed values: clipping sides, clip-higher, dual clip, TIS, KL,
+and every aggregation mode."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sage_jax.rl import batch as B
+from sage_jax.rl import grpo
+
+E = math.exp
+
+
+def _batch(old, adv, mask=None, sampler=None, ref=None, weights=None):
+  """A one-row TrainBatch [1, T] from per-token lists."""
+  t = len(old)
+  mask = np.ones(t, np.float32) if mask is None else np.asarray(mask, np.float32)
+  row = lambda x: jnp.asarray(np.asarray(x, np.float32)[None])
+  zeros = np.zeros(t, np.float32)
+  return B.TrainBatch(
+      tokens=jnp.zeros((1, t), jnp.int32), positions=jnp.zeros((1, t), jnp.int32),
+      segment_ids=jnp.ones((1, t), jnp.int32), targets=jnp.zeros((1, t), jnp.int32),
+      loss_mask=row(mask), weights=row(mask / mask.sum() if weights is None else weights),
+      advantages=row(np.asarray(adv) * mask), old_logprobs=row(old),
+      sampler_logprobs=row(old if sampler is None else sampler),
+      ref_logprobs=row(zeros if ref is None else ref))
+
+
+# Four tokens, log-ratios +0.5, -0.5, +0.1, +1.5 with advantages +1, -1, +1, -2.
+OLD = [-1.0, -1.0, -1.0, -1.0]
+NEW = [-0.5, -1.5, -0.9, 0.5]
+ADV = [1.0, -1.0, 1.0, -2.0]
+
+
+def _loss_tokens(config, **kw):
+  batch = _batch(OLD, ADV, **kw)
+  loss, stats = grpo.per_token_loss(config, jnp.asarray([NEW]), batch)
+  return np.asarray(loss[0]), {k: np.asarray(v[0]) for k, v in stats.items()}
+
+
+def test_symmetric_clip_both_sides():
+  loss, stats = _loss_tokens(grpo.GRPOConfig(clip_eps_low=0.2, clip_eps_high=0.2))
+  expected = [
+      -1.2,  # A > 0, ratio e^0.5 = 1.65 > 1.2: clipped at the high side, -A * 1.2
+      0.8,  # A < 0, ratio e^-0.5 = 0.61 < 0.8: clipped at the low side, -A * 0.8
+      -E(0.1),  # inside the range: -A * ratio
+      2 * E(1.5),  # A < 0, ratio above the range: max() keeps the unclipped 2 * 4.48
+  ]
+  np.testing.assert_allclose(loss, expected, rtol=1e-6)
+  np.testing.assert_array_equal(stats["clip_frac"], [1, 1, 0, 0])
+  np.testing.assert_array_equal(stats["clip_frac_high"], [1, 0, 0, 0])
+  np.testing.assert_array_equal(stats["clip_frac_low"], [0, 1, 0, 0])
+
+
+def test_clip_higher():
+  loss, _ = _loss_tokens(grpo.GRPOConfig(clip_eps_low=0.2, clip_eps_high=0.28))
+  np.testing.assert_allclose(loss, [-1.28, 0.8, -E(0.1), 2 * E(1.5)], rtol=1e-6)
+  loss, _ = _loss_tokens(grpo.GRPOConfig(clip_eps_low=0.1, clip_eps_high=0.7))
+  # Low side now 0.9; high side 1.7 leaves e^0.5 = 1.65 unclipped.
+  np.testing.assert_allclose(loss, [-E(0.5), 0.9, -E(0.1), 2 * E(1.5)], rtol=1e-6)
+
+
+def test_dual_clip_bounds_negative_advantages_only():
+  loss, stats = _loss_tokens(grpo.GRPOConfig(dual_clip_c=3.0))
+  # Token 3: min(2 * e^1.5 = 8.96, -A * c = 6) = 6. Others unchanged (token 1's 0.8 < 3).
+  np.testing.assert_allclose(loss, [-1.2, 0.8, -E(0.1), 6.0], rtol=1e-6)
+  np.testing.assert_array_equal(stats["dual_clip_frac"], [0, 0, 0, 1])
+  # A large positive-advantage ratio is never dual-clipped.
+  batch = _batch([-1.0], [1.0])
+  loss, _ = grpo.per_token_loss(grpo.GRPOConfig(dual_clip_c=1.5, clip_eps_high=10.0),
+                                jnp.asarray([[1.0]]), batch)
+  np.testing.assert_allclose(np.asarray(loss), [[-E(2.0)]], rtol=1e-6)
+
+
+def test_truncated_importance_weight():
+  sampler = [-1.5, -0.5, -1.0, -3.0]  # pi_old / pi_sampler = e^0.5, e^-0.5, 1, e^2
+  loss, stats = _loss_tokens(grpo.GRPOConfig(tis_cap=2.0), sampler=sampler)
+  w = [min(E(0.5), 2.0), E(-0.5), 1.0, 2.0]
+  base = [-1.2, 0.8, -E(0.1), 2 * E(1.5)]
+  np.testing.assert_allclose(stats["tis_weight"], w, rtol=1e-6)
+  np.testing.assert_allclose(loss, np.multiply(base, w), rtol=1e-6)
+
+
+def test_kl_k3_and_other_estimators():
+  ref = [-1.0, -1.0, -1.0, -1.0]  # ref - new = -0.5, +0.5, -0.1, -1.5
+  d = np.subtract(ref, NEW)
+  k3 = np.exp(d) - d - 1
+  np.testing.assert_allclose(k3[1], E(0.5) - 1.5, rtol=1e-7)  # hand value of token 1
+  loss, stats = _loss_tokens(grpo.GRPOConfig(kl_coef=0.1), ref=ref)
+  base = np.asarray([-1.2, 0.8, -E(0.1), 2 * E(1.5)])
+  np.testing.assert_allclose(stats["kl"], k3, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(loss, base + 0.1 * k3, rtol=1e-6, atol=1e-7)
+  assert (k3 >= 0).all()
+  new, r = jnp.asarray(NEW), jnp.asarray(ref)
+  np.testing.assert_allclose(grpo.kl_penalty(new, r, "k1"), -d, rtol=1e-6)
+  np.testing.assert_allclose(grpo.kl_penalty(new, r, "k2"), 0.5 * d ** 2, rtol=1e-6)
+  # KL off: no reference term at all.
+  loss, stats = _loss_tokens(grpo.GRPOConfig(), ref=ref)
+  assert "kl" not in stats
+  np.testing.assert_allclose(loss, base, rtol=1e-6)
+
+
+def test_masked_tokens_contribute_nothing():
+  mask = [1, 0, 1, 0]
+  loss, stats = _loss_tokens(grpo.GRPOConfig(), mask=mask)
+  np.testing.assert_allclose(loss, [-1.2, 0.0, -E(0.1), 0.0], rtol=1e-6)
+  assert stats["clip_frac"].tolist() == [1, 0, 0, 0]
+
+
+# --- Aggregation ---------------------------------------------------------------------------
+
+# Two sequences: A has 3 model tokens with losses a1..a3, B has 1 with loss b1. Each token's
+# loss is -A * ratio with ratio 1 (new == old), so a token's loss is minus its advantage.
+def _two_sequences(aggregation, norm_constant=None):
+  # Sequence A: tokens [s, m, m, m] (s = not masked), advantage 2; B: [s, s, m], advantage -1.
+  recs = [
+      dict(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], model_logprobs=[0, -1, -1, -1],
+           advantage=2.0),
+      dict(tokens=[1, 2, 3], loss_mask=[0, 0, 1], model_logprobs=[0, 0, -2], advantage=-1.0),
+  ]
+  batch, _ = B.make_batch(recs, B.BatchConfig(length_buckets=(8,)), aggregation=aggregation,
+                          norm_constant=norm_constant)
+  micro = jax.tree.map(jnp.asarray, B.micro_batches(batch)[0])
+  loss, stats = grpo.batch_loss(grpo.GRPOConfig(), micro.old_logprobs, micro)  # ratio 1
+  return float(loss), stats
+
+
+def test_aggregation_token_mean():
+  loss, _ = _two_sequences("token-mean")
+  # (-2 - 2 - 2 + 1) / 4 tokens
+  assert loss == pytest.approx((-2 - 2 - 2 + 1) / 4, rel=1e-6)
+
+
+def test_aggregation_seq_mean_token_mean():
+  loss, _ = _two_sequences("seq-mean-token-mean")
+  # (mean(-2, -2, -2) + mean(+1)) / 2 sequences
+  assert loss == pytest.approx((-2 + 1) / 2, rel=1e-6)
+
+
+def test_aggregation_dr_grpo_constant_normaliser():
+  loss, _ = _two_sequences("seq-mean-token-sum-norm", norm_constant=10)
+  # (sum(-2, -2, -2) / 10 + sum(+1) / 10) / 2 sequences
+  assert loss == pytest.approx((-6 / 10 + 1 / 10) / 2, rel=1e-6)
+
+
+def test_loss_weights_direct():
+  masks = [np.array([1, 1, 0, 1]), np.array([0, 1]), np.array([0, 0])]
+  w = B.loss_weights(masks, "token-mean")
+  np.testing.assert_allclose(np.concatenate(w), [.25, .25, 0, .25, 0, .25, 0, 0])
+  w = B.loss_weights(masks, "seq-mean-token-mean")
+  np.testing.assert_allclose(np.concatenate(w), [1 / 9, 1 / 9, 0, 1 / 9, 0, 1 / 3, 0, 0])
+  w = B.loss_weights(masks, "seq-mean-token-sum-norm", norm_constant=4)
+  np.testing.assert_allclose(np.concatenate(w), [1 / 12, 1 / 12, 0, 1 / 12, 0, 1 / 12, 0, 0])
+  with pytest.raises(ValueError, match="norm_constant"):
+    B.loss_weights(masks, "seq-mean-token-sum-norm")
+  with pytest.raises(ValueError, match="unknown aggregation"):
+    B.loss_weights(masks, "sum")
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="dual_clip_c"):
+    grpo.GRPOConfig(dual_clip_c=0.5)
+  with pytest.raises(ValueError, match="norm_constant"):
+    grpo.GRPOConfig(loss_aggregation="seq-mean-token-sum-norm")
+  with pytest.raises(ValueError, match="loss_aggregation"):
+    grpo.GRPOConfig(loss_aggregation="mean")
+  assert not grpo.GRPOConfig().use_kl  # the paper's default: no KL
