@@ -1,0 +1,39 @@
+"""Evaluation presets: `python -m sage_jax.evaluate --config=configs/eval.py:<preset> --workdir=DIR`.
+
+  demo                 the scripted expert (gold solutions in the skill format) on the mini dev
+                       split: the whole agent + rollout + evaluation path without a model
+  tiny                 a tiny random-init model through the real sampler on the mini dev split
+  qwen2.5-coder-0.5b   the real Qwen2.5-Coder-0.5B-Instruct (untrained baseline), greedy
+
+Sections map field by field onto EvalConfig, AgentConfig, RetrievalConfig, EnvPoolConfig,
+ModelSpec and the sampler's EngineConfig.
+"""
+
+import ml_collections
+
+
+def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.eval = dict(split="dev", data="mini", policy="model", experiment="eval",
+                max_concurrent_scenarios=0, max_scenarios=0, appworld_check=True, seed=0)
+  c.agent = dict(use_library=True, max_steps=6, max_turn_tokens=384, max_episode_tokens=6144,
+                 max_observation_chars=3000, temperature=0.0)
+  c.retrieval = dict(strategy="same_scenario", top_k=5, embedding_model="hashing")
+  c.pool = dict(num_workers=3, max_interactions=50, timeout_seconds=60, call_timeout_s=120.0)
+  c.model = dict(spec="qwen2.5-coder-0.5b-instruct", preset="")
+  c.engine = dict(num_slots=4, max_len=6144, prefill_buckets=(32, 128, 512), min_attend=256,
+                  steps_per_call=8, max_top_k=64)
+  if preset == "demo":
+    c.eval.policy = "scripted"
+  elif preset == "tiny":
+    c.model = dict(spec="", preset="tiny", seed=0)
+    c.agent.max_steps = 3
+    c.agent.max_turn_tokens = 32
+    c.agent.max_episode_tokens = 2048
+    c.agent.temperature = 1.0
+    c.engine.max_len = 2048
+  elif preset == "qwen2.5-coder-0.5b":
+    pass
+  else:
+    raise ValueError(f"unknown eval preset {preset!r}; known: demo, tiny, qwen2.5-coder-0.5b")
+  return c

@@ -1,0 +1,1 @@
+"""Evaluation helpers: metrics over episode records, AppWorld's own scoring, reports."""
