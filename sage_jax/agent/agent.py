@@ -126,6 +126,8 @@ async def run_task(*, policy: Policy, episode: Any, tokenizer: Tokenizer, config
           prompt_ids=prompt, new_ids=prompt[seen:], turn_index=step, max_new_tokens=max_new,
           max_context=budget.limit))
       first = len(conv)
+      sample_lp += [0.0] * (first - len(sample_lp))  # the assistant header
+      model_lp += [0.0] * (first - len(model_lp))
       conv.add_assistant_tokens(turn.tokens)
       seen = len(conv)
       sample_lp += [float(x) for x in turn.sample_logprobs]

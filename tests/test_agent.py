@@ -1,0 +1,379 @@
+"""The Skill Library Agent without AppWorld: parsing, AST skill events, library, retrieval,
+prompt, expert rewriting and the episode loop against a fake environment."""
+
+import asyncio
+import textwrap
+
+import numpy as np
+import pytest
+
+from sage_jax.agent import agent as agent_lib
+from sage_jax.agent import expert, parsing, prompts, retrieval, skills
+from sage_jax.agent.config import AgentConfig, RetrievalConfig
+from sage_jax.agent.library import Skill, SkillLibrary, install_code
+from sage_jax.agent.policy import PolicyTurn
+from sage_jax.envs.appworld import EpisodeStart
+from sage_jax.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return Tokenizer()
+
+
+def code(text: str) -> str:
+  return textwrap.dedent(text).strip() + "\n"
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+def test_extract_code_joins_blocks_and_handles_unclosed_and_missing():
+  text = "Plan.\n```python\nx = 1\n```\nthen\n```\nprint(x)\n```\n```json\n{}\n```"
+  parsed = parsing.extract_code(text)
+  assert parsed.code == "x = 1\n\nprint(x)\n" and parsed.num_blocks == 2 and not parsed.unclosed
+  cut = parsing.extract_code("```python\ndef f():\n    return 1")
+  assert cut.code == "def f():\n    return 1\n" and cut.unclosed
+  assert parsing.extract_code("I will not write code.").code is None
+  assert parsing.extract_code("```python\n\n```").code is None
+  assert parsing.extract_code('```python\ns = "```"\n```').code == 's = "```"\n'
+
+
+# --- skill events ----------------------------------------------------------------------------
+
+SKILL = code('''
+  import re
+
+  def count_songs(genre):
+      """Counts songs of a genre."""
+      token = login("spotify")
+      return len([s for s in apis.spotify.songs(token) if s == genre])
+
+  def login(app):
+      return apis.supervisor.token(app)
+
+  answer = count_songs("rock")
+  apis.supervisor.complete_task(answer=answer)
+  ''')
+
+
+def test_analyze_finds_functions_calls_imports():
+  a = skills.analyze(SKILL)
+  assert a.syntax_ok and [f.name for f in a.functions] == ["count_songs", "login"]
+  count = a.functions[0]
+  assert count.signature == "count_songs(genre)" and count.docstring == "Counts songs of a genre."
+  assert count.calls == {"login", "len"}
+  assert a.top_level_calls == {"count_songs"}  # apis.* are attribute calls, not skills
+  assert a.imports == ("import re",) and count.code.startswith("import re\ndef count_songs")
+  broken = skills.analyze("def f(:\n  pass")
+  assert not broken.syntax_ok and "SyntaxError" in broken.error and broken.functions == ()
+
+
+def test_generated_and_saved_with_helpers():
+  t = skills.SkillTracker()
+  t.observe(SKILL, ok=True)
+  e = t.events()
+  assert e.generated == ("count_songs", "login") and e.saved == e.generated
+  assert e.used == () and e.updated == ()
+  assert set(t.saved_functions()) == {"count_songs", "login"}
+
+
+def test_definition_in_failing_block_is_not_generated():
+  t = skills.SkillTracker()
+  t.observe("def f(x):\n    return x\nf(1)\n", ok=False)
+  e = t.events()
+  assert e.generated == () and e.saved == () and e.failed_definitions == ("f",)
+  t.observe("def f(x):\n    return x + 1\nf(1)\n", ok=True)  # fixed in a later turn
+  e = t.events()
+  assert e.generated == ("f",) and e.failed_definitions == ()
+  assert "x + 1" in t.saved_functions()["f"].source
+
+
+def test_used_direct_transitive_and_through_task_helper():
+  library = {"count_songs": {"login", "len"}, "login": set(), "unused": set()}
+  t = skills.SkillTracker(library)
+  t.observe("answer = count_songs('pop')\n", ok=True)
+  assert t.events().used == ("count_songs", "login")  # login runs inside count_songs
+  t2 = skills.SkillTracker(library)
+  t2.observe("def wrapper(g):\n    return count_songs(g)\n\nwrapper('x')\n", ok=True)
+  e = t2.events()
+  assert e.used == ("count_songs", "login") and e.generated == ("wrapper",)
+  t3 = skills.SkillTracker(library)
+  t3.observe("def never_called():\n    return count_songs('x')\n", ok=True)
+  assert t3.events().used == ()  # defined but not reached
+
+
+def test_used_even_when_the_call_fails_but_not_on_syntax_error():
+  t = skills.SkillTracker({"f": set()})
+  t.observe("f(\n", ok=False)
+  assert t.events().used == () and t.events().syntax_errors == 1
+  t.observe("f(1)\n", ok=False)
+  assert t.events().used == ("f",)
+
+
+def test_redefinition_is_update_not_use():
+  library = {"count_songs": set()}
+  t = skills.SkillTracker(library)
+  t.observe("def count_songs(g):\n    return 0\n\ncount_songs('a')\n", ok=True)
+  e = t.events()
+  assert e.updated == ("count_songs",) and e.used == () and e.generated == ()
+  assert e.saved == ("count_songs",)
+  t.observe("count_songs('b')\n", ok=True)  # the task's own version now
+  assert t.events().used == ()
+  t2 = skills.SkillTracker(library)
+  t2.observe("count_songs('a')\n", ok=False)  # use, fails ...
+  t2.observe("def count_songs(g):\n    return 1\n\ncount_songs('a')\n", ok=True)  # ... fix
+  e2 = t2.events()
+  assert e2.used == ("count_songs",) and e2.updated == ("count_songs",)
+
+
+def test_update_in_failing_block_is_not_saved():
+  t = skills.SkillTracker({"f": set()})
+  t.observe("def f():\n    raise ValueError\n\nf()\n", ok=False)
+  e = t.events()
+  assert e.updated == () and e.saved == () and e.failed_definitions == ("f",)
+
+
+# --- library and retrieval -------------------------------------------------------------------
+
+def _skill(name, scenario, instruction, doc="", calls=(), task=None):
+  return Skill(name=name, code=f"def {name}():\n    return 1\n", signature=f"{name}()",
+               docstring=doc, scenario=scenario, source_task=task or f"{scenario}_1",
+               source_instruction=instruction, calls=tuple(calls))
+
+
+def test_library_save_update_and_install():
+  lib = SkillLibrary()
+  a = skills.analyze(SKILL)
+  saved = lib.save({f.name: f for f in a.functions}, scenario="s1", task_id="s1_1",
+                   instruction="How many rock songs?")
+  assert [s.name for s in saved] == ["count_songs", "login"] and len(lib) == 2
+  lib.record_use([lib.get("s1", "count_songs")], success=True)
+  again = lib.save({"count_songs": a.functions[0]}, scenario="s1", task_id="s1_2",
+                   instruction="How many pop songs?")[0]
+  assert again.version == 2 and again.created_by == "s1_1" and again.source_task == "s1_2"
+  assert again.uses == 1 and again.successes == 1
+  assert [s.name for s in lib.skills("s1")] == ["login", "count_songs"]
+  code_ = install_code(lib.skills())
+  compile(code_, "<library>", "exec")
+  assert code_.count("def login") == 1 and "import re" in code_
+  assert install_code([]) is None
+  clone = SkillLibrary.from_list(lib.to_list())
+  assert [s.to_dict() for s in clone.skills()] == lib.to_list()
+  copy_ = lib.copy()
+  copy_.record_use(copy_.skills(), success=False)
+  assert lib.get("s1", "login").uses == 0
+
+
+LIB = [
+    _skill("count_rock", "s1", "How many rock songs are in my Spotify library?",
+           "Count songs of a genre in the Spotify library.", calls=["spotify_login"]),
+    _skill("spotify_login", "s1", "How many rock songs are in my Spotify library?",
+           "Log in to Spotify."),
+    _skill("pay_friend", "s2", "Send $20 to Ann on Venmo for lunch.",
+           "Send a Venmo payment to a person by name."),
+    _skill("count_notes", "s3", "How many of my Simple Note notes are tagged work?",
+           "Count notes with a tag."),
+]
+
+
+def test_retrieval_strategies():
+  lib = SkillLibrary(LIB)
+  query = "How many jazz songs are in my Spotify library?"
+  same = retrieval.Retriever(RetrievalConfig(strategy="same_scenario"))
+  assert [s.name for s in same.retrieve(lib, scenario="s2", instruction=query)] == ["pay_friend"]
+  assert retrieval.Retriever(RetrievalConfig(strategy="none")).retrieve(
+      lib, scenario="s1", instruction=query) == []
+  for strategy in ("query_ngram", "query_embedding", "skill_embedding"):
+    r = retrieval.Retriever(RetrievalConfig(strategy=strategy, top_k=1))
+    got = [s.name for s in r.retrieve(lib, scenario="unknown", instruction=query)]
+    # The best match comes with the library skill it calls.
+    assert got == ["count_rock", "spotify_login"], strategy
+  pay = retrieval.Retriever(RetrievalConfig(strategy="query_ngram", top_k=1)).retrieve(
+      lib, scenario="x", instruction="Send $45 to Bob on Venmo for pottery.")
+  assert [s.name for s in pay] == ["pay_friend"]
+  strict = retrieval.Retriever(RetrievalConfig(strategy="query_ngram", min_score=0.99))
+  assert strict.retrieve(lib, scenario="x", instruction=query) == []
+
+
+def test_hashing_embedder_is_normalised_and_deterministic():
+  e = retrieval.HashingEmbedder(64)
+  m = e.embed(["hello world", "hello world", ""])
+  assert m.shape == (3, 64) and np.allclose(np.linalg.norm(m[:2], axis=1), 1.0)
+  assert np.array_equal(m[0], m[1]) and not m[2].any()
+
+
+def test_policy_embedder_with_a_tiny_model(tok):
+  from sage_jax.model import get_preset, init_model
+
+  model = init_model(get_preset("tiny"), seed=0)
+  e = retrieval.PolicyEmbedder(model, tok)
+  m = e.embed(["count songs", "count songs", "pay a friend on venmo"])
+  assert m.shape == (3, 64) and np.allclose(m[0], m[1], atol=1e-5)
+  r = retrieval.Retriever(RetrievalConfig(strategy="skill_embedding", embedding_model="policy"),
+                          retrieval.make_embedder(
+                              RetrievalConfig(strategy="skill_embedding",
+                                              embedding_model="policy"), model=model,
+                              tokenizer=tok))
+  assert len(r.retrieve(SkillLibrary(LIB), scenario="x", instruction="songs")) >= 1
+
+
+def test_configs_reject_bad_values():
+  with pytest.raises(ValueError, match="strategy"):
+    RetrievalConfig(strategy="random")
+  with pytest.raises(ValueError, match="max_steps"):
+    AgentConfig(max_steps=0)
+  with pytest.raises(ValueError, match="unknown_key"):
+    AgentConfig.from_dict({"unknown_key": 1})
+  assert AgentConfig.from_dict({"stop_strings": ["```\n"]}).stop_strings == ("```\n",)
+
+
+# --- prompt and expert -----------------------------------------------------------------------
+
+def test_system_prompt_lists_skills_and_baseline_has_no_library():
+  text = prompts.system_prompt(LIB[:2])
+  assert "apis.api_docs" in text and "complete_task" in text and "# Skills" in text
+  assert "def count_rock():" in text and "Count songs of a genre" in text
+  assert "The library is empty" in prompts.system_prompt([])
+  assert "# Skills" not in prompts.system_prompt(None)
+  short = prompts.skill_listing(LIB, max_chars=60)
+  assert "more skills not shown" in short
+
+
+GOLD = code('''
+  def total_received_from(name):
+      users = apis.venmo.search_users(query=name)
+      return sum(u["amount"] for u in users)
+
+
+  answer = total_received_from('Ann Lee')
+  apis.supervisor.complete_task(answer=answer)
+  ''')
+
+
+def test_expert_defines_with_docstring_then_reuses():
+  first = expert.expert_turns(GOLD)
+  assert len(first) == 1
+  c = parsing.extract_code(first[0]).code
+  a = skills.analyze(c)
+  assert a.functions[0].docstring.startswith("Total received from.")
+  assert "name: the name." in a.functions[0].docstring
+  t = skills.SkillTracker()
+  t.observe(c, ok=True)
+  assert t.events().generated == ("total_received_from",)
+  second = parsing.extract_code(expert.expert_turns(GOLD, ["total_received_from"])[0]).code
+  assert "def " not in second and "total_received_from('Ann Lee')" in second
+  t2 = skills.SkillTracker({"total_received_from": set()})
+  t2.observe(second, ok=True)
+  assert t2.events().used == ("total_received_from",) and t2.events().generated == ()
+  plain = expert.expert_turns("x = apis.a.b()\napis.supervisor.complete_task()\n")
+  assert parsing.extract_code(plain[0]).code.startswith("x = apis.a.b()")
+
+
+# --- the episode loop ------------------------------------------------------------------------
+
+class FakeEpisode:
+  """An AsyncEpisode stand-in: code containing 'complete_task' completes the task, code
+  containing 'boom' fails."""
+
+  def __init__(self):
+    self.start = EpisodeStart(task_id="abc1234_1", instruction="Do the thing.",
+                              supervisor={"first_name": "A", "last_name": "B", "email": "e",
+                                          "phone_number": "1"},
+                              app_descriptions={"spotify": "music", "supervisor": "s"},
+                              datetime="2023-05-18T12:00:00")
+    self.task_completed = False
+    self.error = None
+    self.executed = []
+
+  async def execute(self, code):
+    self.executed.append(code)
+    if "boom" in code:
+      return "Execution failed. Traceback:\nValueError: boom"
+    if "complete_task" in code:
+      self.task_completed = True
+    return "Execution successful."
+
+
+class ListPolicy:
+  """Replays fixed texts; records the requests it saw."""
+
+  def __init__(self, tok, texts, logprob=-0.5, end=True):
+    self.tok, self.texts, self.logprob, self.end = tok, texts, logprob, end
+    self.requests = []
+
+  def session(self, context):
+    policy = self
+
+    class Session:
+      async def generate(self, request):
+        policy.requests.append(request)
+        ids = policy.tok.encode(policy.texts[request.turn_index])[:request.max_new_tokens]
+        reason = "max_new_tokens"
+        if policy.end and len(ids) < request.max_new_tokens:
+          ids, reason = ids + [policy.tok.eos_id], "eos"
+        lp = np.full(len(ids), policy.logprob, np.float32)
+        return PolicyTurn(ids, lp, lp * 2, reason)
+
+      async def close(self):
+        pass
+
+    return Session()
+
+
+def _run(tok, texts, config=AgentConfig(), skills_=(), **kw):
+  episode = FakeEpisode()
+  policy = ListPolicy(tok, texts, **kw)
+  trace = asyncio.run(agent_lib.run_task(policy=policy, episode=episode, tokenizer=tok,
+                                         config=config, skills=list(skills_), scenario="abc1234"))
+  return trace, episode, policy
+
+
+def test_episode_masks_logprobs_turns_and_events(tok):
+  texts = ["Let me look.", "```python\ndef f():\n    raise boom\nf()\n```",
+           "```python\ndef f():\n    return 1\nf()\napis.supervisor.complete_task()\n```"]
+  trace, episode, policy = _run(tok, texts)
+  assert trace.end_reason == "completed" and trace.num_steps == 3 and trace.no_code_turns == 1
+  assert len(episode.executed) == 2
+  ids, mask = trace.conversation.ids, np.asarray(trace.conversation.loss_mask)
+  assert int(mask.sum()) == trace.generated_tokens
+  # The mask covers exactly the policy's tokens, and logprobs sit exactly under the mask.
+  generated = [i for t in trace.turns for i in ids[t.token_start:t.token_end]]
+  expected = [i for text in texts for i in tok.encode(text) + [tok.eos_id]]
+  assert generated == expected and int(mask.sum()) == len(expected)
+  assert np.all((trace.sampler_logprobs != 0) == (mask == 1))
+  assert np.allclose(trace.sampler_logprobs[mask == 1], -0.5)
+  assert np.allclose(trace.model_logprobs[mask == 1], -1.0)
+  assert prompts.FORMAT_ERROR in tok.decode(ids)
+  # Each turn's new ids continue exactly where the policy's sequence stopped.
+  seq = []
+  for r, t in zip(policy.requests, trace.turns):
+    seq += r.new_ids
+    assert seq == r.prompt_ids
+    seq += ids[t.token_start:t.token_end]
+  assert trace.events.generated == ("f",) and "return 1" in trace.saved["f"].source
+  roles = [t.role for t in trace.conversation.turns]
+  assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+
+
+def test_episode_limits_end_cleanly(tok):
+  texts = ["```python\nprint(1)\n```"] * 10
+  trace, _, _ = _run(tok, texts, AgentConfig(max_steps=3))
+  assert trace.end_reason == "max_steps" and trace.num_steps == 3
+  assert trace.conversation.turns[-1].role == "assistant"
+  long = ["```python\n" + "x = 1\n" * 200 + "```"] * 10
+  trace, _, _ = _run(tok, long, AgentConfig(max_turn_tokens=50, max_episode_tokens=100_000))
+  assert all(t.token_end - t.token_start == 50 for t in trace.turns)
+  assert all(t.finish_reason == "max_new_tokens" for t in trace.turns)
+  for limit in (700, 900, 1200):
+    trace, _, _ = _run(tok, long, AgentConfig(max_turn_tokens=400, max_episode_tokens=limit))
+    assert trace.end_reason == "token_limit" and len(trace.conversation) <= limit
+  tiny = AgentConfig(max_episode_tokens=50)
+  trace, _, _ = _run(tok, texts, tiny)
+  assert trace.end_reason == "token_limit" and trace.num_steps == 0
+
+
+def test_baseline_mode_shows_no_library_and_saves_nothing(tok):
+  texts = ["```python\ndef f():\n    return 1\nf()\napis.supervisor.complete_task()\n```"]
+  trace, _, _ = _run(tok, texts, AgentConfig(use_library=False), skills_=LIB)
+  assert trace.visible_skills == () and trace.saved == {}
+  assert "# Skills" not in tok.decode(trace.conversation.ids)
