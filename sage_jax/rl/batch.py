@@ -109,8 +109,9 @@ class BatchConfig:
 
   micro_batch_tokens: token budget of one micro-batch (rows x row length); rows per
     micro-batch = micro_batch_tokens // T (at least 1), rounded up to `row_multiple`.
-  num_micro_batches: gradient-accumulation steps per train step. If the sequences do not
-    fit even in the largest bucket, more micro-batches are used (a new compilation).
+  num_micro_batches: gradient-accumulation steps per train step. If the sequences fit in no
+    bucket, more micro-batches are used (a new compilation), in the bucket that needs the
+    fewest positions.
   length_buckets: allowed row lengths T; the longest sequence (minus one) must fit the
     largest.
   pack: several sequences per row (segment ids keep them apart); False gives one sequence
@@ -259,10 +260,16 @@ def _choose_layout(lengths: Sequence[int], config: BatchConfig):
     r = config.rows_per_micro_batch(row_len)
     if len(rows) <= config.num_micro_batches * r:
       return row_len, r, config.num_micro_batches, rows
-  row_len = candidates[-1]
-  rows = _pack_rows(lengths, row_len, config.pack)
-  r = config.rows_per_micro_batch(row_len)
-  return row_len, r, -(-len(rows) // r), rows
+  # Nothing fits in num_micro_batches: more micro-batches, with the layout that has the fewest
+  # positions (ties: the shorter rows).
+  best = None
+  for row_len in candidates:
+    rows = _pack_rows(lengths, row_len, config.pack)
+    r = config.rows_per_micro_batch(row_len)
+    m = -(-len(rows) // r)
+    if best is None or m * r * row_len < best[2] * best[1] * best[0]:
+      best = (row_len, r, m, rows)
+  return best
 
 
 def make_batch(records: Sequence[Any], config: BatchConfig = BatchConfig(), *,

@@ -113,7 +113,7 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
                 jax.tree.map(jnp.add, acc_grads, grads)), None
 
       (loss, stats, grads), _ = jax.lax.scan(body, empty, batch)
-      grad_norm = optax.global_norm(grads)
+      grad_norm = optax.tree.norm(grads)
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
       updates, opt_state = tx.update(grads, state.opt_state, params)
       new_params = optax.apply_updates(params, updates)

@@ -1,0 +1,234 @@
+"""The jitted train step: gradient accumulation is exact, the sharded step equals the
+single-device step, nothing recompiles, chunked logprobs, bf16 compute, schedules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from sage_jax import sharding as shd
+from sage_jax.model import get_preset, init_model
+from sage_jax.rl import batch as B
+from sage_jax.rl import grpo
+from sage_jax.train import optimizer as opt
+from sage_jax.train.logprobs import token_logprobs
+from sage_jax.train.step import Trainer, TrainerConfig
+
+VOCAB = 64
+CFG = get_preset("tiny").replace(vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2)
+# lr 1 with eps 1 makes Adam's first update ~ -g / (|g| + 1): parameters after a step compare
+# the gradients themselves (a tiny eps would compare only their signs).
+LINEAR_ADAM = opt.OptimizerConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0, max_grad_norm=0.0)
+GRPO = grpo.GRPOConfig(clip_eps_high=0.28, kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0,
+                       loss_aggregation="seq-mean-token-mean")
+
+
+def _records(n, seed=0, min_len=6, max_len=15):
+  rng = np.random.default_rng(seed)
+  recs = []
+  for _ in range(n):
+    length = int(rng.integers(min_len, max_len + 1))
+    mask = (rng.random(length) < 0.7).astype(np.int8)
+    mask[0] = 0
+    lp = np.where(mask, rng.normal(size=length) * 0.3 - 4.2, 0).astype(np.float32)
+    recs.append(dict(tokens=rng.integers(0, VOCAB, length), loss_mask=mask, model_logprobs=lp,
+                     sampler_logprobs=lp + np.where(mask, 0.1, 0).astype(np.float32),
+                     advantage=float(rng.normal())))
+  return recs
+
+
+def _with_ref(batch):
+  rng = np.random.default_rng(5)
+  return batch.replace(ref_logprobs=(batch.loss_mask * (rng.normal(size=batch.shape) * 0.3 - 4.2)
+                                     ).astype(np.float32))
+
+
+def _leaves(state):
+  return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def test_accumulating_4_micro_batches_equals_one_big_batch():
+  recs = _records(8)
+  big, _ = B.make_batch(recs, B.BatchConfig(micro_batch_tokens=128, num_micro_batches=1,
+                                            length_buckets=(16,)), aggregation="seq-mean-token-mean")
+  small, _ = B.make_batch(recs, B.BatchConfig(micro_batch_tokens=32, num_micro_batches=4,
+                                              length_buckets=(16,)), aggregation="seq-mean-token-mean")
+  assert big.shape == (1, 8, 16) and small.shape == (4, 2, 16)
+  results = []
+  for batch in (big, small):
+    trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(GRPO), LINEAR_ADAM)
+    metrics = trainer.step(_with_ref(batch))
+    results.append((jax.device_get(metrics), _leaves(trainer.params)))
+  (m1, p1), (m4, p4) = results
+  for k in ("loss", "grad_norm", "pg_loss", "kl", "entropy", "clip_frac", "ratio_max",
+            "tis_weight"):
+    np.testing.assert_allclose(m4[k], m1[k], atol=1e-5, rtol=1e-5, err_msg=k)
+  for a, b in zip(p4, p1):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+  assert m1["grad_norm"] > 1e-3  # the comparison is not vacuous
+
+
+def test_step_loss_matches_direct_gradient():
+  """The step's loss and gradient norm equal jax.grad of the whole-batch loss by hand."""
+  recs = _records(4, seed=3)
+  batch, _ = B.make_batch(recs, B.BatchConfig(micro_batch_tokens=32, num_micro_batches=2,
+                                              length_buckets=(16,)))
+  model = init_model(CFG, seed=2)
+  graphdef, params = nnx.split(model)
+  config = grpo.GRPOConfig()
+
+  def total(p):
+    m = nnx.merge(graphdef, p)
+    out = 0.0
+    for micro in B.micro_batches(batch):
+      micro = jax.tree.map(jnp.asarray, micro)
+      lp, _ = token_logprobs(m, micro.tokens, micro.positions, micro.segment_ids, micro.targets)
+      out = out + grpo.batch_loss(config, lp, micro)[0]
+    return out
+
+  loss, grads = jax.jit(jax.value_and_grad(total))(params)
+  trainer = Trainer(model, grpo.make_loss_fn(config), LINEAR_ADAM)
+  metrics = trainer.step(batch)
+  assert float(metrics["loss"]) == pytest.approx(float(loss), abs=1e-6)
+  assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
+
+
+def test_sharded_step_equals_single_device():
+  assert jax.device_count() == 8
+  recs = _records(12, seed=1)
+  cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16,),
+                      row_multiple=4)
+  batches = [_with_ref(B.make_batch(recs[i::2], cfg)[0]) for i in range(2)]
+  optim = opt.OptimizerConfig(learning_rate=1e-2, eps=1.0, weight_decay=0.01, max_grad_norm=0.5,
+                              warmup_steps=1)
+  single = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(GRPO), optim)
+  mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
+  sharded = Trainer(shd.create_sharded(lambda: init_model(CFG, seed=0), mesh),
+                    grpo.make_loss_fn(GRPO), optim, mesh=mesh)
+  for batch in batches:
+    m1 = jax.device_get(single.step(batch))
+    m8 = jax.device_get(sharded.step(batch))
+    for k in m1:
+      np.testing.assert_allclose(m8[k], m1[k], atol=1e-5, rtol=1e-5, err_msg=k)
+  q = sharded.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+  assert len(q.addressable_shards) == 8 and q.sharding.spec == jax.sharding.PartitionSpec(
+      "fsdp", "tensor", None)
+  mu = sharded.state.opt_state[1][0].mu["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+  assert mu.sharding == q.sharding  # Adam moments are sharded like their parameters
+  for a, b in zip(_leaves(sharded.state), _leaves(single.state)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+  assert int(sharded.state.step) == 2
+
+
+def test_no_recompile_after_warmup_and_donation():
+  trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()),
+                    opt.OptimizerConfig(learning_rate=1e-3))
+  cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16, 32))
+  first = B.make_batch(_records(5, seed=0), cfg)[0]
+  assert first.shape == (2, 4, 16)
+  old_params = trainer.params
+  trainer.step(first)
+  assert trainer.num_compiled == 1
+  leaf = jax.tree.leaves(old_params)[0]
+  assert leaf.is_deleted()  # the previous state was donated
+  for seed in range(1, 4):  # other data, same bucket: no new compilation
+    trainer.step(B.make_batch(_records(6, seed=seed), cfg)[0])
+  assert trainer.num_compiled == 1
+  long = B.make_batch(_records(3, seed=9, min_len=20, max_len=30), cfg)[0]
+  assert long.shape == (2, 2, 32)
+  trainer.step(long)
+  assert trainer.num_compiled == 2  # one variant per length bucket, and only one
+  trainer.step(first)
+  assert trainer.num_compiled == 2
+  assert trainer.step_count == 6
+
+
+def test_empty_micro_batches_are_skipped_exactly():
+  recs = _records(3, seed=4)
+  cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=4, length_buckets=(16,))
+  batch = B.make_batch(recs, cfg)[0]
+  assert (batch.loss_mask.reshape(4, -1).sum(1) == 0).sum() == 3  # 3 micro-batches are padding
+  out = []
+  for skip in (True, False):
+    trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()),
+                      LINEAR_ADAM, config=TrainerConfig(skip_empty_micro_batches=skip))
+    out.append((jax.device_get(trainer.step(batch)), _leaves(trainer.params)))
+  for k in out[0][0]:
+    np.testing.assert_allclose(out[0][0][k], out[1][0][k], atol=1e-6, err_msg=k)
+  for a, b in zip(out[0][1], out[1][1]):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_chunked_logprobs_equal_full():
+  model = init_model(CFG, seed=3)
+  batch = B.make_batch(_records(4, seed=2), B.BatchConfig(micro_batch_tokens=64,
+                                                          length_buckets=(16,)))[0]
+  micro = jax.tree.map(jnp.asarray, B.micro_batches(batch)[0])
+  args = (micro.tokens, micro.positions, micro.segment_ids, micro.targets)
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def both(p):
+    def f(p, chunk):
+      lp, ent = token_logprobs(nnx.merge(graphdef, p), *args, chunk=chunk)
+      return jnp.sum(lp * micro.loss_mask), (lp, ent)
+    return [jax.grad(f, has_aux=True)(p, chunk) for chunk in (0, 4)]
+
+  (g_full, full), (g_chunk, chunked) = both(params)
+  for a, b in zip(full, chunked):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_chunk)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  with pytest.raises(ValueError, match="does not divide"):
+    token_logprobs(model, *args, chunk=5)
+
+
+def test_bf16_compute_with_fp32_master_weights():
+  model = init_model(CFG.replace(dtype="bfloat16", remat="full"), seed=0)
+  trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()),
+                    opt.OptimizerConfig(learning_rate=1e-3))
+  batch = B.make_batch(_records(4), B.BatchConfig(micro_batch_tokens=64,
+                                                  length_buckets=(16,)))[0]
+  metrics = jax.device_get(trainer.step(batch))
+  assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
+  mu = trainer.state.opt_state[1][0].mu
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(mu))
+
+
+def test_schedules():
+  s = opt.make_schedule(opt.OptimizerConfig(learning_rate=1.0, warmup_steps=4))
+  assert [float(s(i)) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+  s = opt.make_schedule(opt.OptimizerConfig(learning_rate=2.0, warmup_steps=2,
+                                            schedule="cosine", decay_steps=10,
+                                            end_lr_ratio=0.1))
+  assert float(s(1)) == 2.0
+  assert float(s(2)) == pytest.approx(2.0)
+  assert float(s(7)) == pytest.approx(0.2 + 1.8 * 0.5 * (1 + np.cos(np.pi * 5 / 10)), rel=1e-5)
+  assert float(s(12)) == pytest.approx(0.2)
+  s = opt.make_schedule(opt.OptimizerConfig(learning_rate=1.0, schedule="linear",
+                                            decay_steps=4))
+  assert [float(s(i)) for i in (0, 2, 4, 9)] == [1.0, 0.5, 0.0, 0.0]
+  with pytest.raises(ValueError, match="decay_steps"):
+    opt.OptimizerConfig(schedule="cosine")
+
+
+def test_weight_decay_mask_and_clipping():
+  model = init_model(CFG, seed=0)
+  _, params = nnx.split(model)
+  tx, _ = opt.make_optimizer(opt.OptimizerConfig(learning_rate=0.1, weight_decay=0.5,
+                                                 weight_decay_mask="matrices", max_grad_norm=1.0))
+  updates, _ = jax.jit(lambda p: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p))(
+      params)
+  norm_update = updates["norm"]["weight"][...]
+  kernel_update = updates["layers"][0]["mlp"]["up_proj"]["kernel"][...]
+  assert float(jnp.abs(norm_update).max()) == 0.0  # 1-D: no decay
+  np.testing.assert_allclose(np.asarray(kernel_update),
+                             -0.1 * 0.5 * np.asarray(params["layers"][0]["mlp"]["up_proj"]
+                                                     ["kernel"][...]), rtol=1e-6)
+  big = jax.tree.map(lambda p: jnp.full_like(p, 100.0), params)
+  clip = optax.clip_by_global_norm(1.0)
+  norm = jax.jit(lambda g: optax.tree.norm(clip.update(g, clip.init(g))[0]))(big)
+  assert float(norm) == pytest.approx(1.0, rel=1e-5)
