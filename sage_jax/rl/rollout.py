@@ -295,7 +295,6 @@ class _SamplerSession:
     self._sampling = sampling
     self._max_len = max_len
     self._seq_id: int | None = None
-    self._first: Any = None
 
   async def generate(self, request: TurnRequest) -> PolicyTurn:
     sampling = self._sampling(max_new_tokens=request.max_new_tokens,
