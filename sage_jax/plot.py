@@ -1,0 +1,149 @@
+"""Training curves and sweep comparisons as PNG files.
+
+  python -m sage_jax.plot --workdir=RUN            # RUN/plots/training.png
+  python -m sage_jax.plot --sweep_root=SWEEP_DIR   # SWEEP_DIR/comparison.png over its runs
+
+Reads the per-step metrics (`metrics.jsonl`: one JSON object per line with a "step") that the
+training loops write. Panels group metrics by name, so new metrics appear without edits here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+METRICS_FILE = "metrics.jsonl"
+
+# Panel title -> substrings; a metric goes to the first panel whose substring it contains.
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward per chain position", ("reward",)),
+    ("task / scenario success", ("tgc", "sgc", "success")),
+    ("interaction steps", ("steps",)),
+    ("generated tokens", ("tokens",)),
+    ("skill usage", ("skill",)),
+    ("loss", ("loss",)),
+)
+_EXCLUDE = ("tokens_per_s", "time")
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """All metric rows of a run, in file order (a partial last line is skipped)."""
+  path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist: is {workdir!r} a training workdir?")
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return rows
+
+
+def _series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+  out: dict[str, tuple[list[float], list[float]]] = {}
+  for row in rows:
+    step = row.get("step")
+    if step is None:
+      continue
+    for key, value in row.items():
+      if key == "step" or not isinstance(value, (int, float)) or isinstance(value, bool):
+        continue
+      xs, ys = out.setdefault(key, ([], []))
+      xs.append(step)
+      ys.append(float(value))
+  return out
+
+
+def _panels(keys: Iterable[str]) -> dict[str, list[str]]:
+  panels: dict[str, list[str]] = {title: [] for title, _ in PANELS}
+  for key in sorted(keys):
+    low = key.lower()
+    if any(x in low for x in _EXCLUDE):
+      continue
+    for title, needles in PANELS:
+      if any(n in low for n in needles):
+        panels[title].append(key)
+        break
+  return {t: ks for t, ks in panels.items() if ks}
+
+
+def _grid(n: int):
+  cols = min(3, n)
+  rows = math.ceil(n / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+  for ax in list(axes.flat)[n:]:
+    ax.axis("off")
+  return fig, list(axes.flat)[:n]
+
+
+def _save(fig, title: str, out_path: str) -> str:
+  fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+  fig.savefig(out_path, dpi=110)
+  plt.close(fig)
+  return out_path
+
+
+def plot_run(workdir: str, out_path: str | None = None) -> str:
+  """Writes the training curves of one run; returns the PNG path."""
+  series = _series(read_metrics(workdir))
+  panels = _panels(series)
+  if not panels:
+    raise ValueError(f"{workdir}/{METRICS_FILE} holds no metrics to plot")
+  fig, axes = _grid(len(panels))
+  for ax, (title, keys) in zip(axes, panels.items()):
+    for key in keys:
+      xs, ys = series[key]
+      ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, label=key)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+  return _save(fig, os.path.basename(os.path.abspath(workdir)),
+               out_path or os.path.join(workdir, "plots", "training.png"))
+
+
+def plot_sweep(sweep_root: str, out_path: str | None = None) -> str:
+  """Overlays the runs under `sweep_root` (each a workdir), one panel per metric group."""
+  runs = sorted(d for d in os.listdir(sweep_root)
+                if os.path.exists(os.path.join(sweep_root, d, METRICS_FILE)))
+  if not runs:
+    raise FileNotFoundError(f"{sweep_root}: no run directories with {METRICS_FILE}")
+  per_run = {r: _series(read_metrics(os.path.join(sweep_root, r))) for r in runs}
+  panels = _panels(set().union(*per_run.values()))
+  fig, axes = _grid(len(panels))
+  for ax, title in zip(axes, panels):
+    key = panels[title][0]  # the panel's headline metric, compared across runs
+    for run, series in per_run.items():
+      if key in series:
+        ax.plot(*series[key], label=run)
+    ax.set_title(f"{title}: {key}")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+  return _save(fig, os.path.basename(os.path.abspath(sweep_root)),
+               out_path or os.path.join(sweep_root, "comparison.png"))
+
+
+def main(argv):
+  del argv
+  if bool(FLAGS.workdir) == bool(FLAGS.sweep_root):
+    raise app.UsageError("pass exactly one of --workdir and --sweep_root")
+  print(plot_run(FLAGS.workdir) if FLAGS.workdir else plot_sweep(FLAGS.sweep_root))
+
+
+FLAGS = flags.FLAGS
+
+if __name__ == "__main__":
+  flags.DEFINE_string("workdir", None, "A training run's workdir.")
+  flags.DEFINE_string("sweep_root", None, "A directory whose subdirectories are runs.")
+  app.run(main)
