@@ -40,9 +40,6 @@ from sage_jax.rl import rollout
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.tokenizer import Tokenizer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for the reports.")
-
 POLICIES = ("model", "scripted")
 
 
@@ -219,10 +216,11 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
 
 def main(argv) -> None:
   del argv
-  if _CONFIG.value is None or not _WORKDIR.value:
+  config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+  if config is None or not workdir:
     raise app.UsageError("--config=configs/eval.py:<preset> and --workdir=DIR are required")
   logging.getLogger("httpx").setLevel(logging.WARNING)
-  report = evaluate(_CONFIG.value, _WORKDIR.value)
+  report = evaluate(config, workdir)
   print(metrics_lib.markdown_table(report["metrics"], report["split"]))
   print(json.dumps({k: report[k] for k in ("split", "policy", "retrieval", "elapsed_s")}
                    | {"tgc": report["metrics"]["overall"]["tgc"],
@@ -230,5 +228,12 @@ def main(argv) -> None:
                       "appworld": report.get("appworld")}))
 
 
+def define_flags() -> None:
+  """The entry point's flags (defined only when run, so importing this module defines none)."""
+  config_flags.DEFINE_config_file("config", None, "Evaluation config file.")
+  flags.DEFINE_string("workdir", None, "Directory for the reports.")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
