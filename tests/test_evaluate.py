@@ -11,8 +11,18 @@ import pytest
 from sage_jax import evaluate
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics
-from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
-from tests.appworld_fixtures import pool_config
+
+
+@pytest.fixture(scope="module")
+def mini_root():
+  return appworld.ensure_mini_world()
+
+
+def pool_config(root: str, outputs: str, **overrides) -> appworld.EnvPoolConfig:
+  values = dict(num_workers=2, appworld_root=root, outputs_root=outputs, timeout_seconds=20,
+                call_timeout_s=90.0, memory_limit_mb=1536, max_interactions=20,
+                max_output_chars=5000)
+  return appworld.EnvPoolConfig(**(values | overrides))
 
 
 def _config(**eval_overrides):
@@ -28,13 +38,13 @@ def _config(**eval_overrides):
 
 
 @pytest.fixture(scope="module")
-def pool(mini_root, tmp_path_factory):  # noqa: F811
+def pool(mini_root, tmp_path_factory):
   outputs = str(tmp_path_factory.mktemp("eval_outputs"))
   with appworld.EnvPool(pool_config(mini_root, outputs, num_workers=2)) as pool:
     yield pool
 
 
-def test_scripted_policy_scores_100_with_reuse_in_every_later_task(pool, mini_root, tmp_path):  # noqa: F811
+def test_scripted_policy_scores_100_with_reuse_in_every_later_task(pool, mini_root, tmp_path):
   report = evaluate.evaluate(_config(), str(tmp_path), pool=pool)
   overall = report["metrics"]["overall"]
   assert overall["tgc"] == 100.0 and overall["sgc"] == 100.0
@@ -58,7 +68,7 @@ def test_scripted_policy_scores_100_with_reuse_in_every_later_task(pool, mini_ro
   assert len(library) == 3 and all(s["uses"] == 2 and s["successes"] == 2 for s in library)
 
 
-def test_cross_scenario_retrieval_runs_scenarios_in_order(pool, tmp_path):  # noqa: F811
+def test_cross_scenario_retrieval_runs_scenarios_in_order(pool, tmp_path):
   c = _config(experiment="eval_ngram", max_scenarios=2, appworld_check=False)
   c.retrieval = dict(strategy="query_ngram", top_k=2)
   report = evaluate.evaluate(c, str(tmp_path), pool=pool)

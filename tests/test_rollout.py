@@ -11,8 +11,18 @@ from sage_jax.agent import AgentConfig, Retriever, ScriptedPolicy
 from sage_jax.envs import appworld
 from sage_jax.rl import advantages, rewards, rollout
 from sage_jax.tokenizer import Tokenizer
-from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
-from tests.appworld_fixtures import pool_config
+
+
+@pytest.fixture(scope="module")
+def mini_root():
+  return appworld.ensure_mini_world()
+
+
+def pool_config(root: str, outputs: str, **overrides) -> appworld.EnvPoolConfig:
+  values = dict(num_workers=2, appworld_root=root, outputs_root=outputs, timeout_seconds=20,
+                call_timeout_s=90.0, memory_limit_mb=1536, max_interactions=20,
+                max_output_chars=5000)
+  return appworld.EnvPoolConfig(**(values | overrides))
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +31,7 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def pool(mini_root, tmp_path_factory):  # noqa: F811
+def pool(mini_root, tmp_path_factory):
   outputs = str(tmp_path_factory.mktemp("rollout_outputs"))
   with appworld.EnvPool(pool_config(mini_root, outputs, num_workers=2)) as pool:
     yield pool
@@ -46,7 +56,7 @@ def test_sample_chains():
   assert [c.task_ids for c in rollout.scenario_chains(ids)][-1] == ("ccccccc_1",)
 
 
-def test_scripted_sequential_rollout_events_and_rewards(pool, mini_root, tok):  # noqa: F811
+def test_scripted_sequential_rollout_events_and_rewards(pool, mini_root, tok):
   train = appworld.read_split(mini_root, "train")
   chains = rollout.sample_chains(train, 2, 2, random.Random(1))
   chains.append(rollout.Chain(chains[0].scenario, chains[0].task_ids[::-1] + (
@@ -102,7 +112,7 @@ def test_scripted_sequential_rollout_events_and_rewards(pool, mini_root, tok):  
   assert stats.num_constant_groups == 5
 
 
-def test_single_task_mode_is_the_baseline(pool, mini_root, tok):  # noqa: F811
+def test_single_task_mode_is_the_baseline(pool, mini_root, tok):
   train = appworld.read_split(mini_root, "train")
   chains = rollout.sample_chains(train, 2, 1, random.Random(2))
   ctx = rollout.RolloutContext(ScriptedPolicy(mini_root, tok), pool, tok,
@@ -139,9 +149,10 @@ class RecordingPolicy:
 
 
 @pytest.mark.slow
-def test_tiny_random_model_group_through_sampler_and_pool(pool, mini_root, tok):  # noqa: F811
+def test_tiny_random_model_group_through_sampler_and_pool(pool, mini_root, tok):
   from sage_jax.model import get_preset, init_model
-  from sage_jax.sampler import Engine, EngineConfig
+  sampler = pytest.importorskip("sage_jax.sampler")
+  Engine, EngineConfig = sampler.Engine, sampler.EngineConfig
 
   model = init_model(get_preset("tiny"), seed=0)
   engine = Engine(model, EngineConfig(num_slots=4, max_len=1024, prefill_buckets=(32, 128, 512),
