@@ -91,6 +91,7 @@ def test_metrics_table_and_disagreement_guard():
   m = metrics.evaluation_metrics(records)
   assert m["overall"]["tgc"] == 75.0 and m["overall"]["sgc"] == 50.0
   assert m["overall"]["skill_usage_rate"] == 100.0  # only record 1 saw skills, and used one
+  assert m["overall"]["skill_usage_rate_all_tasks"] == 25.0
   assert m["overall"]["success_given_skill_use"] == 0.0
   assert m["overall"]["no_code_rate"] == 25.0
   assert m["by_difficulty"]["2"]["sgc"] == 100.0

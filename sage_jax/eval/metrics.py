@@ -2,7 +2,8 @@
 
 TGC: share of tasks whose tests all pass. SGC: share of scenarios all of whose tasks pass.
 Steps: assistant turns per task. Generated tokens: model tokens per task. Skill usage rate:
-share of tasks that saw at least one library skill and used one. Success given skill use:
+share of tasks that saw at least one library skill and used one (`skill_usage_rate_all_tasks`:
+share of all tasks that used one). Success given skill use:
 TGC over the tasks that used a library skill. No-code rate: share of tasks with a response
 without code. All rates in percent. Per difficulty: the same over the tasks of that AppWorld
 difficulty (SGC over scenarios whose tasks all have it).
@@ -42,6 +43,7 @@ def summarize(records: Sequence[EpisodeRecord]) -> dict:
       "avg_steps": _mean([r.num_steps for r in records]),
       "avg_generated_tokens": _mean([r.generated_tokens for r in records]),
       "skill_usage_rate": _pct(sum(r.used_skill for r in with_library), len(with_library)),
+      "skill_usage_rate_all_tasks": _pct(len(users), len(records)),
       "success_given_skill_use": _pct(sum(r.success for r in users), len(users)),
       "no_code_rate": _pct(sum(r.no_code for r in records), len(records)),
       "avg_fraction_passed": _mean([r.fraction_passed for r in records]),
