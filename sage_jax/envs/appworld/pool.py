@@ -252,6 +252,9 @@ class EnvPool:
           worker = self._spawn(slot)
         try:
           self._run_episode(worker, job)
+        except Exception as e:  # noqa: BLE001 - a slot thread must outlive any episode
+          if not job.future.done():
+            job.future.set_exception(e)
         finally:
           self._forget((job.experiment, job.task_id))
         if worker is not None and not worker.alive:
@@ -311,13 +314,18 @@ class EnvPool:
       return fault_observation(episode.error)
     if command.op == "evaluate":
       return self._evaluate(worker, episode)
-    # close
+    # close: always records the episode's one result
     if command.payload["evaluate"] and episode.evaluation is None and episode.error is None:
-      self._evaluate(worker, episode)
-    if episode.error is None:
+      try:
+        self._evaluate(worker, episode)
+      except EpisodeError as e:
+        episode.error = f"evaluation failed: {e}"
+    if worker is not None and worker.alive:
       answer = self._call(worker, episode, {"op": "close"})
       if answer is not None and not answer["ok"]:
-        episode.error = answer["error"]
+        episode.error = episode.error or answer["error"]
+      if answer is not None and answer.get("recycle"):
+        worker.kill()  # bloated (e.g. by a memory bomb): the slot spawns a fresh one
     result = EpisodeResult(
       task_id=episode.task_id, experiment=episode.experiment,
       evaluation=episode.evaluation if episode.error is None else None,

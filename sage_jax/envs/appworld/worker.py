@@ -23,6 +23,14 @@ from typing import Any
 from sage_jax.envs.appworld import data_root
 
 FAILED_PREFIX = "Execution failed."
+WARMUP_EXPERIMENT = "_worker_warmup"
+RECYCLE_FRACTION = 0.5  # of memory_limit_mb
+
+
+def _address_space_mb() -> float:
+  with open("/proc/self/status") as f:
+    line = next(line for line in f if line.startswith("VmSize:"))
+  return int(line.split()[1]) / 1024
 
 
 def truncate(text: str, limit: int) -> str:
@@ -104,7 +112,10 @@ class Session:
       world.close()
       if not self.settings["keep_outputs"]:
         shutil.rmtree(world.output_directory, ignore_errors=True)
-    return {}
+    # Agent code can leave memory behind in the shell namespace (IPython keeps it between
+    # worlds); past half the limit the pool replaces this process.
+    limit = self.settings["memory_limit_mb"]
+    return {"recycle": bool(limit) and _address_space_mb() > RECYCLE_FRACTION * limit}
 
   def handle(self, request: dict) -> dict:
     """Runs one request; AppWorld's exceptions come back as errors, not crashes."""
@@ -125,10 +136,15 @@ def _init(settings: dict[str, Any]) -> Session:
   data = settings["appworld_root"]
   os.environ["APPWORLD_ROOT"] = _outputs_root(data, settings["outputs_root"])
   logging.getLogger("httpx").setLevel(logging.WARNING)
-  from appworld import AppWorld  # noqa: F401  - the slow imports happen now, not in an episode
+  from appworld import AppWorld
   from appworld.apps import get_all_apps
   from appworld.common.constants import DB_VERSION
   data_root.check(data, DB_VERSION, get_all_apps())
+  # The first world of a process pays for lazy imports (~seconds): pay it now, not in the
+  # first episode.
+  task_id = sorted(os.listdir(os.path.join(data, "data", "tasks")))[0]
+  with AppWorld(task_id=task_id, experiment_name=f"{WARMUP_EXPERIMENT}_{os.getpid()}") as world:
+    shutil.rmtree(world.base_output_directory, ignore_errors=True)
   return Session(settings)
 
 

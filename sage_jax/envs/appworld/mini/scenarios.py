@@ -691,7 +691,7 @@ ARTIST_PLAYLIST = Scenario(
 
 def _relationship_count_variants(world: content.World) -> list[Variant]:
   variants = []
-  for n, relationship in enumerate(("coworker", "friend", "friend"), 1):
+  for n, relationship in enumerate(("coworker", "friend", "sibling"), 1):
     s = _pick(world, n)
     count = sum(r == relationship for _, r in world.holdings[s.email].contacts)
     variants.append(Variant(s, {"relationship": relationship}, answer=count))

@@ -1,0 +1,135 @@
+r"""Benchmarks the AppWorld environment pool on the mini world; prints JSON.
+
+  python bench/envpool.py [--calls=200] [--repeats=2]
+
+Measures, in one run: gold-solution episodes per second (start, execute, evaluate, close)
+with 1 and 2 workers; the cold start of a worker (spawn, imports, data check, warm-up
+world); and the per-call cost of `execute` through the pool against the same call made
+directly on an in-process AppWorld (in a child process, since this one must not import
+appworld).
+"""
+
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from sage_jax.envs import appworld
+
+_CALLS = flags.DEFINE_integer("calls", 200, "execute calls timed for the per-call overhead.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "passes over all tasks per worker count.")
+
+CALL_CODE = "x = 1"
+
+# Times `calls` executions on a direct in-process AppWorld. AppWorld freezes time.time,
+# perf_counter and monotonic while a world is open; clock_gettime is left alone.
+DIRECT = """
+import json, sys, time
+from appworld import AppWorld
+task_id, calls, code = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+clock = lambda: time.clock_gettime(time.CLOCK_MONOTONIC)
+with AppWorld(task_id=task_id, experiment_name="bench_direct", max_interactions=calls + 10) as w:
+    w.execute(code)
+    samples = []
+    for _ in range(calls):
+        start = clock()
+        w.execute(code)
+        samples.append(clock() - start)
+sys.__stdout__.write("DIRECT" + json.dumps(samples))
+"""
+
+
+def _config(root: str, outputs: str, workers: int, calls: int) -> appworld.EnvPoolConfig:
+  return appworld.EnvPoolConfig(num_workers=workers, appworld_root=root, outputs_root=outputs,
+                                max_interactions=calls + 10, keep_outputs=False)
+
+
+def _gold(root: str, task_id: str) -> str:
+  with open(os.path.join(root, "data", "tasks", task_id, "ground_truth", "solution.py")) as f:
+    return f.read()
+
+
+def _episodes_per_second(pool, root: str, task_ids: list[str], repeats: int) -> dict:
+  async def one(task_id: str, experiment: str):
+    async with pool.episode(task_id, experiment) as ep:
+      await ep.execute(_gold(root, task_id))
+      await ep.evaluate()
+    return ep.result
+
+  async def run(experiment: str):
+    return await asyncio.gather(*(one(t, experiment) for t in task_ids))
+
+  start = time.perf_counter()
+  results = [r for i in range(repeats) for r in asyncio.run(run(f"bench_{i}"))]
+  elapsed = time.perf_counter() - start
+  if not all(r.success for r in results):
+    raise RuntimeError(f"gold episodes failed: {[r for r in results if not r.success]}")
+  return {"episodes": len(results), "seconds": round(elapsed, 2),
+          "episodes_per_s": round(len(results) / elapsed, 2)}
+
+
+def _pool_call_seconds(pool, task_id: str, calls: int) -> list[float]:
+  samples = []
+  with pool.episode(task_id, "bench_calls") as ep:
+    ep.execute(CALL_CODE).result()
+    for _ in range(calls):
+      start = time.perf_counter()
+      ep.execute(CALL_CODE).result()
+      samples.append(time.perf_counter() - start)
+  return samples
+
+
+def _direct_call_seconds(outputs: str, task_id: str, calls: int) -> list[float]:
+  done = subprocess.run([sys.executable, "-c", DIRECT, task_id, str(calls), CALL_CODE],
+                        capture_output=True, text=True, check=True,
+                        env=dict(os.environ, APPWORLD_ROOT=outputs))
+  return json.loads(done.stdout.rpartition("DIRECT")[2])
+
+
+def main(argv) -> None:
+  del argv
+  root = appworld.ensure_mini_world()
+  task_ids = [t for s in ("train", "dev", "test") for t in appworld.read_split(root, s)]
+  outputs = tempfile.mkdtemp(prefix="envpool_bench_")
+  report = {
+    "command": "python bench/envpool.py " + " ".join(sys.argv[1:]),
+    "machine": f"{os.cpu_count()}-core CPU, {platform.processor() or platform.machine()}",
+    "tasks": len(task_ids),
+  }
+  try:
+    for workers in (1, 2):
+      start = time.perf_counter()
+      with appworld.EnvPool(_config(root, outputs, workers, _CALLS.value)) as pool:
+        started = time.perf_counter() - start
+        entry = _episodes_per_second(pool, root, task_ids, _REPEATS.value)
+        entry["pool_start_s"] = round(started, 2)
+        if workers == 1:
+          pool_calls = _pool_call_seconds(pool, task_ids[0], _CALLS.value)
+      report[f"workers_{workers}"] = entry
+    report["speedup_2_vs_1"] = round(report["workers_2"]["episodes_per_s"]
+                                     / report["workers_1"]["episodes_per_s"], 2)
+    report["worker_cold_start_s"] = report["workers_1"]["pool_start_s"]
+    direct_calls = _direct_call_seconds(outputs, task_ids[0], _CALLS.value)
+    pool_ms = 1000 * statistics.median(pool_calls)
+    direct_ms = 1000 * statistics.median(direct_calls)
+    report["execute_call"] = {
+      "code": CALL_CODE, "calls": _CALLS.value,
+      "pool_median_ms": round(pool_ms, 3), "direct_median_ms": round(direct_ms, 3),
+      "overhead_ms": round(pool_ms - direct_ms, 3), "pool_over_direct": round(
+        pool_ms / direct_ms, 3)}
+  finally:
+    shutil.rmtree(outputs, ignore_errors=True)
+  print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,107 @@
+"""The mini AppWorld's data: format, coverage, splits, skill-shaped gold solutions."""
+
+import ast
+import json
+import os
+
+import pytest
+
+from sage_jax.envs import appworld
+from sage_jax.envs.appworld import mini_world
+from sage_jax.envs.appworld.mini import content
+from sage_jax.envs.appworld.mini import scenarios
+from tests.appworld_fixtures import all_task_ids
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import task_dir
+
+
+def _json(root, task_id, *parts):
+  with open(os.path.join(task_dir(root, task_id), *parts)) as f:
+    return json.load(f)
+
+
+def test_cached_under_builder_version(mini_root):  # noqa: F811
+  assert mini_root == mini_world.mini_world_root()
+  assert mini_root.endswith(os.path.join("appworld_mini", mini_world.BUILDER_VERSION))
+  with open(os.path.join(mini_root, mini_world.MANIFEST)) as f:
+    manifest = json.load(f)
+  assert manifest["builder_version"] == mini_world.BUILDER_VERSION
+  assert appworld.ensure_mini_world() == mini_root  # cached: no rebuild
+
+
+def test_appworld_layout(mini_root):  # noqa: F811
+  data = os.path.join(mini_root, "data")
+  apps = {f.removesuffix(".db") for f in os.listdir(os.path.join(data, "base_dbs"))}
+  assert {"admin", "supervisor", "api_docs", "spotify", "venmo", "phone"} <= apps
+  assert len(apps) == 12
+  for task_id in all_task_ids(mini_root):
+    d = task_dir(mini_root, task_id)
+    assert {f.removesuffix(".jsonl") for f in os.listdir(os.path.join(d, "dbs"))
+            if f.endswith(".jsonl")} == apps
+    specs = _json(mini_root, task_id, "specs.json")
+    assert specs["db_version"] == "0.1.0" and specs["instruction"]
+    assert set(specs["supervisor"]) == {"first_name", "last_name", "email", "phone_number"}
+    gt = set(os.listdir(os.path.join(d, "ground_truth")))
+    assert {"metadata.json", "evaluation.py", "solution.py", "test_data.json", "answer.json",
+            "public_data.json", "private_data.json", "required_apps.json"} <= gt
+    labels = {t["label"] for t in _json(mini_root, task_id, "ground_truth", "test_data.json")}
+    assert "no_op_fail" in labels  # a no-op must fail at least one test
+
+
+def test_coverage_and_disjoint_splits(mini_root):  # noqa: F811
+  splits = {s: appworld.read_split(mini_root, s) for s in ("train", "dev", "test")}
+  groups = {s: appworld.group_by_scenario(ids) for s, ids in splits.items()}
+  all_groups = {k: v for g in groups.values() for k, v in g.items()}
+  assert len(all_groups) >= 12
+  assert all(len(ids) == 3 and [i.split("_")[1] for i in ids] == ["1", "2", "3"]
+             for ids in all_groups.values())
+  assert not set(groups["train"]) & set(groups["dev"])
+  assert not set(groups["train"]) & set(groups["test"])
+  assert not set(groups["dev"]) & set(groups["test"])
+  ids = all_task_ids(mini_root)
+  apps = {a for t in ids for a in _json(mini_root, t, "ground_truth", "required_apps.json")}
+  assert len(apps) >= 5
+  difficulties = {_json(mini_root, t, "ground_truth", "metadata.json")["difficulty"]
+                  for t in ids}
+  assert difficulties == {1, 2, 3}
+  answers = [_json(mini_root, t, "ground_truth", "answer.json") for t in ids]
+  assert any(a is None for a in answers) and any(a is not None for a in answers)
+  assert any(len(_json(mini_root, t, "ground_truth", "required_apps.json")) >= 2 for t in ids)
+
+
+def test_tasks_of_a_scenario_differ_in_parameters_only(mini_root):  # noqa: F811
+  for scenario, ids in appworld.group_by_scenario(all_task_ids(mini_root)).items():
+    instructions = {_json(mini_root, t, "specs.json")["instruction"] for t in ids}
+    assert len(instructions) == 3, scenario
+    definitions, calls = set(), set()
+    for t in ids:
+      with open(os.path.join(task_dir(mini_root, t), "ground_truth", "solution.py")) as f:
+        tree = ast.parse(f.read())
+      (function,) = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+      definitions.add(ast.unparse(function))
+      calls.add(ast.unparse(tree.body[1]))
+      assert ast.unparse(tree.body[-1]).startswith("apis.supervisor.complete_task(")
+    assert len(definitions) == 1, f"{scenario}: the procedure differs between tasks"
+    assert len(calls) == 3, f"{scenario}: the calls do not differ"
+
+
+def test_world_is_deterministic_and_hand_written():
+  a, b = content.make_world(0), content.make_world(0)
+  assert a == b
+  assert content.make_world(1) != a
+  titles = {s.title for s in a.songs}
+  for holdings in a.holdings.values():
+    assert set(holdings.library) <= titles
+    assert all(set(p) <= set(holdings.library) for p in holdings.playlists.values())
+    emails = {p.email for p in a.people}
+    assert {e for e, _ in holdings.contacts} <= emails
+    assert all(p.sender in emails and p.receiver in emails for p in holdings.payments)
+  for s in scenarios.SCENARIOS:
+    assert len(s.variants(a)) == 3
+
+
+def test_split_helpers_reject_bad_input(tmp_path):
+  with pytest.raises(ValueError, match="not-a-task"):
+    appworld.scenario_id("not-a-task")
+  with pytest.raises(FileNotFoundError, match="train"):
+    appworld.read_split(str(tmp_path), "train")

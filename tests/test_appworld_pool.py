@@ -1,0 +1,164 @@
+"""The pool runs the real AppWorld: episodes, scoring against AppWorld's own evaluation."""
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sage_jax.envs import appworld
+from tests.appworld_fixtures import all_task_ids
+from tests.appworld_fixtures import appworld_metrics
+from tests.appworld_fixtures import gold_solution
+from tests.appworld_fixtures import ground_truth_answer
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import pool_config
+from tests.appworld_fixtures import task_dir
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("appworld_outputs"))
+
+
+@pytest.fixture(scope="module")
+def pool(mini_root, outputs):  # noqa: F811
+  with appworld.EnvPool(pool_config(mini_root, outputs)) as pool:
+    yield pool
+
+
+def _run_all(pool, runs, experiment):
+  """Runs (task_id, code) episodes concurrently; returns their results in order."""
+  async def one(task_id, code):
+    async with pool.episode(task_id, experiment) as ep:
+      await ep.execute(code)
+    return ep.result
+
+  async def all_of_them():
+    return await asyncio.gather(*(one(t, c) for t, c in runs))
+
+  return asyncio.run(all_of_them())
+
+
+def test_importing_the_pool_does_not_import_appworld():
+  code = ("import sys\nimport sage_jax.envs.appworld as a\nimport sage_jax.envs.appworld.pool\n"
+          "a.EnvPoolConfig(); print(sorted(m for m in sys.modules if m.startswith('appworld')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]"
+
+
+def test_config_rejects_unknown_keys_and_bad_values():
+  config = appworld.EnvPoolConfig.from_dict({"num_workers": 3, "use_servers": True})
+  assert config.num_workers == 3 and config.use_servers
+  with pytest.raises(ValueError, match="num_wrokers"):
+    appworld.EnvPoolConfig.from_dict({"num_wrokers": 3})
+  with pytest.raises(ValueError, match="call_timeout_s"):
+    appworld.EnvPoolConfig(timeout_seconds=100, call_timeout_s=50)
+  with pytest.raises(ValueError, match="num_workers"):
+    appworld.EnvPoolConfig(num_workers=0)
+
+
+def test_episode_start_carries_the_prompt_material(pool, mini_root):  # noqa: F811
+  task_id = appworld.read_split(mini_root, "train")[0]
+  with open(os.path.join(task_dir(mini_root, task_id), "specs.json")) as f:
+    specs = json.load(f)
+  with pool.episode(task_id, "start_info") as ep:
+    start = ep.start
+  assert start.task_id == task_id
+  assert start.instruction == specs["instruction"]
+  assert start.supervisor == specs["supervisor"]
+  assert start.datetime.startswith(specs["datetime"][:10])
+  assert {"spotify", "venmo", "supervisor", "api_docs"} <= set(start.app_descriptions)
+  assert all(start.app_descriptions.values())
+  assert start.library_ok is None
+  assert ep.result.evaluation is not None and not ep.result.success  # nothing was done
+
+
+@pytest.mark.slow
+def test_gold_passes_noop_fails_and_tgc_sgc_match_appworld(pool, mini_root, outputs):  # noqa: F811
+  task_ids = all_task_ids(mini_root)
+  gold = _run_all(pool, [(t, gold_solution(mini_root, t)) for t in task_ids], "gold")
+  noop = _run_all(pool, [(t, "print('nothing to do')") for t in task_ids], "noop")
+  failed = [r.task_id for r in gold if not r.success]
+  assert not failed, f"gold solutions fail on {failed}"
+  assert all(r.evaluation.fraction_passed == 1.0 and r.task_completed for r in gold)
+  assert not [r.task_id for r in noop if r.success or r.error]
+  assert all(r.evaluation.num_failed > 0 for r in noop)
+  # A mix (gold on two tasks of each scenario but one) makes TGC/SGC non-trivial.
+  mixed_runs = [(t, gold_solution(mini_root, t) if i % 4 else "print(0)")
+                for i, t in enumerate(task_ids)]
+  mixed = _run_all(pool, mixed_runs, "mixed")
+  for experiment, results in (("gold", gold), ("noop", noop), ("mixed", mixed)):
+    ours = (appworld.task_goal_completion(results), appworld.scenario_goal_completion(results))
+    theirs = appworld_metrics(outputs, experiment, task_ids)
+    assert ours[0] == pytest.approx(theirs["task_goal_completion"], abs=0.05), experiment
+    assert ours[1] == pytest.approx(theirs["scenario_goal_completion"], abs=0.05), experiment
+  assert 0 < appworld.task_goal_completion(mixed) < 100
+  assert appworld.scenario_goal_completion(mixed) < appworld.task_goal_completion(mixed)
+
+
+def test_wrong_answers_fail(pool, mini_root):  # noqa: F811
+  qa = [t for t in all_task_ids(mini_root) if ground_truth_answer(mini_root, t) is not None]
+  runs = []
+  for t in qa[::3]:
+    answer = ground_truth_answer(mini_root, t)
+    runs.append((t, f"apis.supervisor.complete_task(answer={answer + 1!r})"))
+  results = _run_all(pool, runs, "wrong")
+  assert results and not [r.task_id for r in results if r.success]
+  assert all(r.task_completed and r.evaluation.failed_requirements for r in results)
+
+
+def test_skill_library_is_installed_before_the_first_turn(pool, mini_root):  # noqa: F811
+  task_id = appworld.read_split(mini_root, "dev")[0]
+  library = "def double(x):\n    return 2 * x\n"
+  with pool.episode(task_id, "library", library_code=library) as ep:
+    assert ep.start.library_ok is True
+    assert ep.execute("print(double(21))").result().strip() == "42"
+    assert ep.num_steps == 1  # the library does not count as a step
+  broken = "def ok():\n    return 1\n\nraise ValueError('broken skill')\n"
+  with pool.episode(task_id, "library_broken", library_code=broken) as ep:
+    assert ep.start.library_ok is False
+    assert "broken skill" in ep.start.library_output
+    assert ep.execute("print(ok())").result().strip() == "1"  # not fatal
+  assert ep.result.error is None
+
+
+def test_bad_requests_get_clear_errors(pool, mini_root):  # noqa: F811
+  with pytest.raises(appworld.EpisodeError, match="doesn't exist"):
+    pool.begin("fffffff_9", "bad").result()
+  task_id = appworld.read_split(mini_root, "test")[0]
+  with pool.episode(task_id, "twice"):
+    with pytest.raises(ValueError, match="already live"):
+      pool.begin(task_id, "twice")
+
+
+def test_bad_data_root_fails_at_start_saying_what_is_missing(mini_root, tmp_path):  # noqa: F811
+  def start(root):
+    with appworld.EnvPool(pool_config(str(root), str(tmp_path / "out"), num_workers=1)):
+      pass
+
+  with pytest.raises(appworld.AppWorldDataError, match="no task directory.*build_mini"):
+    start(tmp_path / "empty")
+  copy = tmp_path / "copy"
+  shutil.copytree(mini_root, copy)
+  os.remove(copy / "data" / "base_dbs" / "venmo.db")
+  task_id = appworld.read_split(mini_root, "train")[0]
+  specs_path = copy / "data" / "tasks" / task_id / "specs.json"
+  specs = json.loads(specs_path.read_text())
+  specs_path.write_text(json.dumps(specs | {"db_version": "0.0.9"}))
+  with pytest.raises(appworld.AppWorldDataError) as error:
+    start(copy)
+  assert "venmo" in str(error.value) and "0.0.9" in str(error.value)
+  assert "appworld download data" in str(error.value)
+
+
+def test_server_mode_runs_on_loopback(mini_root, tmp_path):  # noqa: F811
+  task_id = appworld.read_split(mini_root, "train")[1]
+  config = pool_config(mini_root, str(tmp_path), num_workers=1, use_servers=True)
+  with appworld.EnvPool(config) as pool:
+    with pool.episode(task_id, "server") as ep:
+      ep.execute(gold_solution(mini_root, task_id)).result()
+  assert ep.result.success
