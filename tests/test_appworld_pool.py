@@ -137,7 +137,8 @@ def test_bad_requests_get_clear_errors(pool, mini_root):  # noqa: F811
 
 def test_bad_data_root_fails_at_start_saying_what_is_missing(mini_root, tmp_path):  # noqa: F811
   def start(root):
-    with appworld.EnvPool(pool_config(str(root), str(tmp_path / "out"), num_workers=1)):
+    outputs = str(tmp_path / f"out_{root.name}")
+    with appworld.EnvPool(pool_config(str(root), outputs, num_workers=1)):
       pass
 
   with pytest.raises(appworld.AppWorldDataError, match="no task directory.*build_mini"):

@@ -133,13 +133,13 @@ def _init(settings: dict[str, Any]) -> Session:
   if settings["memory_limit_mb"]:
     limit = settings["memory_limit_mb"] * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-  data = settings["appworld_root"]
-  os.environ["APPWORLD_ROOT"] = _outputs_root(data, settings["outputs_root"])
   logging.getLogger("httpx").setLevel(logging.WARNING)
   from appworld import AppWorld
   from appworld.apps import get_all_apps
   from appworld.common.constants import DB_VERSION
+  data = settings["appworld_root"]
   data_root.check(data, DB_VERSION, get_all_apps())
+  os.environ["APPWORLD_ROOT"] = _outputs_root(data, settings["outputs_root"])
   # The first world of a process pays for lazy imports (~seconds): pay it now, not in the
   # first episode.
   task_id = sorted(os.listdir(os.path.join(data, "data", "tasks")))[0]
