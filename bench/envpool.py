@@ -37,9 +37,9 @@ import json, sys, time
 from appworld import AppWorld
 task_id, calls, code = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 clock = lambda: time.clock_gettime(time.CLOCK_MONOTONIC)
+samples = []
 with AppWorld(task_id=task_id, experiment_name="bench_direct", max_interactions=calls + 10) as w:
     w.execute(code)
-    samples = []
     for _ in range(calls):
         start = clock()
         w.execute(code)
@@ -124,8 +124,9 @@ def main(argv) -> None:
     report["execute_call"] = {
       "code": CALL_CODE, "calls": _CALLS.value,
       "pool_median_ms": round(pool_ms, 3), "direct_median_ms": round(direct_ms, 3),
-      "overhead_ms": round(pool_ms - direct_ms, 3), "pool_over_direct": round(
-        pool_ms / direct_ms, 3)}
+      "overhead_ms": round(pool_ms - direct_ms, 3),
+      "pool_over_direct": round(pool_ms / direct_ms, 3)}
+    report["load_average_1m"] = os.getloadavg()[0]
   finally:
     shutil.rmtree(outputs, ignore_errors=True)
   print(json.dumps(report, indent=2))

@@ -113,11 +113,15 @@ def test_wrong_answers_fail(pool, mini_root):  # noqa: F811
 
 def test_skill_library_is_installed_before_the_first_turn(pool, mini_root):  # noqa: F811
   task_id = appworld.read_split(mini_root, "dev")[0]
-  library = "def double(x):\n    return 2 * x\n"
+  library = ("def double(x):\n    return 2 * x\n\n"
+             "def finish():\n    apis.supervisor.complete_task(answer=0)\n")
   with pool.episode(task_id, "library", library_code=library) as ep:
     assert ep.start.library_ok is True
     assert ep.execute("print(double(21))").result().strip() == "42"
     assert ep.num_steps == 1  # the library does not count as a step
+    assert not ep.task_completed
+    ep.execute("finish()").result()  # completes the task through a library skill
+    assert ep.task_completed and ep.num_steps == 2
   broken = "def ok():\n    return 1\n\nraise ValueError('broken skill')\n"
   with pool.episode(task_id, "library_broken", library_code=broken) as ep:
     assert ep.start.library_ok is False

@@ -18,6 +18,7 @@ between pools but the (read-only) data root.
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import queue
 import threading
 from typing import Any
@@ -234,8 +235,9 @@ class EnvPool:
     name = f"slot{slot}-{self.worker_restarts}"
     try:
       return process.WorkerProcess(self.config, name)
-    except process.WorkerFault:
-      return None  # the next episode on this slot ends with an error and spawns again
+    except Exception:  # noqa: BLE001 - the slot must keep serving (its episodes fail)
+      logging.exception("Could not start AppWorld worker %s; its next episode fails.", name)
+      return None
 
   def _serve(self, slot: int, ready: concurrent.futures.Future) -> None:
     try:

@@ -23,6 +23,7 @@ from typing import Any
 from sage_jax.envs.appworld import data_root
 
 FAILED_PREFIX = "Execution failed."
+COMPLETE_TASK = "complete_task"
 WARMUP_EXPERIMENT = "_worker_warmup"
 RECYCLE_FRACTION = 0.5  # of memory_limit_mb
 
@@ -59,6 +60,9 @@ class Session:
   def __init__(self, settings: dict[str, Any]):
     self.settings = settings
     self.world = None
+    # Asking AppWorld whether the task is completed costs an API request (~7 ms); only
+    # code that mentions complete_task (directly or in a function it defined) can do it.
+    self.may_complete = False
 
   def start(self, task_id: str, experiment: str, library_code: str | None) -> dict:
     from appworld import AppWorld
@@ -69,8 +73,10 @@ class Session:
                      max_interactions=s["max_interactions"],
                      timeout_seconds=s["timeout_seconds"], random_seed=s["random_seed"])
     self.world = world
+    self.may_complete = False
     library_output = library_ok = None
     if library_code:
+      self.may_complete = COMPLETE_TASK in library_code
       # Runs like agent code (same guards, timeout and logs) but is not an agent step.
       library_output = truncate(world.execute(library_code), s["max_output_chars"])
       library_ok = not library_output.startswith(FAILED_PREFIX)
@@ -96,8 +102,9 @@ class Session:
   def execute(self, code: str) -> dict:
     world = self._live_world()
     output = world.execute(code)
+    self.may_complete = self.may_complete or COMPLETE_TASK in code
     return {"output": truncate(output, self.settings["max_output_chars"]),
-            "task_completed": bool(world.task_completed()),
+            "task_completed": self.may_complete and bool(world.task_completed()),
             "num_steps": world.num_interactions}
 
   def evaluate(self) -> dict:
