@@ -17,8 +17,19 @@ import re
 import shutil
 import sys
 
+import freezegun
 from absl import app
 from absl import flags
+from appworld import AppWorld
+from appworld.apps import get_all_apps
+from appworld.collections.models import ModelCollection
+from appworld.common.constants import DB_VERSION
+from appworld.evaluator import TestTracker
+
+from sage_jax.envs.appworld import mini_world
+from sage_jax.envs.appworld.mini import content
+from sage_jax.envs.appworld.mini import populate
+from sage_jax.envs.appworld.mini import scenarios
 
 _OUT = flags.DEFINE_string("out", None, "Directory to build into (must not exist or be empty).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed that decides who owns what in the world.")
@@ -39,12 +50,6 @@ def _write_text(path: str, text: str) -> None:
 
 
 def _build_base(data_dir: str, world, all_apps) -> None:
-  import freezegun
-  from appworld.collections.models import ModelCollection
-
-  from sage_jax.envs.appworld.mini import content
-  from sage_jax.envs.appworld.mini import populate
-
   base = os.path.join(data_dir, "base_dbs")
   os.makedirs(base)
   with freezegun.freeze_time(content.BASE_TIME):
@@ -56,12 +61,6 @@ def _build_base(data_dir: str, world, all_apps) -> None:
 
 
 def _write_task(data_dir: str, task_id: str, scenario, variant, all_apps, db_version) -> None:
-  import freezegun
-  from appworld.collections.models import ModelCollection
-
-  from sage_jax.envs.appworld.mini import content
-  from sage_jax.envs.appworld.mini import populate
-
   task_dir = os.path.join(data_dir, "tasks", task_id)
   s = variant.supervisor
   instruction = scenario.instruction.format(**variant.params)
@@ -101,8 +100,6 @@ def _write_task(data_dir: str, task_id: str, scenario, variant, all_apps, db_ver
 
 def _run(task_id: str, experiment: str, code: str):
   """Runs code in a fresh world and evaluates it; returns AppWorld's TestTracker."""
-  from appworld import AppWorld
-
   with contextlib.redirect_stdout(io.StringIO()):
     with AppWorld(task_id=task_id, experiment_name=experiment) as world:
       output = world.execute(code)
@@ -114,8 +111,6 @@ def _run(task_id: str, experiment: str, code: str):
 
 def _label(data_dir: str, task_id: str) -> None:
   """Checks gold passes and no-op fails, then writes AppWorld's test labels."""
-  from appworld.evaluator import TestTracker
-
   gt = os.path.join(data_dir, "tasks", task_id, "ground_truth")
   with open(os.path.join(gt, "solution.py")) as f:
     gold = _run(task_id, "build_gold", f.read())
@@ -133,13 +128,6 @@ def build(out: str, seed: int) -> dict:
   if os.path.exists(out) and os.listdir(out):
     raise FileExistsError(f"--out={out} exists and is not empty; pick a new directory.")
   os.environ["APPWORLD_ROOT"] = os.path.abspath(out)
-  from appworld.apps import get_all_apps
-  from appworld.common.constants import DB_VERSION
-
-  from sage_jax.envs.appworld import mini_world
-  from sage_jax.envs.appworld.mini import content
-  from sage_jax.envs.appworld.mini import scenarios
-
   data_dir = os.path.join(out, "data")
   all_apps = get_all_apps()
   world = content.make_world(seed)

@@ -180,7 +180,7 @@ FILES = {
      "Verse one: the harbor lights are calling."),
   ],
 }
-FILES_PER_DIRECTORY = (3, None)  # at least 3 files of each directory, at most all.
+MIN_FILES_PER_DIRECTORY = 3  # a supervisor holds 3 to all of a directory's files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +289,7 @@ def _holdings(supervisor: Person, people: tuple[Person, ...], songs: tuple[Song,
     for name, todos in PROJECTS.items()}
   files = {}
   for directory, entries in FILES.items():
-    count = rng.randint(FILES_PER_DIRECTORY[0], len(entries))
+    count = rng.randint(MIN_FILES_PER_DIRECTORY, len(entries))
     files[directory] = tuple(rng.sample(entries, count))
   return Holdings(contacts, library, playlists, tuple(payments), notes, projects, files)
 
