@@ -139,6 +139,8 @@ class Attention(nnx.Module):
       k = constrain(_write(kv_cache[0], k, positions), CACHE_AXES)
       v = constrain(_write(kv_cache[1], v, positions), CACHE_AXES)
       kv_cache = (k, v)
+      # Attend only over the cache prefix the mask covers (see `attend_len`).
+      k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     b, t, h, d = q.shape
     q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=_F32)
@@ -215,15 +217,23 @@ class Qwen2(nnx.Module):
                            "normal"))
 
   def hidden_states(self, tokens, positions, *, cache: KVCache | None = None,
-                    segment_ids=None):
-    """Final-norm hidden states [b, t, embed] (and the updated cache)."""
+                    segment_ids=None, attend_len: int | None = None):
+    """Final-norm hidden states [b, t, embed] (and the updated cache).
+
+    With a cache, `attend_len` (static, default the cache length) limits attention to cache
+    indices [0, attend_len): a sampler that knows every query position is below it skips
+    the empty tail of a long cache. Keys are still written anywhere in the cache.
+    """
     cfg = self.config
     x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(cfg.jnp_dtype)
     x = constrain(x, ("act_batch", "act_len", "act_embed"))
     if cache is None:
       mask = _training_mask(tokens.shape, segment_ids)
     else:
-      key_pos = jnp.arange(cache.max_len)
+      attend_len = attend_len or cache.max_len
+      if not 0 < attend_len <= cache.max_len:
+        raise ValueError(f"attend_len={attend_len} must be in (0, {cache.max_len}]")
+      key_pos = jnp.arange(attend_len)
       mask = key_pos[None, None, :] <= positions[:, :, None]
     remat_layers = set(cfg.remat_layers) or set(range(cfg.num_hidden_layers))
     new_k, new_v = [], []
