@@ -1,0 +1,218 @@
+"""Orbax checkpoints of the train state: async, keep last N + best on dev, atomic, resumable.
+
+Layout under `CheckpointConfig.directory`:
+
+  config.json              the run's config (written once, atomically)
+  <step>/state/            the TrainState (params, optimiser state, step, RNG), sharded arrays
+  <step>/meta/             JSON: the loop's position (next step), seeds, dev metrics
+
+`<step>` is the number of completed loop steps, so a run resumed from it continues at loop
+step `<step>`. Orbax writes each checkpoint into a temporary directory and renames it when
+every array is on disk (the atomic finalisation); a run killed mid-save leaves only a
+temporary directory, which restore ignores and the next start removes.
+
+`PreemptionGuard` turns SIGTERM (and SIGINT) into a flag the loops poll after each step:
+they save a checkpoint, wait for it, and return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any, Literal, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as cm
+
+from sage_jax.train.state import TrainState
+
+CONFIG_FILE = "config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """directory: where checkpoints go ("" = no checkpoints). save_every: save after every
+  this many loop steps (and after the last step, at eval steps, and on preemption).
+  keep_last: most recent checkpoints kept. keep_best: checkpoints kept by the dev metric
+  `best_metric` (higher is better for best_mode "max"), on top of the last ones.
+  async_save: write in the background while training goes on. resume: continue from the
+  latest checkpoint in `directory` when there is one."""
+
+  directory: str = ""
+  save_every: int = 100
+  keep_last: int = 3
+  keep_best: int = 1
+  best_metric: str = "dev/tgc"
+  best_mode: Literal["max", "min"] = "max"
+  async_save: bool = True
+  resume: bool = True
+
+  def __post_init__(self):
+    if self.save_every < 1 or self.keep_last < 1 or self.keep_best < 0:
+      raise ValueError(f"{self}: save_every and keep_last must be >= 1, keep_best >= 0")
+    if self.best_mode not in ("max", "min"):
+      raise ValueError(f"best_mode={self.best_mode!r}; expected max or min")
+
+
+def to_jsonable(value: Any) -> Any:
+  """Dataclasses, ConfigDicts, tuples, numpy scalars -> plain JSON values."""
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if hasattr(value, "to_dict"):
+    return to_jsonable(value.to_dict())
+  if isinstance(value, Mapping):
+    return {str(k): to_jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_jsonable(v) for v in value]
+  if hasattr(value, "item") and callable(value.item):
+    return value.item()
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    return value
+  return repr(value)
+
+
+def _write_json_atomic(path: str, value: Any) -> None:
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=2, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+class Checkpointer:
+  """Saves and restores TrainStates with orbax's CheckpointManager (see the module doc)."""
+
+  def __init__(self, config: CheckpointConfig, run_config: Any = None):
+    if not config.directory:
+      raise ValueError("CheckpointConfig.directory is empty")
+    self.config = config
+    self.directory = os.path.abspath(config.directory)
+    os.makedirs(self.directory, exist_ok=True)
+    if run_config is not None and jax.process_index() == 0:
+      _write_json_atomic(os.path.join(self.directory, CONFIG_FILE), to_jsonable(run_config))
+    policies = [cm.LatestN(n=config.keep_last)]
+    if config.keep_best:
+      metric = config.best_metric
+      policies.append(cm.BestN(get_metric_fn=lambda m: m[metric], n=config.keep_best,
+                               reverse=config.best_mode == "min",
+                               keep_checkpoints_without_metrics=False))
+    options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=config.async_save,
+        preservation_policy=cm.AnyPreservationPolicy(policies),
+        cleanup_tmp_directories=True, create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=("state", "meta"))
+
+  # --- Queries ----------------------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def best_step(self) -> int | None:
+    """The kept checkpoint with the best dev metric (None if none has one)."""
+    best = None
+    for step in self.all_steps():
+      value = (self.read_meta(step).get("metrics") or {}).get(self.config.best_metric)
+      if value is None:
+        continue
+      better = best is None or (value > best[1] if self.config.best_mode == "max"
+                                else value < best[1])
+      if better:
+        best = (step, value)
+    return None if best is None else best[0]
+
+  def should_save(self, step: int) -> bool:
+    return step % self.config.save_every == 0
+
+  # --- Save / restore ---------------------------------------------------------------------
+
+  def save(self, step: int, state: TrainState, meta: Mapping[str, Any] | None = None,
+           metrics: Mapping[str, float] | None = None) -> bool:
+    """Starts saving `state` as checkpoint `step` (async unless configured otherwise).
+
+    `metrics`: dev metrics of this step (they rank the best-N policy); they are also stored
+    in the meta JSON. Returns False if the step already exists.
+    """
+    if step in self._manager.all_steps():
+      return False
+    meta = dict(to_jsonable(meta or {}))
+    metrics = {k: float(v) for k, v in (metrics or {}).items()}
+    meta["metrics"] = metrics
+    ranked = metrics if self.config.best_metric in metrics else None
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     meta=ocp.args.JsonSave(meta)),
+                       metrics=ranked, force=True)
+    return True
+
+  def read_meta(self, step: int) -> dict:
+    restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(restored.meta)
+
+  def restore(self, abstract_state: TrainState, step: int | None = None
+              ) -> tuple[TrainState, dict]:
+    """Restores checkpoint `step` (default the latest) into the shapes, dtypes and shardings
+    of `abstract_state` (e.g. `Trainer.abstract_state()`); returns (state, meta)."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    return restored.state, dict(restored.meta)
+
+  def wait(self) -> None:
+    """Blocks until every started save is finalised."""
+    self._manager.wait_until_finished()
+
+  def reached_preemption(self, step: int) -> bool:
+    """Orbax's multi-host preemption signal (all hosts agree on the step)."""
+    try:
+      return bool(self._manager.reached_preemption(step))
+    except Exception:  # no distributed runtime: single-host runs use PreemptionGuard alone
+      return False
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+class PreemptionGuard:
+  """Within the `with` block, SIGTERM / SIGINT set `requested` instead of killing the process.
+
+  A second signal of the same kind restores the default behaviour (a stuck save can still be
+  interrupted). Outside the main thread, signals cannot be caught and the guard is inert.
+  """
+
+  def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+    self._signals = signals
+    self._previous: dict[int, Any] = {}
+    self.requested = False
+    self.signal: int | None = None
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.requested:  # second signal: give up on a graceful exit
+      signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+      os.kill(os.getpid(), signum)
+      return
+    logging.warning("signal %d: saving a checkpoint and stopping after this step", signum)
+    self.requested, self.signal = True, signum
+
+  def __enter__(self) -> "PreemptionGuard":
+    if threading.current_thread() is threading.main_thread():
+      for s in self._signals:
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous.clear()

@@ -1,0 +1,132 @@
+"""Per-step metrics to JSONL and TensorBoard, and a console progress bar.
+
+`metrics.jsonl` holds one JSON object per step (`{"step": s, "time": ..., <name>: value}`),
+`s` counting completed steps (1 = after the first update). A run resumed after `start_step`
+completed steps first drops the lines of later steps, which it will redo (TensorBoard purges
+them too), so the logs of an interrupted + resumed run read like those of a straight run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+  """log_dir: where metrics.jsonl and TensorBoard events go ("" = no files).
+  jsonl / tensorboard: which sinks. progress: a console progress bar (stderr).
+  progress_keys: metrics shown on the bar (those present)."""
+
+  log_dir: str = ""
+  jsonl: bool = True
+  tensorboard: bool = True
+  progress: bool = True
+  progress_keys: tuple[str, ...] = ("reward/mean", "success", "loss", "grad_norm",
+                                    "clip_frac", "tokens_per_s")
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+  """The finite-or-not float scalars of `metrics` (device arrays fetched, others dropped)."""
+  out = {}
+  for k, v in metrics.items():
+    try:
+      arr = np.asarray(v)
+    except Exception:
+      continue
+    if arr.shape == () and arr.dtype.kind in "biuf":
+      out[k] = float(arr)
+  return out
+
+
+def _truncate_jsonl(path: str, start_step: int) -> None:
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line).get("step", -1) <= start_step:
+        kept.append(line)
+    except json.JSONDecodeError:  # a line cut by a kill: drop it
+      continue
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+
+
+class MetricsWriter:
+  """Writes a dict of scalars per step to every configured sink."""
+
+  def __init__(self, config: MetricsConfig = MetricsConfig(), *, total_steps: int | None = None,
+               start_step: int = 0, description: str = "train"):
+    self.config = config
+    self._jsonl = None
+    self._tb = None
+    self._bar = None
+    if config.log_dir:
+      os.makedirs(config.log_dir, exist_ok=True)
+      if config.jsonl:
+        path = os.path.join(config.log_dir, METRICS_FILE)
+        _truncate_jsonl(path, start_step)
+        self._jsonl = open(path, "a")
+      if config.tensorboard:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(config.log_dir, "tb"),
+                                 purge_step=start_step + 1 if start_step else None)
+    if config.progress:
+      from tqdm import tqdm
+      self._bar = tqdm(total=total_steps, initial=start_step, desc=description,
+                       dynamic_ncols=True, file=sys.stderr)
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Logs the scalars of `metrics` at `step`; returns them."""
+    values = scalars(metrics)
+    if self._jsonl is not None:
+      record = {"step": int(step), "time": time.time()}
+      record.update({k: (v if math.isfinite(v) else str(v)) for k, v in values.items()})
+      self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+      self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in values.items():
+        if math.isfinite(v):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+    return values
+
+  def progress(self, step: int, values: Mapping[str, float]) -> None:
+    """Advances the bar to `step` (completed steps) with the key numbers."""
+    if self._bar is None:
+      return
+    shown = {(k[:-5] if k.endswith("/mean") else k): f"{values[k]:.4g}"
+             for k in self.config.progress_keys if k in values}
+    self._bar.set_postfix(shown, refresh=False)
+    self._bar.update(step - self._bar.n)
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._jsonl = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+
+
+def read_jsonl(log_dir: str) -> list[dict]:
+  """The records of `log_dir/metrics.jsonl`."""
+  with open(os.path.join(log_dir, METRICS_FILE)) as f:
+    return [json.loads(line) for line in f if line.strip()]

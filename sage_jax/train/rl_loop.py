@@ -1,0 +1,310 @@
+"""The RL loop: rollout -> rewards + advantages -> GRPO update -> metrics -> checkpoint.
+
+The loop composes callables, so the same code runs SAGE on AppWorld and the synthetic task of
+the learning test:
+
+  rollout(step, seed) -> episodes | (episodes, metrics)
+      samples the step's chains and runs them with the current policy. `seed` is a pure
+      function of (loop seed, step): a resumed run samples the same data with the same RNG.
+  score(episodes) -> metrics | None
+      rewards and advantages; sets `episode.advantage` (and usually `.reward`) in place.
+  evaluate(step) -> metrics
+      dev evaluation every `eval_every` steps; reported as "dev/<name>", ranks checkpoints.
+  sync_params(params)
+      hands the freshly updated nnx.State to the sampler (e.g. `Engine.update_params`): the
+      arrays stay on device, no host copy. Called after every update and after a restore.
+
+Episodes are duck-typed: the batch fields of `rl.batch` plus, for metrics, whichever of
+`reward`, `chain_position`, `group`, `rollout`, `scenario`, `success`, `num_steps`,
+`generated_tokens`, `events` (with `.generated`), `used_skill`, `no_code` they carry
+(`rl.episode.EpisodeRecord` carries all).
+
+Strictly on-policy by default: one optimiser update per rollout batch; with
+`GRPOConfig.num_mini_batches > 1` the batch is split and each part is one update, all
+against the same pi_old (the rollout's logprobs, or recomputed before the first update).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from sage_jax import sharding as shd
+from sage_jax.model.qwen2 import Qwen2
+from sage_jax.rl import batch as batch_lib
+from sage_jax.rl import grpo
+from sage_jax.train.checkpoint import Checkpointer, PreemptionGuard
+from sage_jax.train.metrics import MetricsConfig, MetricsWriter, scalars
+from sage_jax.train.optimizer import OptimizerConfig
+from sage_jax.train.step import Trainer, TrainerConfig
+
+Rollout = Callable[[int, int], Any]
+Score = Callable[[Sequence[Any]], Mapping[str, float] | None]
+Evaluate = Callable[[int], Mapping[str, float]]
+SyncParams = Callable[[nnx.State], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RLLoopConfig:
+  """total_steps: loop steps (rollout + update) of the run. eval_every: dev evaluation every
+  this many steps (0 = never). seed: the loop's seed; step s uses `step_seed(seed, s)` for
+  its rollout and mini-batch shuffling."""
+
+  total_steps: int = 100
+  eval_every: int = 0
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.total_steps < 0 or self.eval_every < 0:
+      raise ValueError(f"{self}: total_steps and eval_every must be >= 0")
+
+
+@dataclasses.dataclass
+class LoopResult:
+  """start_step: where this run began (after a resume); end_step: completed steps;
+  preempted: stopped by a signal (a checkpoint was saved); history: metrics per step."""
+
+  start_step: int
+  end_step: int
+  preempted: bool
+  history: list[dict[str, float]]
+
+
+def step_seed(seed: int, step: int) -> int:
+  """A 32-bit seed for loop step `step`, independent across steps and seeds."""
+  return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+def grpo_trainer(model: Qwen2, grpo_config: grpo.GRPOConfig = grpo.GRPOConfig(),
+                 optimizer: OptimizerConfig = OptimizerConfig(),
+                 config: TrainerConfig = TrainerConfig(), *, mesh: Mesh | None = None,
+                 rules: shd.ShardingRules = shd.ShardingRules()) -> Trainer:
+  """A Trainer whose loss is the GRPO loss of `grpo_config`."""
+  config = dataclasses.replace(config, logprob_chunk=grpo_config.logprob_chunk)
+  return Trainer(model, grpo.make_loss_fn(grpo_config), optimizer, config, mesh=mesh,
+                 rules=rules)
+
+
+def frozen_copy(params: nnx.State) -> nnx.State:
+  """A device copy of `params` that later (donating) updates cannot touch: the KL reference."""
+  return jax.tree.map(jnp.copy, params)
+
+
+# --- Metrics of a batch of episodes -------------------------------------------------------
+
+
+def _field(episode: Any, name: str) -> Any:
+  if isinstance(episode, Mapping):
+    return episode.get(name)
+  return getattr(episode, name, None)
+
+
+def _mean_std(prefix: str, values: Sequence[float], out: dict) -> None:
+  arr = np.asarray(values, np.float64)
+  out[f"{prefix}/mean"] = float(arr.mean())
+  out[f"{prefix}/std"] = float(arr.std())
+
+
+def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
+  """Batch statistics of episodes (whatever fields they carry; see the module doc).
+
+  reward/mean|std and per chain position reward/pos<k>/mean|std; success (share of tasks
+  whose tests all pass, i.e. the batch TGC) and sgc (share of rollout chains, or scenarios
+  without chain ids, whose tasks all pass); steps, generated tokens; skill generation
+  rate (episodes that defined a new skill), skill usage rate (episodes that used a library
+  skill), no-code rate; advantage statistics.
+  """
+  out: dict[str, float] = {"episodes": float(len(episodes))}
+  if not episodes:
+    return out
+  get = lambda name: [_field(e, name) for e in episodes]
+  rewards, positions = get("reward"), get("chain_position")
+  if all(r is not None for r in rewards):
+    _mean_std("reward", rewards, out)
+    if all(p is not None for p in positions):
+      by_pos = collections.defaultdict(list)
+      for r, p in zip(rewards, positions):
+        by_pos[int(p)].append(r)
+      for p, rs in sorted(by_pos.items()):
+        _mean_std(f"reward/pos{p}", rs, out)
+  success = get("success")
+  if all(s is not None for s in success):
+    out["success"] = out["tgc"] = float(np.mean([bool(s) for s in success]))
+    groups, rollouts, scenarios = get("group"), get("rollout"), get("scenario")
+    if all(g is not None for g in groups) and all(r is not None for r in rollouts):
+      keys = list(zip(groups, rollouts))
+    elif all(s is not None for s in scenarios):
+      keys = scenarios
+    else:
+      keys = None
+    if keys is not None:
+      chains = collections.defaultdict(list)
+      for k, s in zip(keys, success):
+        chains[k].append(bool(s))
+      out["sgc"] = float(np.mean([all(v) for v in chains.values()]))
+    if all(p is not None for p in positions):
+      by_pos = collections.defaultdict(list)
+      for s, p in zip(success, positions):
+        by_pos[int(p)].append(bool(s))
+      for p, ss in sorted(by_pos.items()):
+        out[f"success/pos{p}"] = float(np.mean(ss))
+  steps = get("num_steps")
+  if all(s is not None for s in steps):
+    out["steps/mean"] = float(np.mean(steps))
+  generated = get("generated_tokens")
+  if not all(g is not None for g in generated):
+    generated = [int(np.sum(np.asarray(_field(e, "loss_mask")))) for e in episodes]
+  out["generated_tokens/mean"] = float(np.mean(generated))
+  out["generated_tokens/total"] = float(np.sum(generated))
+  events = get("events")
+  if all(e is not None and hasattr(e, "generated") for e in events):
+    out["skill_generation_rate"] = float(np.mean([bool(e.generated) for e in events]))
+  used = get("used_skill")
+  if all(u is not None for u in used):
+    out["skill_usage_rate"] = float(np.mean([bool(u) for u in used]))
+  no_code = get("no_code")
+  if all(n is not None for n in no_code):
+    out["no_code_rate"] = float(np.mean([bool(n) for n in no_code]))
+  adv = get("advantage")
+  if all(a is not None for a in adv):
+    adv = np.asarray(adv, np.float64)
+    out["advantage/abs_mean"] = float(np.abs(adv).mean())
+    out["advantage/zero_frac"] = float(np.mean(adv == 0))
+  return out
+
+
+# --- Update ---------------------------------------------------------------------------------
+
+
+def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRPOConfig,
+                batch_config: batch_lib.BatchConfig, *, seed: int = 0,
+                reference_params: nnx.State | None = None) -> dict[str, float]:
+  """`grpo_config.num_mini_batches` optimiser updates on `episodes` (with advantages set);
+  returns the update metrics (means over mini-batches) and batch layout statistics."""
+  parts = batch_lib.split_mini_batches(
+      episodes, grpo_config.num_mini_batches,
+      np.random.default_rng(seed) if grpo_config.shuffle_mini_batches else None)
+  batches = []
+  for part in parts:
+    batch, info = batch_lib.make_batch(part, batch_config,
+                                       aggregation=grpo_config.loss_aggregation,
+                                       norm_constant=grpo_config.norm_constant)
+    batches.append((batch, info))
+  if grpo_config.recompute_old_logprobs:  # pi_old of every mini-batch before any update
+    batches = [(b.replace(old_logprobs=trainer.logprobs(b)), i) for b, i in batches]
+  if grpo_config.use_kl:
+    if reference_params is None:
+      raise ValueError("GRPOConfig.kl_coef > 0 needs reference_params (see frozen_copy)")
+    batches = [(b.replace(ref_logprobs=trainer.logprobs(b, reference_params)), i)
+               for b, i in batches]
+  per_update = []
+  for batch, info in batches:
+    m = scalars(jax.device_get(trainer.step(batch)))
+    m["batch/padding_fraction"] = info.padding_fraction
+    m["batch/positions"] = float(info.total_positions)
+    m["batch/real_positions"] = float(info.real_positions)
+    m["batch/micro_batches"] = float(batch.shape[0])
+    m["batch/row_len"] = float(batch.shape[2])
+    per_update.append(m)
+  out = {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
+  for k in ("batch/positions", "batch/real_positions"):
+    out[k] = float(np.sum([m[k] for m in per_update]))
+  out["updates"] = float(len(per_update))
+  return out
+
+
+# --- Loop -----------------------------------------------------------------------------------
+
+
+def _unpack_rollout(result: Any) -> tuple[list, dict]:
+  if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
+    return list(result[0]), dict(result[1])
+  return list(result), {}
+
+
+def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopConfig(),
+           grpo_config: grpo.GRPOConfig = grpo.GRPOConfig(),
+           batch_config: batch_lib.BatchConfig = batch_lib.BatchConfig(),
+           score: Score | None = None, evaluate: Evaluate | None = None,
+           sync_params: SyncParams | None = None, checkpointer: Checkpointer | None = None,
+           metrics: MetricsConfig = MetricsConfig(),
+           reference_params: nnx.State | None = None,
+           on_step: Callable[[int, dict], None] | None = None) -> LoopResult:
+  """Runs loop steps until `config.total_steps` are done (resuming from the latest checkpoint
+  when there is one) or a SIGTERM / SIGINT arrives (then saves and returns).
+
+  `trainer` must carry the GRPO loss of `grpo_config` (see `grpo_trainer`). Step s (0-based)
+  is: rollout(s, step_seed(seed, s)) -> score -> update -> sync_params -> metrics at s + 1 ->
+  evaluation and checkpoint when due.
+  """
+  start = 0
+  if checkpointer is not None and checkpointer.config.resume and (
+      checkpointer.latest_step() is not None):
+    state, meta = checkpointer.restore(trainer.abstract_state())
+    trainer.state = state
+    start = int(meta["step"])
+    logging.info("resumed from %s at step %d", checkpointer.directory, start)
+  if sync_params is not None:
+    sync_params(trainer.params)
+  writer = MetricsWriter(metrics, total_steps=config.total_steps, start_step=start,
+                         description="rl")
+  history: list[dict[str, float]] = []
+  step = start
+  preempted = False
+  try:
+    with PreemptionGuard() as guard:
+      while step < config.total_steps:
+        seed = step_seed(config.seed, step)
+        t0 = time.perf_counter()
+        episodes, values = _unpack_rollout(rollout(step, seed))
+        t1 = time.perf_counter()
+        if score is not None:
+          values.update(score(episodes) or {})
+        values.update(episode_metrics(episodes))
+        t2 = time.perf_counter()
+        values.update(grpo_update(trainer, episodes, grpo_config, batch_config, seed=seed,
+                                  reference_params=reference_params))
+        if sync_params is not None:
+          sync_params(trainer.params)
+        t3 = time.perf_counter()
+        step += 1
+        values.update({
+            "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
+            "time/step_s": t3 - t0,
+            "tokens_per_s": values["batch/real_positions"] / max(t3 - t2, 1e-9),
+            "rollout_tokens_per_s": values["generated_tokens/total"] / max(t1 - t0, 1e-9),
+        })
+        dev = {}
+        if evaluate is not None and config.eval_every and step % config.eval_every == 0:
+          t4 = time.perf_counter()
+          dev = {f"dev/{k}": float(v) for k, v in evaluate(step).items()}
+          dev["time/eval_s"] = time.perf_counter() - t4
+          values.update(dev)
+        values = writer.write(step, values)
+        writer.progress(step, values)
+        history.append(values)
+        if on_step is not None:
+          on_step(step, values)
+        preempted = guard.requested or (checkpointer is not None
+                                        and checkpointer.reached_preemption(step))
+        if checkpointer is not None and (checkpointer.should_save(step) or dev or preempted
+                                         or step == config.total_steps):
+          checkpointer.save(step, trainer.state,
+                            meta={"step": step, "seed": config.seed, "loop": "rl"},
+                            metrics={k: v for k, v in dev.items() if k.startswith("dev/")})
+        if preempted:
+          break
+  finally:
+    if checkpointer is not None:
+      checkpointer.wait()
+    writer.close()
+  return LoopResult(start_step=start, end_step=step, preempted=preempted, history=history)

@@ -1,0 +1,114 @@
+"""Orbax checkpoints: keep last N + best on dev, config beside them, atomic finalisation,
+restore into another sharding; metrics JSONL / TensorBoard with resume truncation."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from sage_jax import sharding as shd
+from sage_jax.model import get_preset, init_model
+from sage_jax.rl import grpo
+from sage_jax.train import checkpoint as ckpt
+from sage_jax.train import metrics as metrics_lib
+from sage_jax.train.optimizer import OptimizerConfig
+from sage_jax.train.step import Trainer
+
+CFG = get_preset("tiny").replace(vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def trainer():
+  return Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()),
+                 OptimizerConfig(learning_rate=1e-3))
+
+
+def test_keep_last_and_best_and_config(tmp_path, trainer):
+  config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), keep_last=2, keep_best=1,
+                                 best_metric="dev/tgc", save_every=1)
+  run_config = {"model": CFG, "lr": 1e-3, "buckets": (16, 32)}
+  saver = ckpt.Checkpointer(config, run_config=run_config)
+  dev = {2: 0.9, 4: 0.1}
+  for step in range(1, 7):
+    metrics = {"dev/tgc": dev[step]} if step in dev else None
+    assert saver.save(step, trainer.state, meta={"step": step}, metrics=metrics)
+  saver.wait()
+  assert not saver.save(6, trainer.state)  # an existing step is not overwritten
+  assert saver.all_steps() == [2, 5, 6]  # last two + the best on dev (step 4 was worse)
+  assert saver.latest_step() == 6 and saver.best_step() == 2
+  assert saver.read_meta(2) == {"step": 2, "metrics": {"dev/tgc": 0.9}}
+  with open(tmp_path / "ck" / ckpt.CONFIG_FILE) as f:
+    written = json.load(f)
+  assert written["model"]["hidden_size"] == 64 and written["buckets"] == [16, 32]
+  saver.close()
+
+
+def test_half_written_checkpoint_is_ignored_and_cleaned(tmp_path, trainer):
+  directory = tmp_path / "ck"
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), async_save=False))
+  saver.save(3, trainer.state, meta={"step": 3})
+  saver.close()
+  # What a kill in the middle of saving step 4 leaves behind: orbax's temporary directory.
+  partial = directory / "4.orbax-checkpoint-tmp-1234567"
+  (partial / "state").mkdir(parents=True)
+  (partial / "state" / "junk").write_bytes(b"\0" * 100)
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory)))
+  assert saver.latest_step() == 3  # the unfinished step 4 does not count
+  state, meta = saver.restore(trainer.abstract_state())
+  assert meta["step"] == 3
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  saver.save(4, state, meta={"step": 4})  # the resumed run redoes step 4
+  saver.wait()
+  assert not partial.exists()  # the leftover was removed (orbax cleans up on start)
+  assert saver.all_steps() == [3, 4]
+  saver.close()
+
+
+def test_restore_into_a_sharded_trainer(tmp_path, trainer):
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(tmp_path / "ck")))
+  saver.save(1, trainer.state, meta={"step": 1})
+  saver.wait()
+  mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=4, tensor=2))
+  sharded = Trainer(shd.create_sharded(lambda: init_model(CFG, seed=7), mesh),
+                    grpo.make_loss_fn(grpo.GRPOConfig()), OptimizerConfig(learning_rate=1e-3),
+                    mesh=mesh)
+  state, _ = saver.restore(sharded.abstract_state())
+  for a, b, want in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state),
+                        jax.tree.leaves(sharded.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding == want.sharding
+  saver.close()
+
+
+def test_preemption_guard_turns_sigterm_into_a_flag():
+  import signal
+  with ckpt.PreemptionGuard() as guard:
+    assert not guard.requested
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert guard.requested and guard.signal == signal.SIGTERM
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):
+  config = metrics_lib.MetricsConfig(log_dir=str(tmp_path), progress=True)
+  writer = metrics_lib.MetricsWriter(config, total_steps=5)
+  for step in range(1, 5):
+    values = writer.write(step, {"loss": np.float32(step), "reward/mean": 0.1 * step,
+                                 "skip": "text", "vector": np.ones(3)})
+    writer.progress(step, values)
+  writer.close()
+  rows = metrics_lib.read_jsonl(str(tmp_path))
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert rows[0]["loss"] == 1.0 and "skip" not in rows[0] and "vector" not in rows[0]
+  assert any(name.startswith("events") for name in os.listdir(tmp_path / "tb"))
+  with open(tmp_path / metrics_lib.METRICS_FILE, "a") as f:
+    f.write('{"step": 5, "lo')  # a line cut by a kill
+  # Resuming at step 3 redoes steps 3 and 4: their old lines go.
+  writer = metrics_lib.MetricsWriter(config, total_steps=5, start_step=2)
+  writer.write(3, {"loss": 30.0})
+  writer.close()
+  rows = metrics_lib.read_jsonl(str(tmp_path))
+  assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
