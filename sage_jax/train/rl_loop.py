@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -42,15 +41,14 @@ from sage_jax import sharding as shd
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl import batch as batch_lib
 from sage_jax.rl import grpo
-from sage_jax.train.checkpoint import Checkpointer, PreemptionGuard
-from sage_jax.train.metrics import MetricsConfig, MetricsWriter, scalars
+from sage_jax.train.checkpoint import Checkpointer
+from sage_jax.train.loop import Evaluate, LoopResult, SyncParams, run_steps
+from sage_jax.train.metrics import MetricsConfig, scalars
 from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.step import Trainer, TrainerConfig
 
 Rollout = Callable[[int, int], Any]
 Score = Callable[[Sequence[Any]], Mapping[str, float] | None]
-Evaluate = Callable[[int], Mapping[str, float]]
-SyncParams = Callable[[nnx.State], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +64,6 @@ class RLLoopConfig:
   def __post_init__(self):
     if self.total_steps < 0 or self.eval_every < 0:
       raise ValueError(f"{self}: total_steps and eval_every must be >= 0")
-
-
-@dataclasses.dataclass
-class LoopResult:
-  """start_step: where this run began (after a resume); end_step: completed steps;
-  preempted: stopped by a signal (a checkpoint was saved); history: metrics per step."""
-
-  start_step: int
-  end_step: int
-  preempted: bool
-  history: list[dict[str, float]]
-
-
-def step_seed(seed: int, step: int) -> int:
-  """A 32-bit seed for loop step `step`, independent across steps and seeds."""
-  return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
 
 
 def grpo_trainer(model: Qwen2, grpo_config: grpo.GRPOConfig = grpo.GRPOConfig(),
@@ -243,68 +225,29 @@ def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopC
   when there is one) or a SIGTERM / SIGINT arrives (then saves and returns).
 
   `trainer` must carry the GRPO loss of `grpo_config` (see `grpo_trainer`). Step s (0-based)
-  is: rollout(s, step_seed(seed, s)) -> score -> update -> sync_params -> metrics at s + 1 ->
-  evaluation and checkpoint when due.
+  is: rollout(s, step_seed(seed, s)) -> score -> update -> sync_params; then metrics at
+  s + 1, evaluation and checkpoint when due (`train.loop.run_steps`).
   """
-  start = 0
-  if checkpointer is not None and checkpointer.config.resume and (
-      checkpointer.latest_step() is not None):
-    state, meta = checkpointer.restore(trainer.abstract_state())
-    trainer.state = state
-    start = int(meta["step"])
-    logging.info("resumed from %s at step %d", checkpointer.directory, start)
-  if sync_params is not None:
-    sync_params(trainer.params)
-  writer = MetricsWriter(metrics, total_steps=config.total_steps, start_step=start,
-                         description="rl")
-  history: list[dict[str, float]] = []
-  step = start
-  preempted = False
-  try:
-    with PreemptionGuard() as guard:
-      while step < config.total_steps:
-        seed = step_seed(config.seed, step)
-        t0 = time.perf_counter()
-        episodes, values = _unpack_rollout(rollout(step, seed))
-        t1 = time.perf_counter()
-        if score is not None:
-          values.update(score(episodes) or {})
-        values.update(episode_metrics(episodes))
-        t2 = time.perf_counter()
-        values.update(grpo_update(trainer, episodes, grpo_config, batch_config, seed=seed,
-                                  reference_params=reference_params))
-        if sync_params is not None:
-          sync_params(trainer.params)
-        t3 = time.perf_counter()
-        step += 1
-        values.update({
-            "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
-            "time/step_s": t3 - t0,
-            "tokens_per_s": values["batch/real_positions"] / max(t3 - t2, 1e-9),
-            "rollout_tokens_per_s": values["generated_tokens/total"] / max(t1 - t0, 1e-9),
-        })
-        dev = {}
-        if evaluate is not None and config.eval_every and step % config.eval_every == 0:
-          t4 = time.perf_counter()
-          dev = {f"dev/{k}": float(v) for k, v in evaluate(step).items()}
-          dev["time/eval_s"] = time.perf_counter() - t4
-          values.update(dev)
-        values = writer.write(step, values)
-        writer.progress(step, values)
-        history.append(values)
-        if on_step is not None:
-          on_step(step, values)
-        preempted = guard.requested or (checkpointer is not None
-                                        and checkpointer.reached_preemption(step))
-        if checkpointer is not None and (checkpointer.should_save(step) or dev or preempted
-                                         or step == config.total_steps):
-          checkpointer.save(step, trainer.state,
-                            meta={"step": step, "seed": config.seed, "loop": "rl"},
-                            metrics={k: v for k, v in dev.items() if k.startswith("dev/")})
-        if preempted:
-          break
-  finally:
-    if checkpointer is not None:
-      checkpointer.wait()
-    writer.close()
-  return LoopResult(start_step=start, end_step=step, preempted=preempted, history=history)
+
+  def one_step(step: int, seed: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    episodes, values = _unpack_rollout(rollout(step, seed))
+    t1 = time.perf_counter()
+    if score is not None:
+      values.update(score(episodes) or {})
+    values.update(episode_metrics(episodes))
+    t2 = time.perf_counter()
+    values.update(grpo_update(trainer, episodes, grpo_config, batch_config, seed=seed,
+                              reference_params=reference_params))
+    t3 = time.perf_counter()
+    values.update({
+        "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
+        "tokens_per_s": values["batch/real_positions"] / max(t3 - t2, 1e-9),
+        "rollout_tokens_per_s": values["generated_tokens/total"] / max(t1 - t0, 1e-9),
+    })
+    return values
+
+  return run_steps(trainer, one_step, total_steps=config.total_steps, seed=config.seed,
+                   eval_every=config.eval_every, evaluate=evaluate, sync_params=sync_params,
+                   checkpointer=checkpointer, metrics=metrics, description="rl",
+                   meta={"loop": "rl"}, on_step=on_step)

@@ -31,7 +31,9 @@ class SyntheticTaskConfig:
   max_new_tokens / temperature: sampling. eval_prompts: greedy prompts for `evaluate`.
   reward: "positional" (right answer positions / answer length) or "prefix" (matching prefix
   / answer length). exact_bonus: weight of the exact answer; the reward is
-  (1 - exact_bonus) * partial credit + exact_bonus * [exact answer]."""
+  (1 - exact_bonus) * partial credit + exact_bonus * [exact answer]. answer_eos: the answer
+  ends with EOS (the turn must stop by itself); False: the answer is just the symbols and the
+  turn is cut at their length."""
 
   vocab_size: int = 16
   task: Literal["reverse", "fixed"] = "reverse"
@@ -45,6 +47,7 @@ class SyntheticTaskConfig:
   eval_prompts: int = 16
   reward: Literal["positional", "prefix"] = "positional"
   exact_bonus: float = 0.5
+  answer_eos: bool = True
 
   def __post_init__(self):
     if self.num_symbols > self.vocab_size - 2:
@@ -79,9 +82,14 @@ class SyntheticTask:
     self.bos = config.vocab_size - 2
 
   def answer(self, prompt: Sequence[int]) -> list[int]:
-    if self.config.task == "fixed":
-      return list(self.config.target) + [self.eos]
-    return list(prompt[1:])[::-1] + [self.eos]
+    answer = list(self.config.target) if self.config.task == "fixed" else list(prompt[1:])[::-1]
+    return answer + [self.eos] if self.config.answer_eos else answer
+
+  @property
+  def max_new_tokens(self) -> int:
+    if self.config.answer_eos:
+      return self.config.max_new_tokens
+    return len(self.config.target) if self.config.task == "fixed" else self.config.prompt_symbols
 
   def reward(self, prompt: Sequence[int], generated: Sequence[int]) -> float:
     want = self.answer(prompt)
@@ -102,7 +110,7 @@ class SyntheticTask:
     rng = np.random.default_rng(seed)
     prompts = self.prompts(rng, c.num_prompts)
     flat = [p for p in prompts for _ in range(c.group_size)]
-    sampling = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens)
+    sampling = SamplingParams(temperature=c.temperature, max_new_tokens=self.max_new_tokens)
     seeds = rng.integers(0, 2**31 - 1, len(flat)).tolist()
     results = self.engine.generate(flat, sampling, seeds)
     episodes = []
@@ -126,7 +134,7 @@ class SyntheticTask:
     """Greedy mean reward and exact-answer rate on fixed prompts."""
     del step
     prompts = self.prompts(np.random.default_rng(12345), self.config.eval_prompts)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=self.config.max_new_tokens)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens)
     results = self.engine.generate(prompts, sampling)
     rewards = [self.reward(p, r.tokens) for p, r in zip(prompts, results)]
     return {"reward": float(np.mean(rewards)), "success": float(np.mean(np.equal(rewards, 1)))}

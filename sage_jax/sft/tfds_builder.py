@@ -1,0 +1,108 @@
+"""A tensorflow-datasets builder for expert trajectories (array_record; TensorFlow not needed).
+
+The builder reads every `*.jsonl` file (the format of `sage_jax.sft.data`) in its manual
+directory, tokenises each trajectory with the Qwen2.5 tokenizer through the same
+`Conversation` builder as rollouts, and stores per example:
+
+  id         text
+  tokens     int32 [L]
+  loss_mask  int8  [L]   1 on assistant tokens
+  messages   text        the trajectory's JSON (messages and metadata), for inspection
+
+    builder = ExpertTrajectories(data_dir=DATA_DIR)
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=DIR))
+    source = builder.as_data_source()["train"]   # random access, no TensorFlow
+    source[0]["tokens"], source[0]["loss_mask"]
+
+`load_examples(data_dir)` returns the split as `SFTExample`s for the SFT loop.
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import json
+import os
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+from sage_jax.sft import data as data_lib
+from sage_jax.tokenizer import Tokenizer
+
+
+class ExpertTrajectories(tfds.core.GeneratorBasedBuilder):
+  """Expert multi-turn trajectories in the skill-library format, tokenised for SFT."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Tokenised trajectories (ids, assistant loss mask)."}
+  MANUAL_DOWNLOAD_INSTRUCTIONS = (
+      "Put expert-trajectory JSONL files (*.jsonl, format: sage_jax.sft.data) in manual_dir, "
+      "e.g. the output of `python -m sage_jax.sft.expert`.")
+
+  def __init__(self, *args, file_format: str = "array_record", **kwargs):
+    super().__init__(*args, file_format=file_format, **kwargs)
+
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls) -> epath.Path:
+    # The default looks the module up as a package resource, which needs the optional
+    # `importlib_resources` package for an editable install; the source file is the answer.
+    return epath.Path(inspect.getfile(cls))
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="Expert trajectories for SAGE's SFT stage, tokenised with Qwen2.5 ChatML.",
+        features=tfds.features.FeaturesDict({
+            "id": tfds.features.Text(),
+            "tokens": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "loss_mask": tfds.features.Tensor(shape=(None,), dtype=np.int8),
+            "messages": tfds.features.Text(),
+        }),
+        supervised_keys=None,
+    )
+
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager):
+    paths = sorted(glob.glob(os.path.join(os.fspath(dl_manager.manual_dir), "*.jsonl")))
+    if not paths:
+      raise FileNotFoundError(f"no *.jsonl in {dl_manager.manual_dir}")
+    return {"train": self._generate_examples(paths)}
+
+  def _generate_examples(self, paths):
+    tokenizer = Tokenizer()
+    seen = set()
+    for path in paths:
+      for trajectory in data_lib.iter_jsonl(path):
+        if trajectory.id in seen:
+          raise data_lib.FormatError(f"{path}: duplicate id {trajectory.id!r}")
+        seen.add(trajectory.id)
+        example = data_lib.tokenize(trajectory, tokenizer)
+        yield trajectory.id, {
+            "id": trajectory.id,
+            "tokens": example.tokens,
+            "loss_mask": example.loss_mask,
+            "messages": json.dumps(trajectory.to_json(), ensure_ascii=False),
+        }
+
+
+def prepare(jsonl_dir: str, data_dir: str) -> ExpertTrajectories:
+  """Builds (once) the dataset from the JSONL files in `jsonl_dir` under `data_dir`."""
+  builder = ExpertTrajectories(data_dir=data_dir)
+  builder.download_and_prepare(
+      download_config=tfds.download.DownloadConfig(manual_dir=jsonl_dir))
+  return builder
+
+
+def load_examples(data_dir: str, split: str = "train") -> list[data_lib.SFTExample]:
+  """The prepared split as SFTExamples (random-access array_record reads, no TensorFlow)."""
+  source = ExpertTrajectories(data_dir=data_dir).as_data_source()[split]
+  out = []
+  for i in range(len(source)):
+    row = source[i]
+    name = row["id"]
+    out.append(data_lib.SFTExample(name.decode() if isinstance(name, bytes) else str(name),
+                                   np.asarray(row["tokens"], np.int32),
+                                   np.asarray(row["loss_mask"], np.int8)))
+  return out

@@ -1,0 +1,107 @@
+"""The step loop shared by RL and SFT: resume, steps, metrics, evaluation, checkpoints, signals.
+
+`run_steps` calls `one_step(step, seed)` for step = start .. total_steps - 1, where `start` is
+the latest checkpoint's step (0 for a fresh run) and `seed = step_seed(loop seed, step)`: data
+order and randomness are pure functions of the step, so a resumed run repeats exactly what the
+straight run would have done. After each step it logs metrics at `step + 1` (completed
+steps), evaluates every `eval_every` steps ("dev/<name>"), saves when due (every
+`save_every`, at evaluations, at the end), and on SIGTERM / SIGINT (or orbax's multi-host
+preemption notice) saves, waits for the save to land, and returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Mapping
+
+import numpy as np
+from flax import nnx
+
+from sage_jax.train.checkpoint import Checkpointer, PreemptionGuard
+from sage_jax.train.metrics import MetricsConfig, MetricsWriter
+from sage_jax.train.step import Trainer
+
+Evaluate = Callable[[int], Mapping[str, float]]
+SyncParams = Callable[[nnx.State], None]
+
+
+@dataclasses.dataclass
+class LoopResult:
+  """start_step: where this run began (after a resume); end_step: completed steps;
+  preempted: stopped by a signal (a checkpoint was saved); history: metrics per step."""
+
+  start_step: int
+  end_step: int
+  preempted: bool
+  history: list[dict[str, float]]
+
+
+def step_seed(seed: int, step: int) -> int:
+  """A 32-bit seed for loop step `step`, independent across steps and seeds."""
+  return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+def restore_latest(trainer: Trainer, checkpointer: Checkpointer | None) -> int:
+  """Loads the latest checkpoint into `trainer` (if resuming is on and there is one);
+  returns the step to continue from."""
+  if checkpointer is None or not checkpointer.config.resume:
+    return 0
+  if checkpointer.latest_step() is None:
+    return 0
+  state, meta = checkpointer.restore(trainer.abstract_state())
+  trainer.state = state
+  logging.info("resumed from %s at step %d", checkpointer.directory, meta["step"])
+  return int(meta["step"])
+
+
+def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]], *,
+              total_steps: int, seed: int = 0, eval_every: int = 0,
+              evaluate: Evaluate | None = None, sync_params: SyncParams | None = None,
+              checkpointer: Checkpointer | None = None,
+              metrics: MetricsConfig = MetricsConfig(), description: str = "train",
+              meta: Mapping[str, object] | None = None,
+              on_step: Callable[[int, dict], None] | None = None) -> LoopResult:
+  """Runs `one_step` until `total_steps` steps are done (see the module doc)."""
+  start = restore_latest(trainer, checkpointer)
+  if sync_params is not None:
+    sync_params(trainer.params)
+  writer = MetricsWriter(metrics, total_steps=total_steps, start_step=start,
+                         description=description)
+  history: list[dict[str, float]] = []
+  step, preempted = start, False
+  extra_meta = dict(meta or {})
+  try:
+    with PreemptionGuard() as guard:
+      while step < total_steps:
+        t0 = time.perf_counter()
+        values = dict(one_step(step, step_seed(seed, step)))
+        if sync_params is not None:
+          sync_params(trainer.params)
+        step += 1
+        values["time/step_s"] = time.perf_counter() - t0
+        dev = {}
+        if evaluate is not None and eval_every and step % eval_every == 0:
+          t1 = time.perf_counter()
+          dev = {f"dev/{k}": float(v) for k, v in evaluate(step).items()}
+          values.update(dev)
+          values["time/eval_s"] = time.perf_counter() - t1
+        values = writer.write(step, values)
+        writer.progress(step, values)
+        history.append(values)
+        if on_step is not None:
+          on_step(step, values)
+        preempted = guard.requested or (checkpointer is not None
+                                        and checkpointer.reached_preemption(step))
+        if checkpointer is not None and (checkpointer.should_save(step) or dev or preempted
+                                         or step == total_steps):
+          checkpointer.save(step, trainer.state,
+                            meta={**extra_meta, "step": step, "seed": seed}, metrics=dev)
+        if preempted:
+          break
+  finally:
+    if checkpointer is not None:
+      checkpointer.wait()
+    writer.close()
+  return LoopResult(start_step=start, end_step=step, preempted=preempted, history=history)
