@@ -1,0 +1,142 @@
+"""Train-step throughput and model FLOPs utilisation; prints one JSON object.
+
+    python bench/train_step.py --preset=small --seq_len=512 --rows=4 --micro_batches=2
+
+Measures, in the same process: (1) the peak of this machine, a large float32 (or the
+compute dtype's) matmul's FLOP/s; (2) warm GRPO train steps (compile excluded) on packed
+random sequences of `seq_len` tokens: tokens/s and model FLOPs/s, where model FLOPs per token
+= 6 * (matmul parameters, LM head included) + 12 * layers * heads * head_dim * seq_len (the
+attention scores and values, forward + backward; PaLM's MFU definition). MFU = model FLOP/s /
+peak. Rematerialisation is extra work that MFU does not credit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sage_jax import sharding as shd
+from sage_jax.model import get_preset, init_model
+from sage_jax.rl import batch as B
+from sage_jax.rl import grpo
+from sage_jax.train.optimizer import OptimizerConfig
+from sage_jax.train.rl_loop import grpo_trainer
+
+
+def matmul_peak(n: int, dtype, repeats: int) -> float:
+  """FLOP/s of an n x n x n matmul (best of `repeats`)."""
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
+  b = jnp.asarray(np.random.default_rng(1).standard_normal((n, n)), dtype)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, b).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * n ** 3 / best
+
+
+def model_flops_per_token(cfg, seq_len: int) -> float:
+  e, i, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+  q = cfg.num_attention_heads * cfg.head_dim
+  kv = cfg.num_key_value_heads * cfg.head_dim
+  matmul = l * (e * q + 2 * e * kv + q * e + 3 * e * i) + cfg.vocab_size * e
+  return 6 * matmul + 12 * l * q * seq_len
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--preset", default="small")
+  p.add_argument("--vocab_size", type=int, default=0, help="0 = the preset's")
+  p.add_argument("--seq_len", type=int, default=512)
+  p.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
+  p.add_argument("--micro_batches", type=int, default=2)
+  p.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
+  p.add_argument("--remat", default="none")
+  p.add_argument("--logprob_chunk", type=int, default=0)
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--peak_n", type=int, default=2048)
+  p.add_argument("--mesh", default="", help="data,fsdp,tensor (default: one device)")
+  args = p.parse_args()
+
+  cfg = get_preset(args.preset).replace(dtype=args.dtype, remat=args.remat)
+  if args.vocab_size:
+    cfg = cfg.replace(vocab_size=args.vocab_size)
+  mesh = None
+  if args.mesh:
+    data, fsdp, tensor = (int(x) for x in args.mesh.split(","))
+    mesh = shd.make_mesh(shd.MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+    model = shd.create_sharded(lambda: init_model(cfg, seed=0), mesh)
+  else:
+    model = init_model(cfg, seed=0)
+  config = grpo.GRPOConfig(logprob_chunk=args.logprob_chunk)
+  trainer = grpo_trainer(model, config, OptimizerConfig(learning_rate=1e-6), mesh=mesh)
+
+  # Sequences of exactly seq_len + 1 tokens fill rows of seq_len positions with no padding.
+  rng = np.random.default_rng(0)
+  n_seq = args.rows * args.micro_batches
+  records = []
+  for _ in range(n_seq):
+    mask = (rng.random(args.seq_len + 1) < 0.5).astype(np.int8)
+    mask[0] = 0
+    lp = np.where(mask, -np.log(cfg.vocab_size), 0).astype(np.float32)
+    records.append(dict(tokens=rng.integers(0, cfg.vocab_size, args.seq_len + 1),
+                        loss_mask=mask, model_logprobs=lp, sampler_logprobs=lp,
+                        advantage=float(rng.normal())))
+  batch_config = B.BatchConfig(micro_batch_tokens=args.rows * args.seq_len,
+                               num_micro_batches=args.micro_batches,
+                               length_buckets=(args.seq_len,))
+  batch, info = B.make_batch(records, batch_config)
+  assert batch.shape == (args.micro_batches, args.rows, args.seq_len), batch.shape
+  device_batch = trainer.place_batch(batch)
+
+  t = time.perf_counter()
+  jax.block_until_ready(trainer.step(device_batch))
+  compile_s = time.perf_counter() - t
+  times = []
+  for _ in range(args.steps):
+    t = time.perf_counter()
+    jax.block_until_ready(trainer.step(device_batch))
+    times.append(time.perf_counter() - t)
+  assert trainer.num_compiled == 1
+  step_s = statistics.median(times)
+  tokens = info.real_positions
+  flops_tok = model_flops_per_token(cfg, args.seq_len)
+  peak_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+  peak = matmul_peak(args.peak_n, peak_dtype, repeats=5)
+  out = {
+      "bench": "train_step",
+      "device": jax.devices()[0].device_kind,
+      "platform": jax.default_backend(),
+      "num_devices": jax.device_count(),
+      "cpu": platform.processor() or platform.machine(),
+      "cpu_count": os.cpu_count(),
+      "load_avg_1m": os.getloadavg()[0],
+      "preset": args.preset, "params": cfg.num_params(), "vocab_size": cfg.vocab_size,
+      "dtype": args.dtype, "remat": args.remat, "logprob_chunk": args.logprob_chunk,
+      "seq_len": args.seq_len, "rows": args.rows, "micro_batches": args.micro_batches,
+      "tokens_per_step": tokens,
+      "compile_s": round(compile_s, 2),
+      "step_s_median": round(step_s, 4),
+      "step_s_all": [round(x, 4) for x in times],
+      "tokens_per_s": round(tokens / step_s, 1),
+      "model_flops_per_token": flops_tok,
+      "model_flops_per_s": round(tokens * flops_tok / step_s, 1),
+      "peak_matmul_flops_per_s": round(peak, 1),
+      "peak_matmul": f"{args.peak_n}^3 {np.dtype(peak_dtype).name}",
+      "mfu": round(tokens * flops_tok / step_s / peak, 4),
+  }
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()
