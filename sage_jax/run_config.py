@@ -1,0 +1,178 @@
+"""The schema of a run: which config section builds which dataclass, and cross-field checks.
+
+`configs/*.py` start from `defaults()` (every section at its dataclass defaults, so the
+printed config states every setting) and change what their preset needs. `resolve()` turns
+a ConfigDict into a `RunConfig` of built dataclasses, failing with the key's full path on an
+unknown key, a wrong type or an inconsistent combination, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from sage_jax.agent.config import AgentConfig, RetrievalConfig
+from sage_jax.checkpoint.loader import ModelSpec
+from sage_jax.configurable import ConfigError, build
+from sage_jax.envs.appworld.config import EnvPoolConfig
+from sage_jax.eval.runner import EvalConfig
+from sage_jax.rl.advantages import AdvantageConfig
+from sage_jax.rl.batch import BatchConfig
+from sage_jax.rl.grpo import GRPOConfig
+from sage_jax.rl.rewards import RewardConfig
+from sage_jax.rl.rollout import RolloutConfig
+from sage_jax.sampler import EngineConfig
+from sage_jax.sft.expert import ExpertConfig
+from sage_jax.sft.loop import SFTConfig
+from sage_jax.sharding import MeshConfig
+from sage_jax.train.checkpoint import CheckpointConfig
+from sage_jax.train.metrics import MetricsConfig
+from sage_jax.train.optimizer import OptimizerConfig
+from sage_jax.train.rl_loop import RLLoopConfig
+from sage_jax.train.step import TrainerConfig
+
+STAGES = ("sft", "rl")
+TASKS_PER_SCENARIO = 3  # AppWorld's official splits and the mini world alike
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """stages: what `sage_jax.train` runs, in order ("sft", "rl"). data: "mini" (the offline
+  mini AppWorld, built on first use) or an APPWORLD_ROOT. train_split / dev_split: dataset
+  splits for rollouts and evaluation. chains_per_step: chains sampled per RL step (each run by
+  rollout.group_size rollouts). expert_trajectories: an SFT JSONL file ("" = made from the
+  gold solutions of the train split). eval_before / eval_after: dev evaluation around
+  training. export: write the final model in HF format to <workdir>/hf. plot: PNG curves."""
+
+  stages: tuple[str, ...] = ("sft", "rl")
+  data: str = "mini"
+  train_split: str = "train"
+  dev_split: str = "dev"
+  chains_per_step: int = 4
+  expert_trajectories: str = ""
+  eval_before: bool = True
+  eval_after: bool = True
+  export: bool = True
+  plot: bool = True
+
+  def __post_init__(self):
+    unknown = [s for s in self.stages if s not in STAGES]
+    if unknown or len(set(self.stages)) != len(self.stages):
+      raise ValueError(f"stages={self.stages}: each of {STAGES} at most once")
+    if self.chains_per_step < 1:
+      raise ValueError(f"chains_per_step must be >= 1, got {self.chains_per_step}")
+
+
+# Section name -> dataclass. A section absent from a config takes the dataclass defaults.
+SECTIONS: dict[str, type] = {
+    "pipeline": PipelineConfig,
+    "model": ModelSpec,
+    "mesh": MeshConfig,
+    "pool": EnvPoolConfig,
+    "engine": EngineConfig,
+    "agent": AgentConfig,
+    "retrieval": RetrievalConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "advantage": AdvantageConfig,
+    "grpo": GRPOConfig,
+    "optimizer": OptimizerConfig,
+    "batch": BatchConfig,
+    "trainer": TrainerConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+    "rl": RLLoopConfig,
+    "expert": ExpertConfig,
+    "sft": SFTConfig,
+    "sft_optimizer": OptimizerConfig,
+    "eval": EvalConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  seed: int
+  pipeline: PipelineConfig
+  model: ModelSpec
+  mesh: MeshConfig
+  pool: EnvPoolConfig
+  engine: EngineConfig
+  agent: AgentConfig
+  retrieval: RetrievalConfig
+  rollout: RolloutConfig
+  reward: RewardConfig
+  advantage: AdvantageConfig
+  grpo: GRPOConfig
+  optimizer: OptimizerConfig
+  batch: BatchConfig
+  trainer: TrainerConfig
+  checkpoint: CheckpointConfig
+  metrics: MetricsConfig
+  rl: RLLoopConfig
+  expert: ExpertConfig
+  sft: SFTConfig
+  sft_optimizer: OptimizerConfig
+  eval: EvalConfig
+
+
+def _asdict(instance: Any) -> dict:
+  out = {}
+  for f in dataclasses.fields(instance):
+    value = getattr(instance, f.name)
+    out[f.name] = list(value) if isinstance(value, tuple) else value
+  return out
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every section at its dataclass defaults; None-valued fields accept any later type."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  for name, cls in SECTIONS.items():
+    kwargs = {"spec": "tiny"} if cls is ModelSpec else {}
+    section = _asdict(cls(**kwargs))
+    if cls is ModelSpec:
+      section["spec"] = ""
+      section["preset"] = "tiny"
+    config[name] = ml_collections.ConfigDict(section, type_safe=False)
+  return config
+
+
+def resolve(config: Any, num_devices: int | None = None) -> RunConfig:
+  """Builds every section and checks the combinations; errors name the offending key."""
+  sections = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  unknown = sorted(set(sections) - set(SECTIONS) - {"seed"})
+  if unknown:
+    raise ConfigError(f"config.{unknown[0]}: unknown section; known: {sorted(SECTIONS)}")
+  built = {name: build(cls, sections.get(name) or {}, f"config.{name}")
+           for name, cls in SECTIONS.items()}
+  seed = sections.get("seed", 0)
+  if not isinstance(seed, int) or isinstance(seed, bool):
+    raise ConfigError(f"config.seed: expected int, got {seed!r}")
+  run = RunConfig(seed=seed, **built)
+  _check(run, num_devices)
+  return run
+
+
+def _check(run: RunConfig, num_devices: int | None) -> None:
+  rollout, pipeline = run.rollout, run.pipeline
+  if rollout.group_size == 1 and run.advantage.estimator == "grpo" and "rl" in pipeline.stages:
+    raise ConfigError("config.rollout.group_size: 1 leaves no group to normalise over; the "
+                      "std-normalised 'grpo' advantage is 0 for every episode (use >= 2)")
+  if rollout.effective_chain_length > TASKS_PER_SCENARIO:
+    raise ConfigError(f"config.rollout.chain_length: {rollout.chain_length} exceeds the "
+                      f"{TASKS_PER_SCENARIO} tasks of an AppWorld scenario")
+  if num_devices is not None:
+    try:
+      data, fsdp, _ = run.mesh.resolve(num_devices)
+    except ValueError as e:
+      raise ConfigError(f"config.mesh: {e}") from e
+    rollouts = pipeline.chains_per_step * rollout.group_size
+    if "rl" in pipeline.stages and rollouts % data:
+      raise ConfigError(f"config.pipeline.chains_per_step: {pipeline.chains_per_step} chains x "
+                        f"group_size {rollout.group_size} = {rollouts} rollouts per step, not "
+                        f"divisible by the mesh's data axis ({data})")
+    if run.engine.num_slots % (data * fsdp) and run.engine.num_slots > data * fsdp:
+      raise ConfigError(f"config.engine.num_slots: {run.engine.num_slots} slots do not split "
+                        f"over the mesh's batch axes (data x fsdp = {data * fsdp})")
