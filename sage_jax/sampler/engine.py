@@ -208,9 +208,10 @@ class Engine:
 
   @property
   def has_work(self) -> bool:
-    """Whether `step` has anything to do (turns to run or results to hand out)."""
-    return bool(self._finished or self._waiting or self._prefilling
-                or self._state.active.any())
+    """Whether `step` can make progress: results to hand out, turns to run, or waiting
+    sequences and a free slot. (Idle sequences hold their slots until freed.)"""
+    return bool(self._finished or self._prefilling or self._state.active.any()
+                or (self._waiting and None in self._slots))
 
   def step(self) -> list[TurnResult]:
     """Admits waiting sequences, prefills up to one chunk's worth of tokens (all pending
@@ -230,17 +231,30 @@ class Engine:
     results = []
     while self.has_work:
       results.extend(self.step())
+    self._check_not_stuck()
     return results
 
-  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+  def generate(self, prompts: Sequence[Sequence[int]],
+               sampling: SamplingParams | Sequence[SamplingParams],
                seeds: Sequence[int] | None = None) -> list[TurnResult]:
-    """One turn for each prompt (continuous batching over the slots), in prompt order."""
+    """One turn for each prompt (continuous batching over the slots), in prompt order.
+    `sampling` is one for all prompts or one per prompt; seeds default to 0, 1, ..."""
     seeds = range(len(prompts)) if seeds is None else seeds
-    ids = [self.start(p, sampling, s) for p, s in zip(prompts, seeds, strict=True)]
-    by_id = {r.seq_id: r for r in self.run()}
-    for i in ids:
-      self.free(i)
+    if isinstance(sampling, SamplingParams):
+      sampling = [sampling] * len(prompts)
+    ids = [self.start(p, sp, s) for p, sp, s in zip(prompts, sampling, seeds, strict=True)]
+    by_id = {}
+    while self.has_work:
+      for result in self.step():
+        by_id[result.seq_id] = result
+        self.free(result.seq_id)  # Its slot goes to the next waiting prompt.
+    self._check_not_stuck()
     return [by_id[i] for i in ids]
+
+  def _check_not_stuck(self) -> None:
+    if self._waiting:
+      raise RuntimeError(f"{len(self._waiting)} sequence(s) wait for a slot, but every slot "
+                         "holds a sequence between turns; free some (Engine.free)")
 
   def update_params(self, new: Qwen2 | nnx.State) -> None:
     """Samples from `new` (a model or its state, same structure) from the next call on.

@@ -1,0 +1,375 @@
+"""The sampler engine on tiny random models: exactness against a training-style forward,
+multi-turn cache reuse, continuous batching, stop conditions, no recompilation, sharding."""
+
+import asyncio
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sage_jax import sharding as shd
+from sage_jax.model.config import Qwen2Config
+from sage_jax.model.qwen2 import init_model
+from sage_jax.sampler import AsyncEngine, Engine, EngineConfig, SamplingParams
+from sage_jax.sampler.sampling import sample
+
+CFG = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+# Small buckets so that prompts longer than 32 tokens are prefilled in several chunks.
+ENGINE = EngineConfig(num_slots=4, max_len=128, prefill_buckets=(8, 32), min_attend=32,
+                      steps_per_call=4, max_top_k=64)
+NO_EOS = (-1,)  # An id the model never samples: turns end on their budget.
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
+
+
+def tiny_model(seed=0):
+  """A random 2-layer model whose weights are scaled up from the 0.02 init, so that its
+  outputs depend on the context instead of repeating one token."""
+  graphdef, state = nnx.split(init_model(CFG, seed))
+  return nnx.merge(graphdef, jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, state))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_model()
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.RandomState(seed)
+  return [list(map(int, rng.randint(1, CFG.vocab_size, n))) for n in lengths]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, ids):
+  logits, _ = nnx.merge(graphdef, state)(ids, jnp.arange(ids.shape[1])[None])
+  return logits
+
+
+def _forward_logits(model, ids):
+  """Training-style forward (no cache) over `ids`, padded at the end to one fixed length
+  (causal, so padding changes nothing before it): float64 logits at every position."""
+  padded = np.zeros((1, ENGINE.max_len), np.int32)
+  padded[0, :len(ids)] = ids
+  logits = _forward(*nnx.split(model), jnp.asarray(padded))
+  return np.asarray(logits[0, :len(ids)], np.float64)
+
+
+def _forward_logprobs(model, ids):
+  logits = _forward_logits(model, ids)
+  return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+
+
+class CompileCounter:
+  """Counts XLA compilations (persistent-cache hits included) while active."""
+
+  def __init__(self):
+    self.names = []
+
+  def _listener(self, event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.names.append(kwargs.get("fun_name"))
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def _filtered_reference(logits, temperature, top_k, top_p):
+  """Sort-based (HF order) log-probs of the sampling distribution; -inf where filtered."""
+  scaled = logits / temperature
+  order = np.argsort(-scaled, kind="stable")
+  keep = np.ones_like(scaled, bool)
+  if top_k:
+    keep[order[top_k:]] = False
+  probs = np.exp(scaled - scaled.max())
+  probs = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
+  if top_p < 1:
+    cum = np.cumsum(probs[order])
+    size = int(np.searchsorted(cum, top_p * cum[-1])) + 1  # smallest prefix reaching top_p
+    nucleus = np.zeros_like(keep)
+    nucleus[order[:size]] = True
+    keep &= nucleus
+  kept = np.where(keep, scaled, -np.inf)
+  return kept - np.logaddexp.reduce(kept[keep])
+
+
+# --- Exactness ------------------------------------------------------------------------------
+
+
+def test_greedy_and_model_logprobs_equal_training_forward(model):
+  # More prompts than slots; lengths cover a single token, a padded chunk, several chunks.
+  prompts = _prompts([1, 5, 45, 17, 70])
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  results = engine.generate(prompts, GREEDY)
+  for prompt, r in zip(prompts, results):
+    assert (r.finish_reason, len(r.tokens), r.length) == ("max_new_tokens", 20, len(prompt) + 20)
+    assert r.prefilled_tokens == len(prompt)
+    logprobs = _forward_logprobs(model, prompt + r.tokens)[len(prompt) - 1:-1]
+    np.testing.assert_array_equal(r.tokens, logprobs.argmax(-1))
+    np.testing.assert_allclose(r.model_logprobs, logprobs[np.arange(20), r.tokens], atol=2e-5)
+    np.testing.assert_array_equal(r.sample_logprobs, 0.0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 50, 0.9),
+                                                     (1.3, 0, 0.5), (0.8, 5, 1.0)])
+def test_sampled_tokens_and_both_logprobs(model, temperature, top_k, top_p):
+  prompts = _prompts([9, 33], seed=1)
+  params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16)
+  results = Engine(model, ENGINE, eos_ids=NO_EOS).generate(prompts, params, seeds=[3, 4])
+  for prompt, r in zip(prompts, results):
+    logits = _forward_logits(model, prompt + r.tokens)[len(prompt) - 1:-1]
+    for i, token in enumerate(r.tokens):
+      model_lp = logits[i] - np.logaddexp.reduce(logits[i])
+      np.testing.assert_allclose(r.model_logprobs[i], model_lp[token], atol=2e-5)
+      sample_lp = _filtered_reference(logits[i], temperature, top_k, top_p)
+      assert np.isfinite(sample_lp[token]), "sampled a token outside the filtered set"
+      np.testing.assert_allclose(r.sample_logprobs[i], sample_lp[token], atol=2e-5)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,candidates", [
+    (1.0, 0, 1.0, 8), (0.5, 3, 1.0, 8), (1.0, 0, 0.7, 8),
+    (1.0, 0, 0.95, 2),  # nucleus larger than the candidates: the bisection path
+    (1.0, 4, 0.6, 8)])
+def test_sample_frequencies_follow_the_filtered_distribution(temperature, top_k, top_p,
+                                                             candidates):
+  rows = 20000
+  logits = np.log(np.array([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.05], np.float32))
+  expected = np.exp(_filtered_reference(logits.astype(np.float64), temperature, top_k, top_p))
+  batch = lambda x, dtype: jnp.full((rows,), x, dtype)
+  tokens, sample_lp, _ = jax.jit(sample, static_argnames="candidates")(
+      jnp.tile(logits, (rows, 1)), batch(temperature, jnp.float32), batch(top_p, jnp.float32),
+      batch(top_k, jnp.int32), jnp.arange(rows, dtype=jnp.uint32), batch(5, jnp.int32),
+      candidates=candidates)
+  freq = np.bincount(np.asarray(tokens), minlength=len(logits)) / rows
+  np.testing.assert_allclose(freq, expected, atol=0.012)
+  np.testing.assert_allclose(np.asarray(sample_lp), np.log(expected[np.asarray(tokens)]),
+                             atol=1e-5)
+
+
+def test_seeded_sampling_is_independent_of_slot_and_batch(model):
+  a, b, c = _prompts([12, 30, 7], seed=2)
+  params = SamplingParams(temperature=1.0, max_new_tokens=12)
+  alone = Engine(model, ENGINE, eos_ids=NO_EOS).generate([a], params, seeds=[11])[0]
+  crowd = Engine(model, ENGINE, eos_ids=NO_EOS).generate([b, c, a, a], params,
+                                                          seeds=[1, 2, 11, 12])
+  assert crowd[2].tokens == alone.tokens
+  np.testing.assert_allclose(crowd[2].model_logprobs, alone.model_logprobs, atol=1e-6)
+  assert crowd[3].tokens != alone.tokens  # Another seed, another sample.
+
+
+# --- Multi-turn and continuous batching ---------------------------------------------------
+
+
+def test_multi_turn_cache_reuse_equals_reprefill(model):
+  """Six turns; each turn's tokens and logprobs equal a fresh start on the whole history,
+  while only the new tokens are prefilled."""
+  prompt, *observations = _prompts([30, 5, 40, 3, 12, 1], seed=3)
+  params = SamplingParams(temperature=1.0, max_new_tokens=6)
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  seq = engine.start(prompt, params, seed=5)
+  turns = [engine.run()[0]]
+  for obs in observations:
+    engine.append(seq, obs)
+    turns.append(engine.run()[0])
+
+  history, reprefilled = list(prompt), []
+  for i, turn in enumerate(turns):
+    fresh = engine.generate([history], params, seeds=[5])[0]
+    assert fresh.tokens == turn.tokens
+    np.testing.assert_allclose(fresh.model_logprobs, turn.model_logprobs, atol=1e-5)
+    np.testing.assert_allclose(fresh.sample_logprobs, turn.sample_logprobs, atol=1e-5)
+    assert turn.length == len(history) + len(turn.tokens)
+    reprefilled.append(fresh.prefilled_tokens)
+    history += turn.tokens + (observations[i] if i < len(observations) else [])
+  # Reuse ingests the prompt, then each observation plus the last sampled token.
+  assert [t.prefilled_tokens for t in turns] == [30] + [len(o) + 1 for o in observations]
+  assert reprefilled == [30, 41, 87, 96, 114, 121]
+
+
+def test_continuous_batching_beats_static_batching(model):
+  prompts = _prompts([10, 4, 20, 8, 6, 15, 3, 9], seed=4)
+  budgets = [30, 2, 3, 25, 2, 4, 3, 2]
+  params = [SamplingParams(temperature=1.0, max_new_tokens=n) for n in budgets]
+
+  continuous = Engine(model, ENGINE, eos_ids=NO_EOS)
+  cont = continuous.generate(prompts, params)
+  static = Engine(model, ENGINE, eos_ids=NO_EOS)  # Each batch waits for its slowest.
+  stat = static.generate(prompts[:4], params[:4]) + static.generate(prompts[4:], params[4:],
+                                                                    seeds=range(4, 8))
+  for i in range(8):
+    assert cont[i].tokens == stat[i].tokens and len(cont[i].tokens) == budgets[i]
+  assert continuous.stats.decode_steps < static.stats.decode_steps
+  assert continuous.stats.decode_steps <= 36  # ~ the longest sequence, in blocks of 4
+
+
+# --- Stop conditions ------------------------------------------------------------------------
+
+
+def _detok(ids):
+  return "".join(f"<{i}>" for i in ids)
+
+
+def test_stop_string_mid_block_then_append_continues_exactly(model):
+  prompt, obs = _prompts([14, 6], seed=5)
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS, detokenize=_detok)
+  free_run = engine.generate([prompt], GREEDY)[0].tokens
+  cut = next(i for i in range(5, 19)  # ends mid-block: the block carries on past it
+             if (i + 1) % 4 and _detok(free_run[i - 1:i + 1]) not in _detok(free_run[:i]))
+  stop = _detok(free_run[cut - 1:cut + 1])  # spans two tokens, completes at index `cut`
+  params = SamplingParams(temperature=0.0, max_new_tokens=20, stop_strings=("never", stop))
+  seq = engine.start(prompt, params)
+  turn = engine.run()[0]
+  assert (turn.finish_reason, turn.tokens) == ("stop_string", free_run[:cut + 1])
+  assert turn.decode_steps >= cut + 1 and turn.length == len(prompt) + cut + 1
+  # The tokens generated after the stop string are gone from the sequence.
+  engine.append(seq, obs)
+  second = engine.run()[0]
+  fresh = engine.generate([prompt + turn.tokens + obs], params)[0]
+  assert second.tokens == fresh.tokens
+  np.testing.assert_allclose(second.model_logprobs, fresh.model_logprobs, atol=1e-5)
+
+
+def test_eos_ends_the_turn(model):
+  (prompt,) = _prompts([11], seed=6)
+  free_run = Engine(model, ENGINE, eos_ids=NO_EOS).generate([prompt], GREEDY)[0].tokens
+  eos = free_run[6]
+  first = free_run.index(eos)
+  turn = Engine(model, ENGINE, eos_ids=(eos,)).generate([prompt], GREEDY)[0]
+  assert (turn.finish_reason, turn.tokens) == ("eos", free_run[:first + 1])
+
+
+def test_context_full_is_an_outcome_not_a_crash(model):
+  prompt, obs = _prompts([10, 3], seed=7)
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  params = SamplingParams(temperature=0.0, max_new_tokens=50, max_context=15)
+  seq = engine.start(prompt, params)
+  turn = engine.run()[0]
+  assert (turn.finish_reason, len(turn.tokens), turn.length) == ("context_full", 5, 15)
+  engine.append(seq, obs)
+  again = engine.run()[0]
+  assert (again.finish_reason, again.tokens, again.prefilled_tokens) == ("context_full", [], 0)
+  too_long = engine.start(_prompts([15])[0], params)
+  assert engine.run()[0].finish_reason == "context_full"
+  engine.free(too_long)
+  # The whole cache: a prompt of max_len - 1 tokens still gets one token.
+  (last,) = engine.generate(_prompts([127]), SamplingParams(temperature=0, max_new_tokens=9))
+  assert (last.finish_reason, len(last.tokens)) == ("context_full", 1)
+  with pytest.raises(ValueError, match="max_context"):
+    engine.start(prompt, SamplingParams(max_context=129))
+
+
+def test_requests_are_checked(model):
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  with pytest.raises(ValueError, match="top_k"):
+    engine.start([1, 2], SamplingParams(top_k=65))
+  with pytest.raises(ValueError, match="detokenize"):
+    engine.start([1, 2], SamplingParams(stop_strings=("x",)))
+  with pytest.raises(ValueError, match="outside"):
+    engine.start([1, CFG.vocab_size], GREEDY)
+  with pytest.raises(ValueError, match="empty"):
+    engine.start([], GREEDY)
+  seq = engine.start([1, 2], GREEDY)
+  with pytest.raises(ValueError, match="still in a turn"):
+    engine.append(seq, [3])
+  engine.free(seq)
+  with pytest.raises(KeyError, match="unknown sequence"):
+    engine.append(seq, [3])
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=0.0)
+
+
+# --- Compilation, parameters, async driver, sharding ---------------------------------------
+
+
+def test_no_compilation_after_warmup(model):
+  # A decode block length of its own, so that this warm-up certainly compiles something.
+  config = dataclasses.replace(ENGINE, steps_per_call=3)
+  engine = Engine(model, config, eos_ids=NO_EOS, detokenize=_detok)
+  with CompileCounter() as warmup:
+    engine.warmup()
+  assert len(warmup.names) >= len(config.attend_buckets)
+  prompts = _prompts([1, 3, 8, 9, 31, 33, 64, 100], seed=8)
+  with CompileCounter() as compiles:
+    engine.generate(prompts, SamplingParams(temperature=0.9, top_k=7, top_p=0.8,
+                                            max_new_tokens=10))
+    engine.generate(prompts[:3], SamplingParams(temperature=0.0, max_new_tokens=3,
+                                                stop_strings=("<1>",)))
+    seq = engine.start(prompts[4], GREEDY)
+    engine.run()
+    for obs in _prompts([2, 40, 5], seed=9):
+      engine.append(seq, obs)
+      engine.run()
+  assert compiles.names == []
+
+
+def test_update_params_switches_models_without_recompiling(model):
+  prompts = _prompts([6, 21], seed=10)
+  other = tiny_model(seed=1)
+  expected = Engine(other, ENGINE, eos_ids=NO_EOS).generate(prompts, GREEDY)
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  before = engine.generate(prompts, GREEDY)
+  with CompileCounter() as compiles:
+    engine.update_params(other)
+    after = engine.generate(prompts, GREEDY)
+  assert compiles.names == []
+  assert [r.tokens for r in after] == [r.tokens for r in expected]
+  assert [r.tokens for r in after] != [r.tokens for r in before]
+  with pytest.raises(ValueError, match="do not match"):
+    engine.update_params(init_model(CFG.replace(intermediate_size=64)))
+
+
+def test_async_driver_overlaps_conversations(model):
+  """Six 3-turn conversations on 4 slots, with environment delays, equal running each
+  conversation alone."""
+  starts = _prompts([12, 5, 30, 8, 17, 3], seed=11)
+  observations = _prompts([4, 9, 2, 6, 3, 11], seed=12)
+  params = SamplingParams(temperature=1.0, max_new_tokens=5)
+
+  async def conversation(engine, i):
+    turn = await engine.start(starts[i], params, seed=i)
+    turns = [turn.tokens]
+    for _ in range(2):
+      await asyncio.sleep(0.01 * (i % 3))  # The environment.
+      turn = await engine.append(turn.seq_id, observations[i], params)
+      turns.append(turn.tokens)
+    await engine.free(turn.seq_id)
+    return turns
+
+  async def all_conversations():
+    async with AsyncEngine(Engine(model, ENGINE, eos_ids=NO_EOS)) as engine:
+      results = await asyncio.gather(*(conversation(engine, i) for i in range(6)))
+      with pytest.raises(KeyError, match="unknown sequence"):
+        await engine.append(12345, [1])
+      return results
+
+  got = asyncio.run(all_conversations())
+  alone = Engine(model, ENGINE, eos_ids=NO_EOS)
+  for i in range(6):
+    seq = alone.start(starts[i], params, seed=i)
+    want = [alone.run()[0].tokens]
+    for _ in range(2):
+      alone.append(seq, observations[i], params)
+      want.append(alone.run()[0].tokens)
+    alone.free(seq)
+    assert got[i] == want
+
+
+def test_sharded_engine_matches_single_device(model):
+  assert jax.device_count() == 8, "conftest sets 8 simulated CPU devices"
+  mesh = shd.make_mesh(shd.MeshConfig(data=4, fsdp=1, tensor=2))
+  prompts = _prompts([5, 40, 17, 9, 2], seed=13)
+  single = Engine(model, ENGINE, eos_ids=NO_EOS).generate(prompts, GREEDY)
+  sharded_engine = Engine(model, ENGINE, eos_ids=NO_EOS, mesh=mesh)
+  sharded = sharded_engine.generate(prompts, GREEDY)
+  spec = sharded_engine._cache.k[0].sharding.spec
+  assert tuple(spec)[:3] == ("data", None, "tensor")
+  for a, b in zip(single, sharded):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
