@@ -1,0 +1,246 @@
+"""Expert trajectories for SFT, executed against the real AppWorld engine; only successes kept.
+
+    python -m sage_jax.sft.expert --out=expert.jsonl                       # mini world gold
+    python -m sage_jax.sft.expert --out=expert.jsonl --input=strong.jsonl  # collected elsewhere
+
+Gold mode: every scenario of the split is walked as one chain (its tasks in order, one
+skill library carried along), each task played by `agent.expert.ScriptedPolicy`: the gold
+solution rewritten into the skill format (the first task defines the scenario's function with
+a docstring and calls it; later tasks call the library skill). The agent, the env pool and
+AppWorld's evaluation are the ones rollouts use, so the system prompt, the task message and
+the observations are exactly what the model will see.
+
+Input mode: trajectories in the JSONL format of `sft.data` (e.g. from a stronger model) are
+replayed the same way: grouped into scenario chains by task id (`metadata.task_id`, else
+`id`), their assistant turns played back in order against the real engine; the observations
+are the engine's own. Without `--verify` they are only validated and copied.
+
+Either way a trajectory is kept only if AppWorld says the task succeeded, and it is written
+from the token-level conversation (`sft.data.messages_from_ids`), checked to tokenise back to
+exactly the same ids and loss mask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+from absl import app, flags
+
+from sage_jax.agent.config import AgentConfig
+from sage_jax.agent.expert import ScriptedPolicy
+from sage_jax.agent.policy import PolicyTurn, TaskContext, TurnRequest
+from sage_jax.agent.retrieval import Retriever
+from sage_jax.envs import appworld
+from sage_jax.rl import rollout
+from sage_jax.sft import data as data_lib
+from sage_jax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertConfig:
+  """appworld_root: the data root (None: the mini world, built on first use). splits: task
+  splits whose gold solutions are played. num_workers: AppWorld worker processes.
+  use_library: the Skill Library Agent (False: the plain code agent). outputs_root: where
+  AppWorld writes episode outputs (None: a temporary directory). experiment_prefix: AppWorld
+  experiment names."""
+
+  appworld_root: str | None = None
+  splits: tuple[str, ...] = ("train",)
+  num_workers: int = 2
+  use_library: bool = True
+  outputs_root: str | None = None
+  experiment_prefix: str = "expert"
+
+
+@dataclasses.dataclass
+class ExpertStats:
+  tasks: int = 0
+  succeeded: int = 0
+  kept: int = 0
+  failed: list[str] = dataclasses.field(default_factory=list)
+  untokenisable: list[str] = dataclasses.field(default_factory=list)
+
+
+class _ReplaySession:
+  """Plays back one trajectory's assistant turns (then completes the task, as the scripted
+  expert does, if the turns run out)."""
+
+  def __init__(self, turns: Sequence[str], tokenizer: Tokenizer):
+    self._turns, self._tok = list(turns), tokenizer
+
+  async def generate(self, request: TurnRequest) -> PolicyTurn:
+    i = request.turn_index
+    text = self._turns[i] if i < len(self._turns) else (
+        "```python\napis.supervisor.complete_task()\n```")
+    ids = self._tok.encode(text) + [self._tok.eos_id]
+    reason = "eos"
+    if len(ids) > request.max_new_tokens:
+      ids, reason = ids[:request.max_new_tokens], "max_new_tokens"
+    zeros = np.zeros(len(ids), np.float32)
+    return PolicyTurn(ids, zeros, zeros.copy(), reason)
+
+  async def close(self) -> None:
+    pass
+
+
+class ReplayPolicy:
+  """A policy that answers task `t` with the assistant turns of the given trajectory of `t`."""
+
+  def __init__(self, turns_by_task: dict[str, list[str]], tokenizer: Tokenizer):
+    self._turns, self._tok = turns_by_task, tokenizer
+
+  def session(self, context: TaskContext) -> _ReplaySession:
+    return _ReplaySession(self._turns.get(context.task_id, []), self._tok)
+
+
+def task_id_of(trajectory: data_lib.Trajectory) -> str:
+  return str(trajectory.metadata.get("task_id") or trajectory.id)
+
+
+def record_to_trajectory(record: Any, tokenizer: Tokenizer,
+                         source: str) -> data_lib.Trajectory | None:
+  """The trajectory of a rollout record, or None if it would not tokenise back to the same
+  ids and loss mask (e.g. a turn cut by the token budget)."""
+  messages = data_lib.messages_from_ids(record.tokens.tolist(), record.turns, tokenizer)
+  trajectory = data_lib.Trajectory(
+      id=record.task_id, messages=tuple(messages),
+      metadata=json.loads(json.dumps({  # plain JSON values, as read back from the file
+          "task_id": record.task_id, "scenario": record.scenario,
+          "chain_position": record.chain_position, "source": source,
+          "skills": record.events.to_dict(), "visible_skills": list(record.visible_skills),
+          "num_steps": record.num_steps})))
+  example = data_lib.tokenize(trajectory, tokenizer)
+  n = len(example.tokens)
+  if (n > len(record.tokens) or not np.array_equal(example.tokens, record.tokens[:n])
+      or not np.array_equal(example.loss_mask, record.loss_mask[:n])
+      or record.loss_mask[n:].any()):
+    return None
+  return trajectory
+
+
+def _chains(task_ids: Iterable[str]) -> list[rollout.Chain]:
+  return rollout.scenario_chains(sorted(set(task_ids)))
+
+
+def play(policy: Any, task_ids: Sequence[str], tokenizer: Tokenizer, config: ExpertConfig,
+         source: str, pool: appworld.EnvPool | None = None
+         ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
+  """Runs `policy` on the tasks (scenario chains, one library per chain) in the real engine
+  (`pool`, or a pool started for the call); returns the successful trajectories in chain
+  order."""
+  root = config.appworld_root or appworld.ensure_mini_world()
+  if pool is None:
+    with tempfile.TemporaryDirectory(prefix="expert-outputs-") as tmp:
+      pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
+                                           outputs_root=config.outputs_root or tmp,
+                                           keep_outputs=False)
+      with appworld.EnvPool(pool_config) as started:
+        return play(policy, task_ids, tokenizer, config, source, started)
+  agent = AgentConfig(use_library=config.use_library)
+  ctx = rollout.RolloutContext(policy, pool, tokenizer, agent, Retriever(), root)
+  chains = _chains(task_ids)
+  rollout_config = rollout.RolloutConfig(group_size=1,
+                                         chain_length=max(len(c.task_ids) for c in chains),
+                                         experiment_prefix=config.experiment_prefix)
+  batch = asyncio.run(rollout.run_groups(ctx, chains, rollout_config))
+  stats = ExpertStats()
+  out = []
+  for record in batch.flat():
+    stats.tasks += 1
+    if not record.success:
+      stats.failed.append(record.task_id)
+      continue
+    stats.succeeded += 1
+    trajectory = record_to_trajectory(record, tokenizer, source)
+    if trajectory is None:
+      stats.untokenisable.append(record.task_id)
+      continue
+    out.append(trajectory)
+  stats.kept = len(out)
+  return out, stats
+
+
+def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
+                      pool: appworld.EnvPool | None = None
+                      ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
+  """The split's gold solutions in the skill format, executed; successes only."""
+  root = config.appworld_root or appworld.ensure_mini_world()
+  config = dataclasses.replace(config, appworld_root=root)
+  task_ids = [t for split in config.splits for t in appworld.read_split(root, split)]
+  return play(ScriptedPolicy(root, tokenizer), task_ids, tokenizer, config, "gold", pool)
+
+
+def replayed_trajectories(trajectories: Sequence[data_lib.Trajectory], config: ExpertConfig,
+                          tokenizer: Tokenizer, source: str = "input",
+                          pool: appworld.EnvPool | None = None
+                          ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
+  """Trajectories collected elsewhere, replayed against the engine; successes only."""
+  turns: dict[str, list[str]] = {}
+  for t in trajectories:
+    tid = task_id_of(t)
+    if tid in turns:
+      raise data_lib.FormatError(f"two input trajectories for task {tid!r}")
+    turns[tid] = [m["content"] for m in t.messages if m["role"] == "assistant"]
+  return play(ReplayPolicy(turns, tokenizer), list(turns), tokenizer, config, source, pool)
+
+
+_OUT = flags.DEFINE_string("out", None, "Output JSONL of expert trajectories.")
+_ROOT = flags.DEFINE_string("appworld_root", None,
+                            "AppWorld data root (default: the mini world, built if needed).")
+_SPLITS = flags.DEFINE_list("splits", ["train"], "Splits whose gold solutions are played.")
+_GOLD = flags.DEFINE_bool("gold", True, "Play the gold solutions of --splits.")
+_INPUT = flags.DEFINE_list("input", [], "JSONL files of trajectories collected elsewhere.")
+_VERIFY = flags.DEFINE_bool("verify", True,
+                            "Replay --input trajectories against the engine (else only "
+                            "validate and copy them).")
+_WORKERS = flags.DEFINE_integer("num_workers", 2, "AppWorld worker processes.")
+_LIBRARY = flags.DEFINE_bool("use_library", True, "Skill Library Agent (else plain code agent).")
+
+
+def main(argv) -> None:
+  del argv
+  if not _OUT.value:
+    raise app.UsageError("--out=FILE is required.")
+  logging.getLogger("httpx").setLevel(logging.WARNING)
+  tokenizer = Tokenizer()
+  config = ExpertConfig(appworld_root=_ROOT.value, splits=tuple(_SPLITS.value),
+                        num_workers=_WORKERS.value, use_library=_LIBRARY.value)
+  kept: list[data_lib.Trajectory] = []
+  report: dict[str, Any] = {}
+  if _GOLD.value:
+    trajectories, stats = gold_trajectories(config, tokenizer)
+    kept += trajectories
+    report["gold"] = dataclasses.asdict(stats)
+  for path in _INPUT.value:
+    given = data_lib.read_jsonl(path)
+    if _VERIFY.value:
+      trajectories, stats = replayed_trajectories(given, config, tokenizer, source=path)
+      report[path] = dataclasses.asdict(stats)
+    else:
+      for t in given:
+        data_lib.tokenize(t, tokenizer)  # fails loudly on anything it cannot tokenise
+      trajectories = given
+      report[path] = {"tasks": len(given), "kept": len(given), "verified": False}
+    kept += trajectories
+  ids = collections.Counter(t.id for t in kept)
+  duplicates = sorted(i for i, n in ids.items() if n > 1)
+  if duplicates:
+    raise data_lib.FormatError(f"several trajectories for {duplicates[:5]}; give each task "
+                               "one source")
+  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  report["written"] = data_lib.write_jsonl(_OUT.value, kept)
+  report["out"] = _OUT.value
+  print(json.dumps(report), file=sys.stdout)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,105 @@
+"""The expert-trajectory command: mini-world gold solutions in the skill format, executed by
+the real AppWorld engine, successes kept; trajectories from elsewhere replayed the same way."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sage_jax.envs import appworld
+from sage_jax.sft import data as sft_data
+from sage_jax.sft import expert
+from sage_jax.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def mini_root():
+  return appworld.ensure_mini_world()
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def pool(mini_root, tmp_path_factory):
+  config = appworld.EnvPoolConfig(num_workers=2, appworld_root=mini_root,
+                                  outputs_root=str(tmp_path_factory.mktemp("expert_outputs")),
+                                  timeout_seconds=20, call_timeout_s=90.0,
+                                  memory_limit_mb=1536, max_interactions=20)
+  with appworld.EnvPool(config) as pool:
+    yield pool
+
+
+@pytest.fixture(scope="module")
+def gold(mini_root, tok, pool):
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",))
+  return expert.gold_trajectories(config, tok, pool)
+
+
+def test_gold_solutions_become_skill_format_trajectories(gold, mini_root, tok):
+  trajectories, stats = gold
+  dev = appworld.read_split(mini_root, "dev")
+  assert stats.tasks == len(dev) and stats.kept == stats.succeeded == len(dev)
+  assert not stats.failed and not stats.untokenisable
+  by_scenario = appworld.group_by_scenario(dev)
+  assert [t.id for t in trajectories] == [i for s in sorted(by_scenario) for i in by_scenario[s]]
+  for t in trajectories:
+    roles = [m["role"] for m in t.messages]
+    assert roles[:2] == ["system", "user"] and roles[-1] == "assistant"
+    assert "```python" in t.messages[-1]["content"]
+    skills = t.metadata["skills"]
+    if t.metadata["chain_position"] == 0:  # the first task writes the scenario's skill
+      assert skills["generated"] and not skills["used"]
+      assert "def " in t.messages[-1]["content"] and '"""' in t.messages[-1]["content"]
+    else:  # later tasks call it from the library
+      assert skills["used"] and not skills["generated"]
+      assert t.metadata["visible_skills"] == skills["used"]
+    example = sft_data.tokenize(t, tok)
+    trained = tok.decode(example.tokens[example.loss_mask == 1].tolist())
+    assert trained == "".join(m["content"] + "<|im_end|>" for m in t.messages
+                              if m["role"] == "assistant")
+
+
+def test_trajectories_from_elsewhere_are_replayed_and_failures_dropped(gold, mini_root, tok,
+                                                                       pool, tmp_path):
+  trajectories, _ = gold
+  # Take a later task of a chain (it needs the skill its chain's first task writes) and
+  # a first task whose answer is broken: the broken one fails and is dropped.
+  first = [t for t in trajectories if t.metadata["chain_position"] == 0]
+  broken_src = first[1]
+  broken = sft_data.Trajectory(
+      id=broken_src.id, metadata={"task_id": broken_src.id, "source": "weak model"},
+      messages=broken_src.messages[:2] + (
+          {"role": "assistant", "content": "```python\nprint('no idea')\n```"},
+          {"role": "tool", "content": "no idea"},
+          {"role": "assistant",
+           "content": "```python\napis.supervisor.complete_task(answer='wrong')\n```"}))
+  chain = [t for t in trajectories if t.metadata["scenario"] == first[0].metadata["scenario"]]
+  given = chain + [broken]
+  kept, stats = expert.replayed_trajectories(given, expert.ExpertConfig(appworld_root=mini_root),
+                                             tok, source="strong.jsonl", pool=pool)
+  assert stats.failed == [broken.id]
+  assert [t.id for t in kept] == [t.id for t in chain]
+  for a, b in zip(kept, chain):  # replaying the gold turns reproduces the gold conversation
+    assert a.messages == b.messages and a.metadata["source"] == "strong.jsonl"
+
+
+def test_command_line_without_verification(gold, tmp_path):
+  trajectories, _ = gold
+  given = tmp_path / "given.jsonl"
+  sft_data.write_jsonl(given, trajectories[:3])
+  out = tmp_path / "out.jsonl"
+  done = subprocess.run([sys.executable, "-m", "sage_jax.sft.expert", f"--out={out}",
+                         "--gold=false", f"--input={given}", "--verify=false"],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  report = json.loads(done.stdout.strip().splitlines()[-1])
+  assert report["written"] == 3
+  assert sft_data.read_jsonl(out) == trajectories[:3]
+  np.testing.assert_array_equal(  # the file tokenises like the in-memory trajectories
+      sft_data.load_examples(out, Tokenizer())[0].tokens,
+      sft_data.tokenize(trajectories[0], Tokenizer()).tokens)
