@@ -207,6 +207,35 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
 # --- Loop -----------------------------------------------------------------------------------
 
 
+def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, reward_config: Any,
+                     advantage_config: Any = None, *, num_chains: int) -> Rollout:
+  """The RL loop's `rollout` for AppWorld: step s samples `num_chains` chains of the task ids
+  (a `random.Random(seed)` of the step's seed), runs the Sequential Rollout (`rl.rollout`,
+  G rollouts per chain) with the context's policy, then rewards and advantages. Returns the
+  flat episode records and the rollout's metrics (under "rollout/")."""
+  import random
+
+  from sage_jax.rl import advantages as advantages_lib
+  from sage_jax.rl import rollout as rollout_lib
+
+  advantage_config = advantage_config or advantages_lib.AdvantageConfig()
+
+  def run(step: int, seed: int):
+    chains = rollout_lib.sample_chains(task_ids, rollout_config.effective_chain_length,
+                                       num_chains, random.Random(seed),
+                                       order=rollout_config.chain_order)
+    config = dataclasses.replace(rollout_config, seed=seed,
+                                 experiment_prefix=f"{rollout_config.experiment_prefix}_s{step}")
+    batch = rollout_lib.collect(ctx, chains, config, reward_config, advantage_config)
+    episodes = batch.flat()
+    values = {f"rollout/{k}": v for k, v in rollout_lib.rollout_metrics(episodes).items()}
+    if batch.advantage_stats is not None:
+      values["advantage/constant_groups"] = batch.advantage_stats.constant_fraction
+    return episodes, values
+
+  return run
+
+
 def _unpack_rollout(result: Any) -> tuple[list, dict]:
   if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
     return list(result[0]), dict(result[1])

@@ -36,18 +36,18 @@ class SyntheticTaskConfig:
   turn is cut at their length."""
 
   vocab_size: int = 16
-  task: Literal["reverse", "fixed"] = "reverse"
+  task: Literal["reverse", "fixed"] = "fixed"
   prompt_symbols: int = 2
   num_symbols: int = 4
   target: tuple[int, ...] = (3, 1, 4)
   num_prompts: int = 8
-  group_size: int = 8
+  group_size: int = 16
   max_new_tokens: int = 5
   temperature: float = 1.0
   eval_prompts: int = 16
   reward: Literal["positional", "prefix"] = "positional"
   exact_bonus: float = 0.5
-  answer_eos: bool = True
+  answer_eos: bool = False
 
   def __post_init__(self):
     if self.num_symbols > self.vocab_size - 2:
