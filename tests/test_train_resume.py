@@ -73,3 +73,46 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path):
   assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
   assert [r["reward/mean"] for r in logged] == pytest.approx(
       [r["reward/mean"] for r in read_jsonl(str(tmp_path / "straight"))], abs=0)
+
+
+@pytest.mark.slow
+def test_killed_process_resumes_to_the_same_params(tmp_path):
+  """A real process killed with SIGTERM after step 3 saves and exits; a new process resumes
+  and finishes; its final params equal an uninterrupted run's, bit for bit."""
+  import json
+  import subprocess
+  import sys
+  import time
+
+  from sage_jax.train import synthetic
+
+  workdir = tmp_path / "killed"
+  command = [sys.executable, "-m", "sage_jax.train.synthetic", f"--workdir={workdir}",
+             "--steps=6", "--save_every=100"]
+  child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  log = workdir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and child.poll() is None:
+    if log.exists() and any(json.loads(line)["step"] >= 3 for line in log.read_text().splitlines()
+                            if line.strip().endswith("}")):
+      child.send_signal(signal.SIGTERM)
+      break
+    time.sleep(0.05)
+  out, err = child.communicate(timeout=300)
+  assert child.returncode == 0, err[-3000:]
+  first = json.loads(out.strip().splitlines()[-1])
+  assert first["preempted"] and 3 <= first["end_step"] < 6, first
+  done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  second = json.loads(done.stdout.strip().splitlines()[-1])
+  assert (second["start_step"], second["end_step"]) == (first["end_step"], 6)
+
+  _, straight = synthetic.run_demo(str(tmp_path / "straight"), steps=6, save_every=100,
+                                   progress=False)
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(workdir / "checkpoints")))
+  resumed, meta = saver.restore(straight.abstract_state())
+  saver.close()
+  assert meta["step"] == 6
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert [r["step"] for r in read_jsonl(str(workdir))] == [1, 2, 3, 4, 5, 6]

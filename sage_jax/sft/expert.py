@@ -193,36 +193,36 @@ def replayed_trajectories(trajectories: Sequence[data_lib.Trajectory], config: E
   return play(ReplayPolicy(turns, tokenizer), list(turns), tokenizer, config, source, pool)
 
 
-_OUT = flags.DEFINE_string("out", None, "Output JSONL of expert trajectories.")
-_ROOT = flags.DEFINE_string("appworld_root", None,
-                            "AppWorld data root (default: the mini world, built if needed).")
-_SPLITS = flags.DEFINE_list("splits", ["train"], "Splits whose gold solutions are played.")
-_GOLD = flags.DEFINE_bool("gold", True, "Play the gold solutions of --splits.")
-_INPUT = flags.DEFINE_list("input", [], "JSONL files of trajectories collected elsewhere.")
-_VERIFY = flags.DEFINE_bool("verify", True,
-                            "Replay --input trajectories against the engine (else only "
-                            "validate and copy them).")
-_WORKERS = flags.DEFINE_integer("num_workers", 2, "AppWorld worker processes.")
-_LIBRARY = flags.DEFINE_bool("use_library", True, "Skill Library Agent (else plain code agent).")
+def _define_flags() -> None:
+  flags.DEFINE_string("out", None, "Output JSONL of expert trajectories.")
+  flags.DEFINE_string("appworld_root", None,
+                      "AppWorld data root (default: the mini world, built if needed).")
+  flags.DEFINE_list("splits", ["train"], "Splits whose gold solutions are played.")
+  flags.DEFINE_bool("gold", True, "Play the gold solutions of --splits.")
+  flags.DEFINE_list("input", [], "JSONL files of trajectories collected elsewhere.")
+  flags.DEFINE_bool("verify", True, "Replay --input trajectories against the engine (else "
+                    "only validate and copy them).")
+  flags.DEFINE_integer("num_workers", 2, "AppWorld worker processes.")
+  flags.DEFINE_bool("use_library", True, "Skill Library Agent (else the plain code agent).")
+  flags.mark_flag_as_required("out")
 
 
 def main(argv) -> None:
   del argv
-  if not _OUT.value:
-    raise app.UsageError("--out=FILE is required.")
+  f = flags.FLAGS
   logging.getLogger("httpx").setLevel(logging.WARNING)
   tokenizer = Tokenizer()
-  config = ExpertConfig(appworld_root=_ROOT.value, splits=tuple(_SPLITS.value),
-                        num_workers=_WORKERS.value, use_library=_LIBRARY.value)
+  config = ExpertConfig(appworld_root=f.appworld_root, splits=tuple(f.splits),
+                        num_workers=f.num_workers, use_library=f.use_library)
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
-  if _GOLD.value:
+  if f.gold:
     trajectories, stats = gold_trajectories(config, tokenizer)
     kept += trajectories
     report["gold"] = dataclasses.asdict(stats)
-  for path in _INPUT.value:
+  for path in f.input:
     given = data_lib.read_jsonl(path)
-    if _VERIFY.value:
+    if f.verify:
       trajectories, stats = replayed_trajectories(given, config, tokenizer, source=path)
       report[path] = dataclasses.asdict(stats)
     else:
@@ -236,11 +236,12 @@ def main(argv) -> None:
   if duplicates:
     raise data_lib.FormatError(f"several trajectories for {duplicates[:5]}; give each task "
                                "one source")
-  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-  report["written"] = data_lib.write_jsonl(_OUT.value, kept)
-  report["out"] = _OUT.value
+  os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
+  report["written"] = data_lib.write_jsonl(f.out, kept)
+  report["out"] = f.out
   print(json.dumps(report), file=sys.stdout)
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

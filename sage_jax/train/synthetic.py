@@ -138,3 +138,76 @@ class SyntheticTask:
     results = self.engine.generate(prompts, sampling)
     rewards = [self.reward(p, r.tokens) for p, r in zip(prompts, results)]
     return {"reward": float(np.mean(rewards)), "success": float(np.mean(np.equal(rewards, 1)))}
+
+
+# --- A CPU demo of the whole RL machinery --------------------------------------------------
+
+
+def run_demo(workdir: str, *, steps: int = 60, seed: int = 0, learning_rate: float = 3e-3,
+             save_every: int = 10, eval_every: int = 20, progress: bool = True,
+             task: SyntheticTaskConfig = SyntheticTaskConfig()):
+  """GRPO on the synthetic task with checkpoints (`workdir/checkpoints`, resumed when present),
+  metrics (`workdir/metrics.jsonl`, TensorBoard) and dev evaluation; returns the LoopResult
+  and the trainer."""
+  import os
+
+  from sage_jax.model import get_preset, init_model
+  from sage_jax.rl import batch as batch_lib
+  from sage_jax.rl import grpo
+  from sage_jax.sampler import EngineConfig
+  from sage_jax.train import checkpoint, rl_loop
+  from sage_jax.train.metrics import MetricsConfig
+  from sage_jax.train.optimizer import OptimizerConfig
+
+  model = init_model(get_preset("tiny").replace(vocab_size=task.vocab_size), seed=seed)
+  engine = Engine(model, EngineConfig(num_slots=task.num_prompts * task.group_size, max_len=16,
+                                      prefill_buckets=(8,), min_attend=16, steps_per_call=4,
+                                      max_top_k=4), eos_ids=[task.vocab_size - 1])
+  synthetic = SyntheticTask(engine, task)
+  config = grpo.GRPOConfig()
+  optimizer = OptimizerConfig(learning_rate=learning_rate, weight_decay=0.0)
+  trainer = rl_loop.grpo_trainer(model, config, optimizer)
+  loop = rl_loop.RLLoopConfig(total_steps=steps, eval_every=eval_every, seed=seed)
+  saver = checkpoint.Checkpointer(
+      checkpoint.CheckpointConfig(directory=os.path.join(workdir, "checkpoints"),
+                                  save_every=save_every, best_metric="dev/reward"),
+      run_config={"task": task, "grpo": config, "optimizer": optimizer, "loop": loop})
+  try:
+    result = rl_loop.run_rl(
+        trainer, rollout=synthetic.rollout, score=synthetic.score,
+        evaluate=synthetic.evaluate, sync_params=engine.update_params, config=loop,
+        grpo_config=config,
+        batch_config=batch_lib.BatchConfig(micro_batch_tokens=1024, num_micro_batches=2,
+                                           length_buckets=(8, 16)),
+        checkpointer=saver,
+        metrics=MetricsConfig(log_dir=workdir, progress=progress,
+                              progress_keys=("reward/mean", "loss", "entropy", "grad_norm")))
+  finally:
+    saver.close()
+  return result, trainer
+
+
+def main(argv) -> None:
+  del argv
+  import json
+
+  from absl import flags, logging
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  f = flags.FLAGS
+  result, _ = run_demo(f.workdir, steps=f.steps, seed=f.seed, learning_rate=f.learning_rate,
+                       save_every=f.save_every)
+  last = result.history[-1] if result.history else {}
+  print(json.dumps({"start_step": result.start_step, "end_step": result.end_step,
+                    "preempted": result.preempted,
+                    "reward": last.get("reward/mean"), "dev_reward": last.get("dev/reward")}))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  flags.DEFINE_string("workdir", None, "Checkpoints and metrics go here (resumed if present).")
+  flags.DEFINE_integer("steps", 60, "RL steps.")
+  flags.DEFINE_integer("seed", 0, "Model init, data and sampling seed.")
+  flags.DEFINE_float("learning_rate", 3e-3, "AdamW learning rate.")
+  flags.DEFINE_integer("save_every", 10, "Checkpoint every this many steps.")
+  flags.mark_flag_as_required("workdir")
+  app.run(main)
