@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 # Bump whenever the builder's output changes; it keys the cache.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 DEFAULT_SEED = 0
 MANIFEST = "mini_world.json"  # written last by the builder: its presence marks a full build
 

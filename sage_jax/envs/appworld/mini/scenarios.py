@@ -69,28 +69,34 @@ def _procedure(signature: str, login_apps: tuple[str, ...], body: str) -> str:
   return f"def {signature}:\n" + textwrap.indent(code, "    ") + "\n"
 
 
-def _evaluation(body: str) -> str:
+def _evaluation(*blocks: str) -> str:
+  body = "\n".join(textwrap.dedent(block).strip() for block in blocks)
   return ("def evaluate(test, public_data, private_data, main_user, models, "
-          "ground_truth_answer):\n" + textwrap.indent(textwrap.dedent(body).strip(), "    ")
-          + "\n")
+          "ground_truth_answer):\n" + textwrap.indent(body, "    ") + "\n")
 
 
-def _ignored_users(*apps: str) -> str:
+def _unchanged_test(logged_in: tuple[str, ...], changed: tuple[str, ...] = (),
+                    also_ignored: tuple[str, ...] = (),
+                    requirement: str = "assert no other app data changed") -> str:
+  """The test that nothing changed but `changed` (collateral damage fails a task)."""
   # Logging in stamps last_logged_in on the app's User row; that is not a task change.
-  return repr([f"{app}.User" for app in apps])
+  ignore = [f"{app}.User" for app in logged_in] + list(also_ignored)
+  return f'''
+    with test("""
+        {requirement}
+        """):
+        test.case(models.changed_model_names(ignore={ignore!r}), "==", set({sorted(changed)!r}))
+    '''
 
 
 def _qa_evaluation(*apps: str) -> str:
-  return _evaluation(f'''
+  return _evaluation('''
     with test("""
         assert the answer matches the ground truth
         """):
         test.answer(models.end.supervisor.Task.all()[0].answer, ground_truth_answer)
-    with test("""
-        assert no app data was changed (answering needs no change)
-        """):
-        test.case(models.changed_model_names(ignore={_ignored_users(*apps)}), "==", set())
-    ''')
+    ''', _unchanged_test(apps, requirement="assert no app data was changed (answering needs "
+                                            "no change)"))
 
 
 def _pick(world: content.World, n: int) -> content.Person:
@@ -139,7 +145,7 @@ GENRE_COUNT = Scenario(
 
 # --- venmo: pay someone found by name or by relationship -------------------------------------
 
-_VENMO_PAYMENT_EVALUATION = _evaluation(f'''
+_VENMO_PAYMENT_EVALUATION = _evaluation('''
     added, updated, removed = models.changed_records("venmo.Transaction")
     with test("""
         assert exactly one venmo transaction was added and none updated or removed
@@ -159,12 +165,7 @@ _VENMO_PAYMENT_EVALUATION = _evaluation(f'''
         """):
         test.case(transaction.amount, "==", private_data.amount)
         test.case(transaction.description, "==", private_data.description)
-    with test("""
-        assert nothing else changed besides venmo transactions, balances and notifications
-        """):
-        ignore = {_ignored_users("venmo", "phone")} + ["venmo.Notification"]
-        test.case(models.changed_model_names(ignore=ignore), "==", {{"venmo.Transaction"}})
-    ''')
+    ''', _unchanged_test(("venmo", "phone"), ("venmo.Transaction",), ("venmo.Notification",)))
 
 _SEND_BY_NAME = (("Pottery class", 45.0), ("Half of the cabin deposit", 120.0),
                  ("Thai takeout", 21.75))
@@ -344,7 +345,7 @@ NOTE_APPEND = Scenario(
         access_token=simple_note_token)
     """),
   call="append_line_to_note({title}, {line})\napis.supervisor.complete_task()",
-  evaluation=_evaluation(f'''
+  evaluation=_evaluation('''
     added, updated, removed = models.changed_records("simple_note.Note")
     with test("""
         assert exactly one note was updated and none added or removed
@@ -356,12 +357,7 @@ NOTE_APPEND = Scenario(
         """):
         test.case(updated[0].title, "==", private_data.title)
         test.case(updated[0].content, "==", private_data.content)
-    with test("""
-        assert no other app data changed
-        """):
-        ignore = {_ignored_users("simple_note")}
-        test.case(models.changed_model_names(ignore=ignore), "==", {{"simple_note.Note"}})
-    '''),
+    ''', _unchanged_test(("simple_note",), ("simple_note.Note",))),
   variants=_append_variants,
 )
 
@@ -399,7 +395,7 @@ NOTE_TO_FILE = Scenario(
         file_path=file_path, content=text, access_token=file_system_token)
     """),
   call="save_note_to_file({title}, {file_path})\napis.supervisor.complete_task()",
-  evaluation=_evaluation(f'''
+  evaluation=_evaluation('''
     added, updated, removed = models.changed_records("file_system.File")
     with test("""
         assert exactly one file was created and none updated or removed
@@ -411,12 +407,8 @@ NOTE_TO_FILE = Scenario(
         """):
         test.case(added[0].path, "==", private_data.path)
         test.case(added[0].content.strip(), "==", private_data.content.strip())
-    with test("""
-        assert no other app data changed
-        """):
-        ignore = {_ignored_users("simple_note", "file_system")} + ["file_system.Directory"]
-        test.case(models.changed_model_names(ignore=ignore), "==", {{"file_system.File"}})
-    '''),
+    ''', _unchanged_test(("simple_note", "file_system"), ("file_system.File",),
+                  ("file_system.Directory",))),
   variants=_note_to_file_variants,
 )
 
@@ -459,7 +451,7 @@ TODO_COMPLETE = Scenario(
             task_id=task["task_id"], is_completed=True, access_token=todoist_token)
     """),
   call="complete_project_tasks({project})\napis.supervisor.complete_task()",
-  evaluation=_evaluation(f'''
+  evaluation=_evaluation('''
     added, updated, removed = models.changed_records("todoist.Task")
     with test("""
         assert no todoist task was added or removed
@@ -477,12 +469,7 @@ TODO_COMPLETE = Scenario(
         """):
         test.case(all(t.is_completed for t in updated), "==", True)
         test.case(len(updated), ">", 0)
-    with test("""
-        assert no other app data changed
-        """):
-        ignore = {_ignored_users("todoist")}
-        test.case(models.changed_model_names(ignore=ignore), "==", {{"todoist.Task"}})
-    '''),
+    ''', _unchanged_test(("todoist",), ("todoist.Task",))),
   variants=_complete_variants,
 )
 
@@ -556,7 +543,7 @@ PHONE_TEXT = Scenario(
     """),
   call="text_contact_by_relationship({relationship}, {message})\n"
        "apis.supervisor.complete_task()",
-  evaluation=_evaluation(f'''
+  evaluation=_evaluation('''
     added, updated, removed = models.changed_records("phone.GlobalTextMessage")
     with test("""
         assert exactly one text message was sent
@@ -571,12 +558,7 @@ PHONE_TEXT = Scenario(
         test.case(sender.phone_number, "==", main_user.phone_number)
         test.case(receiver.phone_number, "==", private_data.phone_number)
         test.case(added[0].message, "==", private_data.message)
-    with test("""
-        assert no other app data changed
-        """):
-        ignore = {_ignored_users("phone")} + ["phone.UserTextMessage"]
-        test.case(models.changed_model_names(ignore=ignore), "==", {{"phone.GlobalTextMessage"}})
-    '''),
+    ''', _unchanged_test(("phone",), ("phone.GlobalTextMessage",), ("phone.UserTextMessage",))),
   variants=_text_variants,
 )
 
@@ -656,7 +638,7 @@ ARTIST_PLAYLIST = Scenario(
             playlist_id=playlist_id, song_id=song_id, access_token=spotify_token)
     """),
   call="make_artist_playlist({title}, {artist})\napis.supervisor.complete_task()",
-  evaluation=_evaluation(f'''
+  evaluation=_evaluation('''
     added, updated, removed = models.changed_records("spotify.Playlist")
     with test("""
         assert exactly one playlist was created and none updated or removed
@@ -676,13 +658,7 @@ ARTIST_PLAYLIST = Scenario(
         links = models.end.spotify.PlaylistSong.find_all(playlist_id=added[0].id)
         titles = [models.end.spotify.Song.find_one(id=link.song_id).title for link in links]
         test.case(sorted(titles), "==", sorted(private_data.songs))
-    with test("""
-        assert no other app data changed
-        """):
-        ignore = {_ignored_users("spotify")}
-        expected = {{"spotify.Playlist", "spotify.PlaylistSong"}}
-        test.case(models.changed_model_names(ignore=ignore), "==", expected)
-    '''),
+    ''', _unchanged_test(("spotify",), ("spotify.Playlist", "spotify.PlaylistSong"))),
   variants=_artist_playlist_variants,
 )
 
