@@ -160,10 +160,13 @@ def test_bad_data_root_fails_at_start_saying_what_is_missing(mini_root, tmp_path
   assert "appworld download data" in str(error.value)
 
 
-def test_server_mode_runs_on_loopback(mini_root, tmp_path):  # noqa: F811
+def test_server_mode_and_no_state_shared_between_episodes(mini_root, tmp_path):  # noqa: F811
   task_id = appworld.read_split(mini_root, "train")[1]
   config = pool_config(mini_root, str(tmp_path), num_workers=1, use_servers=True)
   with appworld.EnvPool(config) as pool:
-    with pool.episode(task_id, "server") as ep:
+    with pool.episode(task_id, "defines") as ep:
+      ep.execute("def leaked_skill():\n    return 1").result()
+    with pool.episode(task_id, "server") as ep:  # same worker, next episode
+      assert "NameError" in ep.execute("leaked_skill()").result()
       ep.execute(gold_solution(mini_root, task_id)).result()
   assert ep.result.success
