@@ -153,7 +153,9 @@ def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
       loss = loss - config.entropy_coef * entropy
     stats["entropy"] = entropy
   stats["logprob"] = logprobs
-  stats["sampler_model_kl_k3"] = kl_penalty(batch.old_logprobs, batch.sampler_logprobs, "k3")
+  # KL(sampler || pi_old) from the sampler's own samples (k3): how far sampling (temperature,
+  # top-p, numerics) is from the distribution the ratio uses.
+  stats["sampler_kl"] = kl_penalty(batch.sampler_logprobs, batch.old_logprobs, "k3")
   loss = jnp.where(mask > 0, loss, 0.0)
   stats = {k: jnp.where(mask > 0, v, 0.0 if not k.startswith("max/") else -jnp.inf)
            for k, v in stats.items()}
