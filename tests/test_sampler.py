@@ -22,7 +22,7 @@ CFG = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hid
 # Small buckets so that prompts longer than 32 tokens are prefilled in several chunks.
 ENGINE = EngineConfig(num_slots=4, max_len=128, prefill_buckets=(8, 32), min_attend=32,
                       steps_per_call=4, max_top_k=64)
-NO_EOS = (-1,)  # An id the model never samples: turns end on their budget.
+NO_EOS = ()  # Turns end on their budget.
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
 
 

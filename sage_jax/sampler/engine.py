@@ -131,13 +131,15 @@ class Engine:
   Calls: `start` / `append` queue a turn and return at once; `step` advances the device
   by one prefill chunk and one decode block and returns the turns that finished; `free`
   releases a sequence. Not thread-safe: one thread drives it.
+
+  `eos_ids` end a turn when sampled (none: turns end on their budget or a stop string);
+  `detokenize` (ids -> text) is needed for stop strings; with a `mesh`, slots are sharded
+  over its data axes and KV heads over its tensor axis, by the model's sharding `rules`.
   """
 
   def __init__(self, model: Qwen2, config: EngineConfig = EngineConfig(), *,
                eos_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str] | None = None,
                mesh: Mesh | None = None, rules: shd.ShardingRules = shd.ShardingRules()):
-    if not eos_ids:
-      raise ValueError("eos_ids must name at least one token id")
     self.config = config
     self.model_config = model.config
     self._eos = tuple(int(i) for i in eos_ids)

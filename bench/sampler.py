@@ -1,0 +1,382 @@
+r"""Sampler benchmarks on the real Qwen2.5-Coder-0.5B-Instruct (fp32, CPU); prints JSON.
+
+  python bench/sampler.py [--model=HF_DIR] [--batches=1,8] [--out=FILE]
+
+1. decode: tokens/s of our engine, transformers `generate` (torch CPU) and google-tunix
+   (when importable, see bench/requirements.txt), same prompts, batch, prompt and new-token
+   lengths, greedy, interleaved round by round in one process. Decode time of a system is
+   t(N new tokens) - t(1 new token), so prefill and per-call overhead cancel out the same
+   way for all three. EOS is disabled so that every system decodes exactly N tokens.
+2. multiturn: a scripted agent conversation of --turns turns; prefilled tokens and wall
+   time with cache reuse (`append`) vs re-prefilling the whole history every turn (our
+   engine, and tunix, which has no other way), and whether both give the same tokens.
+3. bound: the memory-bandwidth bound of decode, weight bytes read per step / measured copy
+   bandwidth, against our measured time per step.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.environ.get("SAGE_JAX_CACHE", os.path.expanduser("~/.cache/sage_jax")),
+                 "jax_compile_cache"))
+
+import concurrent.futures  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from sage_jax import assets  # noqa: E402
+from sage_jax import tokenizer as tokenizer_lib  # noqa: E402
+from sage_jax.checkpoint import gguf_import, hf  # noqa: E402
+from sage_jax.model.config import Qwen2Config  # noqa: E402
+from sage_jax.sampler import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+_MODEL = flags.DEFINE_string("model", None, "HF checkpoint directory; default: the bundled "
+                             "real Qwen2.5-Coder-0.5B-Instruct, converted once and cached.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes for the decode benchmark.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens per sequence.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "New tokens per sequence.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed rounds per system (median reported).")
+_TURNS = flags.DEFINE_integer("turns", 6, "Turns of the multi-turn benchmark.")
+_TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 48, "Most new tokens per turn.")
+_TUNIX_PATH = flags.DEFINE_string(
+    "tunix_path", str(assets.cache_root() / "bench" / "tunix_site"),
+    "Extra import path holding google-tunix (pip install --no-deps --target=PATH "
+    "-r bench/requirements.txt); ignored when missing.")
+_SYSTEMS = flags.DEFINE_list("systems", ["ours", "transformers", "tunix"], "Systems to run.")
+_OUT = flags.DEFINE_string("out", None, "Also write the JSON here.")
+
+SOURCE_TEXT_FILES = ("README.md", "DESIGN.md", "sage_jax/sampler/engine.py")
+SYSTEM_PROMPT = (
+    "You are a coding agent that completes tasks in AppWorld by writing Python. Each reply "
+    "holds one code block that calls `apis.<app>.<api>(...)`. Define reusable functions "
+    "(skills) with parameters instead of hard-coded values, call them, and print what you "
+    "need to see. The environment runs your code and shows you its output. When the task is "
+    "done, call apis.supervisor.complete_task(answer=...). Available apps: spotify, venmo, "
+    "gmail, phone, file_system, simple_note, todoist, splitwise, amazon.")
+OBSERVATIONS = (
+    "Output:\n```\n[{'name': 'show_playlist_library', 'description': 'Search or show a list "
+    "of playlists of this user.'}, {'name': 'show_playlist', 'description': 'Get detailed "
+    "information about a specific playlist.'}, {'name': 'show_song', 'description': 'Get "
+    "details of a specific song.'}]\n```",
+    "Output:\n```\n{'access_token': 'eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.c3BvdGlmeQ', "
+    "'token_type': 'Bearer'}\n```",
+    "Output:\n```\n[{'playlist_id': 31, 'title': 'Morning Run', 'song_ids': [12, 45, 7, 88]},"
+    " {'playlist_id': 32, 'title': 'Focus', 'song_ids': [3, 9, 41]}, {'playlist_id': 40, "
+    "'title': 'Road Trip 2023', 'song_ids': [5, 6, 71, 72, 90, 13]}]\n```",
+    "Execution failed. Traceback:\n  File \"<cell>\", line 4, in get_longest\n    song = "
+    "apis.spotify.show_song(song_id=s)\nTypeError: show_song() missing 1 required keyword "
+    "argument: 'access_token'",
+    "Output:\n```\n{'song_id': 71, 'title': 'Highway Lights', 'duration': 412, 'artist': "
+    "'The Late Shift', 'play_count': 1893}\n```",
+    "Output:\n```\nSkill saved: get_longest_song(playlist_title, access_token)\n```",
+)
+TASK = ("Find the longest song in my Spotify playlist 'Road Trip 2023' and tell me its "
+        "title. My Spotify password is in the supervisor's account passwords.")
+
+
+def _median(xs):
+  return statistics.median(xs)
+
+
+# --- Machine ------------------------------------------------------------------------------
+
+
+def copy_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+  """Best-of-`repeats` numpy copy bandwidth in GB/s, counting bytes read plus written."""
+  n = int(gib * (1 << 30)) // 4
+  src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+  parts = np.array_split(np.arange(n), threads)
+  bounds = [(p[0], p[-1] + 1) for p in parts]
+  best = 0.0
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    for _ in range(repeats):
+      start = time.perf_counter()
+      list(pool.map(lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds))
+      best = max(best, 2 * src.nbytes / (time.perf_counter() - start) / 1e9)
+  return best
+
+
+def machine_info() -> dict:
+  return {
+      "cpu_count": os.cpu_count(), "platform": platform.platform(),
+      "load_average": os.getloadavg(), "jax": jax.__version__,
+      "devices": [str(d) for d in jax.devices()],
+  }
+
+
+# --- Prompts ------------------------------------------------------------------------------
+
+
+def bench_prompts(tok: tokenizer_lib.Tokenizer, count: int, length: int) -> list[list[int]]:
+  """`count` distinct `length`-token windows of repository text that survive a decode ->
+  encode round trip, so that string-based samplers see exactly the same ids."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ids = []
+  for name in SOURCE_TEXT_FILES:
+    path = os.path.join(root, name)
+    if os.path.exists(path):
+      with open(path) as f:
+        ids += tok.encode(f.read())
+  prompts, start = [], 0
+  while len(prompts) < count and start + length <= len(ids):
+    window = ids[start:start + length]
+    if tok.encode(tok.decode(window)) == window:
+      prompts.append(window)
+      start += 3 * length
+    else:
+      start += 1
+  if len(prompts) < count:
+    raise RuntimeError(f"found only {len(prompts)} round-trip-stable prompts of {length} tokens")
+  return prompts
+
+
+# --- Systems ------------------------------------------------------------------------------
+
+
+class Ours:
+  name = "ours"
+
+  def __init__(self, model_dir: str):
+    self.model = hf.load_hf(model_dir)
+    self.engines = {}
+
+  def setup(self, batch: int, max_len: int, prompt_len: int):
+    config = EngineConfig(num_slots=batch, max_len=max_len, prefill_buckets=(prompt_len,),
+                          min_attend=max_len)
+    engine = Engine(self.model, config, eos_ids=())
+    start = time.perf_counter()
+    engine.warmup()
+    self.engines[batch] = engine
+    return time.perf_counter() - start
+
+  def generate(self, prompts, new_tokens):
+    engine = self.engines[len(prompts)]
+    results = engine.generate(prompts, SamplingParams(temperature=0.0,
+                                                      max_new_tokens=new_tokens))
+    return [r.tokens for r in results]
+
+
+class Transformers:
+  name = "transformers"
+
+  def __init__(self, model_dir: str):
+    import torch
+    import transformers
+    self.torch = torch
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.float32).eval()
+    self.model.generation_config.eos_token_id = None  # Decode exactly N tokens.
+
+  def setup(self, batch, max_len, prompt_len):
+    return 0.0
+
+  def generate(self, prompts, new_tokens):
+    ids = self.torch.tensor(prompts)
+    with self.torch.no_grad():
+      out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids),
+                                max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+class Tunix:
+  name = "tunix"
+
+  def __init__(self, model_dir: str):
+    import jax.numpy as jnp
+    import transformers
+    from tunix.generate import sampler as tunix_sampler
+    from tunix.models.qwen2 import model as tunix_model
+    from tunix.models.qwen2 import params as tunix_params
+    self.sampler_lib = tunix_sampler
+    cfg = dataclasses.replace(tunix_model.ModelConfig.qwen2p5_0p5b(), dtype=jnp.float32,
+                              param_dtype=jnp.float32)
+    self.model = tunix_params.create_model_from_safe_tensors(model_dir, cfg, mesh=None,
+                                                             dtype=jnp.float32)
+    self.hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    self.samplers = {}
+
+  def setup(self, batch, max_len, prompt_len):
+    self.samplers[batch] = (self.sampler_lib.Sampler(
+        self.model, self.hf_tok, self.sampler_lib.CacheConfig(max_len, 24, 2, 64)), prompt_len)
+    return 0.0
+
+  def generate(self, prompts, new_tokens):
+    sampler, prompt_len = self.samplers[len(prompts)]
+    out = sampler([self.hf_tok.decode(p) for p in prompts], max_generation_steps=new_tokens,
+                  max_prompt_length=prompt_len, temperature=0.0, eos_tokens=[-1])
+    return [list(map(int, t))[:new_tokens] for t in out.tokens]
+
+
+def load_systems(model_dir: str) -> tuple[list, dict]:
+  systems, skipped = [], {}
+  for name in _SYSTEMS.value:
+    if name == "tunix" and os.path.isdir(_TUNIX_PATH.value):
+      sys.path.append(_TUNIX_PATH.value)
+    try:
+      systems.append({"ours": Ours, "transformers": Transformers, "tunix": Tunix}[name](model_dir))
+    except ImportError as error:
+      skipped[name] = f"not importable: {error}"
+  return systems, skipped
+
+
+# --- Benchmarks ---------------------------------------------------------------------------
+
+
+def decode_benchmark(systems, prompts_all, batch: int) -> dict:
+  prompts = prompts_all[:batch]
+  n, p = _NEW_TOKENS.value, _PROMPT_LEN.value
+  max_len = 1 << (p + n - 1).bit_length()
+  setup = {s.name: s.setup(batch, max_len, p) for s in systems}
+  outputs = {}
+  for s in systems:  # Untimed: compiles and caches.
+    outputs[s.name] = s.generate(prompts, n)
+    s.generate(prompts, 1)
+  rounds = {s.name: [] for s in systems}
+  for _ in range(_ROUNDS.value):
+    for s in systems:
+      start = time.perf_counter()
+      s.generate(prompts, n)
+      full = time.perf_counter() - start
+      start = time.perf_counter()
+      s.generate(prompts, 1)
+      one = time.perf_counter() - start
+      rounds[s.name].append(batch * (n - 1) / (full - one))
+  tok_s = {name: _median(r) for name, r in rounds.items()}
+  result = {
+      "batch": batch, "prompt_len": p, "new_tokens": n,
+      "decode_tok_s": tok_s, "rounds_tok_s": rounds, "warmup_s": setup,
+      "ms_per_step": {name: 1000 * batch / t for name, t in tok_s.items()},
+      "greedy_equal_to_ours": {
+          name: out == outputs["ours"] for name, out in outputs.items() if name != "ours"},
+  }
+  if "ours" in tok_s:
+    result["ours_over"] = {name: tok_s["ours"] / t for name, t in tok_s.items()
+                           if name != "ours"}
+  return result
+
+
+def multiturn_benchmark(systems, tok) -> dict:
+  """Scripted agent conversation: cache reuse (append) vs re-prefill each turn."""
+  ours = next(s for s in systems if s.name == "ours")
+  config = EngineConfig(num_slots=1, max_len=2048, prefill_buckets=(64, 256), min_attend=256)
+  engine = Engine(ours.model, config, eos_ids=(tok.eos_id, tok.pad_id))
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=_TURN_TOKENS.value)
+
+  def reuse():
+    conversation = tokenizer_lib.Conversation(tok, SYSTEM_PROMPT)
+    conversation.add_user(TASK)
+    seq = engine.start(conversation.start_assistant(), sampling)
+    turns = []
+    for i in range(_TURNS.value):
+      (turn,) = engine.run()
+      turns.append(turn)
+      if i + 1 < _TURNS.value:
+        conversation.add_assistant_tokens(turn.tokens)
+        conversation.end_assistant()
+        conversation.add_tool(OBSERVATIONS[i % len(OBSERVATIONS)])
+        ids = conversation.start_assistant()
+        engine.append(seq, ids[turn.length:])
+    engine.free(seq)
+    return turns, conversation
+
+  def reprefill(histories):
+    return [engine.generate([h], sampling)[0] for h in histories]
+
+  start = time.perf_counter()
+  engine.warmup()
+  warmup_s = time.perf_counter() - start
+  reuse()  # Untimed once more: host-side first-call costs.
+  start = time.perf_counter()
+  turns, conversation = reuse()
+  reuse_s = time.perf_counter() - start
+  # The history before each turn, as the re-prefill baseline sees it.
+  histories, ids = [], conversation.ids
+  for t in turns:
+    histories.append(ids[:t.length - len(t.tokens)])
+  start = time.perf_counter()
+  fresh = reprefill(histories)
+  reprefill_s = time.perf_counter() - start
+  result = {
+      "turns": len(turns), "final_length": turns[-1].length,
+      "generated_tokens": [len(t.tokens) for t in turns],
+      "reuse": {"prefilled_tokens": [t.prefilled_tokens for t in turns],
+                "prefilled_total": sum(t.prefilled_tokens for t in turns),
+                "wall_s": reuse_s},
+      "reprefill": {"prefilled_tokens": [t.prefilled_tokens for t in fresh],
+                    "prefilled_total": sum(t.prefilled_tokens for t in fresh),
+                    "wall_s": reprefill_s},
+      "same_tokens": [a.tokens == b.tokens for a, b in zip(turns, fresh)],
+      "max_model_logprob_diff": max(
+          float(np.abs(a.model_logprobs - b.model_logprobs).max(initial=0))
+          for a, b in zip(turns, fresh)),
+      "warmup_s": warmup_s,
+  }
+  result["prefill_ratio"] = (result["reuse"]["prefilled_total"]
+                             / result["reprefill"]["prefilled_total"])
+  result["speedup"] = reprefill_s / reuse_s
+  tunix = next((s for s in systems if s.name == "tunix"), None)
+  if tunix is not None:
+    longest = max(len(h) for h in histories)
+    tunix.setup(1, 2048, 1 << (longest - 1).bit_length())
+    run = lambda: [tunix.generate([h], _TURN_TOKENS.value) for h in histories]
+    run()  # Untimed: compiles.
+    start = time.perf_counter()
+    run()
+    result["tunix_reprefill_wall_s"] = time.perf_counter() - start
+    result["ours_reuse_over_tunix"] = result["tunix_reprefill_wall_s"] / reuse_s
+  return result
+
+
+def bound(decode: list[dict], model_dir: str, bandwidth: float) -> dict:
+  """Bytes of weights read per decode step (all but the embedding table, of which only a
+  row per sequence is read) over the measured bandwidth."""
+  cfg = Qwen2Config.from_hf(model_dir)
+  params = cfg.num_params()
+  embed = cfg.vocab_size * cfg.hidden_size
+  step_bytes = 4 * (params - embed)
+  bound_ms = 1000 * step_bytes / (bandwidth * 1e9)
+  return {
+      "weight_bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
+      "bound_ms_per_step": bound_ms, "bound_steps_per_s": 1000 / bound_ms,
+      "ours_fraction_of_bound": {
+          d["batch"]: bound_ms / d["ms_per_step"]["ours"] for d in decode
+          if "ours" in d["ms_per_step"]},
+  }
+
+
+def main(argv):
+  del argv
+  model_dir = _MODEL.value or str(assets.cached_path(
+      "models/qwen2.5-coder-0.5b-instruct-hf",
+      lambda out: gguf_import.export_hf(gguf_import.fetch_qwen25_coder_0p5b_gguf(), out)))
+  report = {"machine": machine_info(), "model": model_dir}
+  report["bandwidth_gb_s"] = {"1_thread": copy_bandwidth(1), "2_threads": copy_bandwidth(2)}
+  tok = tokenizer_lib.Tokenizer()
+  systems, report["skipped"] = load_systems(model_dir)
+  prompts = bench_prompts(tok, max(map(int, _BATCHES.value)), _PROMPT_LEN.value)
+  report["decode"] = [decode_benchmark(systems, prompts, int(b)) for b in _BATCHES.value]
+  if any(s.name == "ours" for s in systems):
+    report["multiturn"] = multiturn_benchmark(systems, tok)
+    report["bound"] = bound(report["decode"], model_dir,
+                            max(report["bandwidth_gb_s"].values()))
+  report["machine"]["load_average_end"] = os.getloadavg()
+  text = json.dumps(report, indent=2)
+  print(text)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
