@@ -44,10 +44,10 @@ def apply_preset(c, preset: str):
     c.rollout.group_size = 2
     c.pipeline.update(chains_per_step=2)
     c.eval.update(max_scenarios=2, split="dev")
-    c.batch.update(micro_batch_tokens=8192, length_buckets=[1024, 2048, 4096])
+    c.batch.update(micro_batch_tokens=4096, length_buckets=[512, 1024, 2048, 4096])
     c.optimizer.update(learning_rate=1e-4, warmup_steps=0, max_grad_norm=1.0)
     c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=0)
-    c.sft.update(total_steps=8, batch_size=4)
+    c.sft.update(total_steps=4, batch_size=2)
     c.rl.update(total_steps=2, eval_every=0)
     c.checkpoint.update(save_every=1, keep_last=2, async_save=False)
     c.expert.update(num_workers=2, splits=["train"])

@@ -1,0 +1,240 @@
+"""A whole run: SFT on expert trajectories, then SAGE (or the GRPO baseline), with dev
+evaluations before and after, HF export, plots and a before/after table.
+
+Every stage reads its settings from the run config (`sage_jax.run_config`); each writes
+under the workdir:
+
+  <workdir>/config.json              the resolved config
+  <workdir>/expert_trajectories.jsonl  SFT data made from the gold solutions (if not given)
+  <workdir>/sft/                     SFT checkpoints and metrics
+  <workdir>/checkpoints/             RL checkpoints (orbax), config beside them
+  <workdir>/metrics.jsonl            RL metrics per step (+ TensorBoard events)
+  <workdir>/eval_before/ eval_after/ dev evaluations (JSON + markdown)
+  <workdir>/hf/                      the final model in HF format
+  <workdir>/plots/training.png       curves
+  <workdir>/summary.json             the before/after table
+
+A run that is interrupted resumes where it stopped: finished stages are skipped and the
+loops continue from their latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from sage_jax import plot, run_config
+from sage_jax import sharding as shd
+from sage_jax.agent.retrieval import Retriever, make_embedder
+from sage_jax.checkpoint import hf, loader
+from sage_jax.envs import appworld
+from sage_jax.eval import runner
+from sage_jax.rl import rollout
+from sage_jax.sampler import Engine
+from sage_jax.sft import data as sft_data
+from sage_jax.sft import expert as sft_expert
+from sage_jax.sft import loop as sft_loop
+from sage_jax.tokenizer import Tokenizer, ensure_qwen25_tokenizer_dir
+from sage_jax.train import rl_loop
+from sage_jax.train.checkpoint import Checkpointer
+from sage_jax.train.metrics import MetricsConfig
+
+SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate")
+
+
+def _done(path: str) -> dict | None:
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  return None
+
+
+def _write_json(path: str, value: Any) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=2, default=str)
+  os.replace(tmp, path)
+
+
+class Pipeline:
+  """Holds what the stages share: config, mesh, tokenizer, model, sampler, env pool."""
+
+  def __init__(self, config: Any, workdir: str):
+    self.config = config
+    self.run = run_config.resolve(config, jax.device_count())
+    self.workdir = os.path.abspath(workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    if jax.process_index() == 0:
+      _write_json(os.path.join(self.workdir, "config.json"), config.to_dict())
+    p = self.run.pipeline
+    self.root = appworld.ensure_mini_world() if p.data == "mini" else os.path.abspath(p.data)
+    self.mesh = shd.make_mesh(self.run.mesh)
+    self.tokenizer = Tokenizer()
+    self.model = loader.build_model(self.run.model, mesh=self.mesh)
+    self.engine = Engine(self.model, self.run.engine,
+                         eos_ids=[self.tokenizer.eos_id, self.tokenizer.endoftext],
+                         detokenize=self.tokenizer.decode, mesh=self.mesh)
+    self.driver = rollout.EngineDriver(self.engine)
+    self.policy = rollout.SamplerPolicy(self.driver, self.run.agent)
+    pool_cfg = dataclasses.replace(
+        self.run.pool, appworld_root=self.root,
+        outputs_root=self.run.pool.outputs_root or os.path.join(self.workdir, "appworld"))
+    self.pool = appworld.EnvPool(pool_cfg).start()
+
+  def close(self) -> None:
+    self.driver.close()
+    self.pool.close()
+
+  # --- Stages -------------------------------------------------------------------------------
+
+  def evaluate(self, name: str) -> dict:
+    """Dev evaluation of the current params; cached in <workdir>/<name>/ once done."""
+    out = os.path.join(self.workdir, name)
+    report = _done(os.path.join(out, f"eval_{self.run.eval.split}.json"))
+    if report is None:
+      config = self.config.copy_and_resolve_references()
+      config.eval.data = self.root
+      config.eval.experiment = name
+      report = runner.evaluate(config, out, pool=self.pool, policy=self.policy,
+                               tokenizer=self.tokenizer)
+    return report["metrics"]["overall"]
+
+  def expert_examples(self) -> list:
+    path = self.run.pipeline.expert_trajectories
+    if not path:
+      path = os.path.join(self.workdir, "expert_trajectories.jsonl")
+      if not os.path.exists(path):
+        expert_cfg = dataclasses.replace(self.run.expert, appworld_root=self.root,
+                                         outputs_root=os.path.join(self.workdir, "appworld"))
+        trajectories, stats = sft_expert.gold_trajectories(expert_cfg, self.tokenizer,
+                                                           pool=self.pool)
+        logging.info("expert trajectories: %d kept of %d tasks", stats.kept, stats.tasks)
+        sft_data.write_jsonl(path, trajectories)
+    return sft_data.load_examples(path, self.tokenizer, max_len=self.run.engine.max_len)
+
+  def sft(self) -> None:
+    run = self.run
+    trainer = sft_loop.sft_trainer(self.model, run.sft, run.sft_optimizer, run.trainer,
+                                   mesh=self.mesh)
+    directory = os.path.join(self.workdir, "sft")
+    checkpointer = Checkpointer(dataclasses.replace(
+        run.checkpoint, directory=os.path.join(directory, "checkpoints"), keep_best=0),
+        run_config=self.config.to_dict())
+    try:
+      sft_loop.run_sft(trainer, self.expert_examples(), config=run.sft, batch_config=run.batch,
+                       checkpointer=checkpointer,
+                       metrics=dataclasses.replace(run.metrics, log_dir=directory))
+    finally:
+      checkpointer.close()
+    self._adopt(trainer.params)
+
+  def rl(self) -> None:
+    run = self.run
+    trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
+                                   mesh=self.mesh)
+    task_ids = appworld.read_split(self.root, run.pipeline.train_split)
+    retriever = Retriever(run.retrieval, make_embedder(run.retrieval, model=self.model,
+                                                       tokenizer=self.tokenizer))
+    ctx = rollout.RolloutContext(self.policy, self.pool, self.tokenizer, run.agent, retriever,
+                                 self.root)
+    k = run.rollout.effective_chain_length
+
+    def collect(step: int, seed: int):
+      chains = rollout.sample_chains(task_ids, k, run.pipeline.chains_per_step,
+                                     random.Random(seed), run.rollout.chain_order)
+      cfg = dataclasses.replace(run.rollout, seed=seed,
+                                experiment_prefix=f"{run.rollout.experiment_prefix}_s{step}")
+      batch = rollout.collect(ctx, chains, cfg, run.reward, run.advantage)
+      records = batch.flat()
+      stats = batch.advantage_stats
+      metrics = dict(rollout.rollout_metrics(records))
+      if stats is not None:
+        metrics["constant_groups"] = stats.num_constant_groups
+        for i, mean in enumerate(stats.reward_mean_by_position):
+          metrics[f"reward/mean_pos{i + 1}"] = mean
+      return records, metrics
+
+    def dev(step: int) -> dict:
+      return self.evaluate(f"eval_step{step}")
+
+    checkpointer = Checkpointer(dataclasses.replace(
+        run.checkpoint, directory=os.path.join(self.workdir, "checkpoints"),
+        keep_best=run.checkpoint.keep_best if run.rl.eval_every else 0),
+        run_config=self.config.to_dict())
+    self.engine.update_params(trainer.params)
+    try:
+      rl_loop.run_rl(trainer, rollout=collect, config=run.rl, grpo_config=run.grpo,
+                     batch_config=run.batch, evaluate=dev if run.rl.eval_every else None,
+                     sync_params=self.engine.update_params, checkpointer=checkpointer,
+                     metrics=dataclasses.replace(run.metrics, log_dir=self.workdir))
+    finally:
+      checkpointer.close()
+    self._adopt(trainer.params)
+
+  def _adopt(self, params: nnx.State) -> None:
+    """Makes trained params the model's (and the sampler's) without a host copy."""
+    nnx.update(self.model, params)
+    self.engine.update_params(params)
+
+  def export(self) -> str:
+    out = os.path.join(self.workdir, "hf")
+    hf.save_hf(self.model, out, tokenizer_dir=str(ensure_qwen25_tokenizer_dir()))
+    return out
+
+
+def summary_table(before: dict | None, after: dict | None) -> str:
+  rows = ["| metric | before | after |", "|---|---|---|"]
+  for key in SUMMARY_KEYS:
+    cell = lambda m: "-" if m is None or m.get(key) is None else f"{m[key]:.3g}"
+    rows.append(f"| {key} | {cell(before)} | {cell(after)} |")
+  return "\n".join(rows)
+
+
+def run(config: Any, workdir: str) -> dict:
+  """Runs the configured stages; returns the summary (also written to summary.json)."""
+  started = time.time()
+  pipe = Pipeline(config, workdir)
+  p = pipe.run.pipeline
+  summary: dict[str, Any] = {"workdir": pipe.workdir}
+  try:
+    if p.eval_before:
+      summary["before"] = pipe.evaluate("eval_before")
+    sft_marker = os.path.join(pipe.workdir, "sft", "done.json")
+    if "sft" in p.stages and _done(sft_marker) is None:
+      pipe.sft()
+      _write_json(sft_marker, {"finished": time.time()})
+    elif "sft" in p.stages:  # resumed after SFT: its last params are the starting point
+      trainer = sft_loop.sft_trainer(pipe.model, pipe.run.sft, pipe.run.sft_optimizer,
+                                     pipe.run.trainer, mesh=pipe.mesh)
+      checkpointer = Checkpointer(dataclasses.replace(
+          pipe.run.checkpoint, directory=os.path.join(pipe.workdir, "sft", "checkpoints"),
+          keep_best=0))
+      trainer.state, _ = checkpointer.restore(trainer.abstract_state())
+      checkpointer.close()
+      pipe._adopt(trainer.params)
+    if "rl" in p.stages:
+      pipe.rl()
+    if p.eval_after:
+      summary["after"] = pipe.evaluate("eval_after")
+    if p.export and jax.process_index() == 0:
+      summary["export"] = pipe.export()
+    elif p.export:
+      pipe.export()  # every process joins the gathers
+  finally:
+    pipe.close()
+  if p.plot and os.path.exists(os.path.join(pipe.workdir, plot.METRICS_FILE)):
+    summary["plot"] = plot.plot_run(pipe.workdir)
+  summary["elapsed_s"] = round(time.time() - started, 1)
+  summary["table"] = summary_table(summary.get("before"), summary.get("after"))
+  if jax.process_index() == 0:
+    _write_json(os.path.join(pipe.workdir, "summary.json"), summary)
+  return summary

@@ -1,0 +1,36 @@
+"""Trains: `python -m sage_jax.train --config=configs/sage.py:<preset> --workdir=DIR`.
+
+Config overrides go as `--config.<section>.<key>=<value>`. The resolved config is printed and
+written to DIR/config.json; an invalid config fails here, before anything compiles.
+See `sage_jax.pipeline` for the stages and what lands in DIR.
+"""
+
+import logging
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from sage_jax import pipeline
+from sage_jax import sharding as shd
+
+
+def main(argv) -> None:
+  del argv
+  config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every file at INFO
+    absl_logging.set_verbosity(absl_logging.WARNING)
+  shd.initialize_distributed()
+  logging.getLogger("httpx").setLevel(logging.WARNING)
+  print(config, flush=True)
+  summary = pipeline.run(config, workdir)
+  print(summary["table"])
+  print(f"workdir: {summary['workdir']}  ({summary['elapsed_s']} s)")
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<preset>",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, exports).")
+  flags.mark_flags_as_required(["config", "workdir"])
+  app.run(main)
