@@ -22,7 +22,7 @@ CFG = get_preset("tiny").replace(vocab_size=VOCAB, num_attention_heads=4, num_ke
 # the gradients themselves (a tiny eps would compare only their signs).
 LINEAR_ADAM = opt.OptimizerConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0, max_grad_norm=0.0)
 GRPO = grpo.GRPOConfig(clip_eps_high=0.28, kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0,
-                       loss_aggregation="seq-mean-token-mean")
+                       loss_aggregation="seq-mean-token-mean", logprob_chunk=32)
 
 
 def _records(n, seed=0, min_len=6, max_len=15):
@@ -174,15 +174,16 @@ def test_chunked_logprobs_equal_full():
     def f(p, chunk):
       lp, ent = token_logprobs(nnx.merge(graphdef, p), *args, chunk=chunk)
       return jnp.sum(lp * micro.loss_mask), (lp, ent)
-    return [jax.grad(f, has_aux=True)(p, chunk) for chunk in (0, 4)]
+    return [jax.grad(f, has_aux=True)(p, chunk) for chunk in (0, 16, 20)]
 
-  (g_full, full), (g_chunk, chunked) = both(params)
-  for a, b in zip(full, chunked):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-  for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_chunk)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-  with pytest.raises(ValueError, match="does not divide"):
-    token_logprobs(model, *args, chunk=5)
+  assert micro.tokens.shape == (4, 16)  # chunks of 16 tokens: 4 positions of each row;
+  outputs = both(params)  # of 20 tokens: 5 positions, the last chunk padded
+  (g_full, full) = outputs[0]
+  for g_chunk, chunked in outputs[1:]:
+    for a, b in zip(full, chunked):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_chunk)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_bf16_compute_with_fp32_master_weights():

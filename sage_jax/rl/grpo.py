@@ -53,8 +53,8 @@ class GRPOConfig:
   recompute_old_logprobs: recompute pi_old with the trainer's forward before the first
     update instead of using the rollout's model_logprobs (e.g. when sampling in another
     precision).
-  logprob_chunk: positions per chunk of the logits computation (0 = all at once), see
-    `train.logprobs`.
+  logprob_chunk: tokens per chunk of the logits computation (0 = all at once), which bounds
+    the memory of [tokens, vocab] logits; see `train.logprobs`.
   """
 
   clip_eps_low: float = 0.2
@@ -69,7 +69,7 @@ class GRPOConfig:
   num_mini_batches: int = 1
   shuffle_mini_batches: bool = True
   recompute_old_logprobs: bool = False
-  logprob_chunk: int = 0
+  logprob_chunk: int = 2048
 
   def __post_init__(self):
     if not 0 <= self.clip_eps_low < 1 or self.clip_eps_high < 0:

@@ -38,7 +38,7 @@ class SFTConfig:
   when total_steps is 0. batch_size: sequences per update. loss_aggregation: "token-mean"
   (every assistant token of the batch weighs the same) or "seq-mean-token-mean".
   eval_every: evaluation every this many steps (0 = never). seed: data order.
-  logprob_chunk: positions per chunk of the logits computation (0 = all at once)."""
+  logprob_chunk: tokens per chunk of the logits computation (0 = all at once)."""
 
   total_steps: int = 0
   num_epochs: int = 1
@@ -46,7 +46,7 @@ class SFTConfig:
   loss_aggregation: Aggregation = "token-mean"
   eval_every: int = 0
   seed: int = 0
-  logprob_chunk: int = 0
+  logprob_chunk: int = 2048
 
   def __post_init__(self):
     if self.batch_size < 1 or self.total_steps < 0 or self.num_epochs < 1:

@@ -1,10 +1,11 @@
 """Per-target logprobs and entropies of a batch under the model, optionally in chunks.
 
-The full logits of a long row ([rows, T, vocab] float32, 2.5 GB for one 4096-token row of a
-152k vocabulary) dominate training memory. With `chunk > 0` the rows are cut into chunks of
-`chunk` positions; each chunk's logits are made, reduced to (logprob, entropy) and dropped,
-and recomputed in the backward pass (`jax.checkpoint`), so only [rows, chunk, vocab] is ever
-live.
+The full logits of a batch ([rows, T, vocab] float32: 2.5 GB for 4096 tokens of a 152k
+vocabulary, and as much again for their gradient) dominate training memory. With `chunk > 0`
+the positions are cut into chunks of about `chunk` tokens (`chunk // rows` positions of every
+row, so rows stay split over the data-parallel devices); each chunk's logits are made,
+reduced to (logprob, entropy) and dropped, and recomputed in the backward pass
+(`jax.checkpoint`), so only [rows, chunk / rows, vocab] is ever live.
 """
 
 from __future__ import annotations
@@ -31,17 +32,21 @@ def token_logprobs(model: Qwen2, tokens: jax.Array, positions: jax.Array,
                    chunk: int = 0) -> tuple[jax.Array, jax.Array]:
   """(log pi(targets[b, j] | tokens[b, :j+1]), entropy of that distribution), [rows, T] each.
 
-  `chunk` must divide T when set; 0 (or >= T) computes all logits at once.
+  `chunk`: tokens per chunk of the logits computation (0, or at least rows * T: all at
+  once). The result does not depend on it beyond float rounding.
   """
   hidden, _ = model.hidden_states(tokens, positions, segment_ids=segment_ids)
   rows, t, e = hidden.shape
-  if not chunk or chunk >= t:
+  per_row = max(1, chunk // rows) if chunk else t
+  if per_row >= t:
     return _reduce(model, hidden, targets)
-  if t % chunk:
-    raise ValueError(f"logprob chunk {chunk} does not divide the row length {t}")
-  n = t // chunk
-  h = hidden.reshape(rows, n, chunk, e).swapaxes(0, 1)
-  y = targets.reshape(rows, n, chunk).swapaxes(0, 1)
+  n = -(-t // per_row)
+  pad = n * per_row - t
+  if pad:  # padded positions are computed and dropped
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+  h = hidden.reshape(rows, n, per_row, e).swapaxes(0, 1)
+  y = targets.reshape(rows, n, per_row).swapaxes(0, 1)
 
   @jax.checkpoint
   def one(h_c, y_c):
@@ -51,4 +56,6 @@ def token_logprobs(model: Qwen2, tokens: jax.Array, positions: jax.Array,
     return None, one(*xs)
 
   _, (lp, ent) = jax.lax.scan(body, None, (h, y))
-  return lp.swapaxes(0, 1).reshape(rows, t), ent.swapaxes(0, 1).reshape(rows, t)
+  lp = lp.swapaxes(0, 1).reshape(rows, n * per_row)[:, :t]
+  ent = ent.swapaxes(0, 1).reshape(rows, n * per_row)[:, :t]
+  return lp, ent

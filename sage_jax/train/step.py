@@ -43,12 +43,12 @@ _F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """seed: the train state's RNG seed. skip_empty_micro_batches: do not compute micro-batches
-  without loss tokens (exact: they contribute nothing). logprob_chunk: chunking of the
-  logits in `Trainer.logprobs` (see `train.logprobs`)."""
+  without loss tokens (exact: they contribute nothing). logprob_chunk: tokens per chunk of
+  the logits in `Trainer.logprobs` (0 = all at once; see `train.logprobs`)."""
 
   seed: int = 0
   skip_empty_micro_batches: bool = True
-  logprob_chunk: int = 0
+  logprob_chunk: int = 2048
 
 
 def _reduce_stats(stats_list: dict[str, jax.Array], total_tokens: jax.Array) -> dict:
