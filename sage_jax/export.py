@@ -1,0 +1,92 @@
+"""Exports a training run's checkpoint to Hugging Face format.
+
+  python -m sage_jax.export --workdir=RUN [--step=N] [--stage=rl|sft] --out=HF_DIR
+
+Restores the latest (or given) checkpoint of RUN with the config saved beside it, writes
+config.json, generation_config.json, sharded safetensors and the tokenizer files
+(`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads them), plus the run's
+resolved config (sage_jax_config.json) and a model card (README.md) with the training
+summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+from absl import app, flags
+from flax import nnx
+
+from sage_jax import run_config
+from sage_jax.checkpoint import hf, loader
+from sage_jax.tokenizer import ensure_qwen25_tokenizer_dir
+from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
+from sage_jax.train.optimizer import make_optimizer
+from sage_jax.train.state import abstract_train_state
+
+STAGE_DIRS = {"rl": "checkpoints", "sft": os.path.join("sft", "checkpoints")}
+
+
+def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -> dict:
+  """Writes the checkpoint's model to `out`; returns what was exported."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  run = run_config.resolve(config)
+  ckpt_dir = os.path.join(workdir, STAGE_DIRS[stage])
+  checkpointer = Checkpointer(CheckpointConfig(directory=ckpt_dir, keep_best=0,
+                                               async_save=False))
+  try:
+    step = checkpointer.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"{ckpt_dir}: no checkpoint to export")
+    model = nnx.eval_shape(lambda: loader.build_model(run.model))
+    params = nnx.state(model)
+    tx, _ = make_optimizer(run.sft_optimizer if stage == "sft" else run.optimizer)
+    state, _ = checkpointer.restore(abstract_train_state(params, tx), step)
+  finally:
+    checkpointer.close()
+  model = nnx.merge(nnx.graphdef(model), state.params)
+  hf.save_hf(model, out, tokenizer_dir=str(ensure_qwen25_tokenizer_dir()))
+  summary_path = os.path.join(workdir, "summary.json")
+  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+  if jax.process_index() == 0:
+    with open(os.path.join(out, "sage_jax_config.json"), "w") as f:
+      json.dump(config.to_dict(), f, indent=2)
+    with open(os.path.join(out, "README.md"), "w") as f:
+      f.write(model_card(config, stage, step, summary))
+  return {"out": out, "stage": stage, "step": step}
+
+
+def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary: dict) -> str:
+  method = ("GRPO baseline (single-task rollouts)" if config.rollout.single_task
+            else f"SAGE, reward '{config.reward.variant}', chain length "
+                 f"{config.rollout.chain_length}")
+  base = config.model.spec or f"random-init preset {config.model.preset}"
+  lines = [
+      "---", "library_name: transformers", "tags: [sage, grpo, appworld, qwen2]", "---", "",
+      "# Tool-using agent trained with sage_jax", "",
+      f"- Base model: {base}",
+      f"- Method: {method}; group size {config.rollout.group_size}",
+      f"- Checkpoint: {stage} step {step}",
+      f"- Data: {config.pipeline.data} (train split '{config.pipeline.train_split}')", "",
+  ]
+  if summary.get("table"):
+    lines += ["## Dev evaluation (before / after training)", "", summary["table"], ""]
+  lines += ["The full resolved training config is in `sage_jax_config.json`.", ""]
+  return "\n".join(lines)
+
+
+def main(argv) -> None:
+  del argv
+  result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
+  flags.DEFINE_string("out", None, "Directory to write the HF model to.", required=True)
+  flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+  flags.DEFINE_enum("stage", "rl", list(STAGE_DIRS), "Which stage's checkpoints.")
+  app.run(main)

@@ -1,0 +1,75 @@
+"""The main job end to end on the embedded default, with reduced step counts:
+train (SFT -> SAGE) -> checkpoint -> resume -> evaluate -> export -> transformers reload."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train(workdir, *overrides):
+  cmd = [sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+         f"--workdir={workdir}", "--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
+         "--config.pool.num_workers=2", *overrides]
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+  return out.stdout
+
+
+def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
+  workdir = tmp_path / "run"
+  stdout = _train(workdir, "--config.rl.total_steps=1")
+  assert "| tgc |" in stdout
+  first = json.load(open(workdir / "summary.json"))
+  assert set(first["before"]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}
+  assert os.path.isdir(workdir / "checkpoints" / "1")
+  assert json.load(open(workdir / "config.json"))["rollout"]["chain_length"] == 2
+
+  # Resume: one more RL step continues from the checkpoint of step 1; SFT is not redone.
+  _train(workdir, "--config.rl.total_steps=2")
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert os.path.isdir(workdir / "checkpoints" / "2")
+  assert os.path.exists(workdir / "plots" / "training.png")
+
+  # The export command writes what transformers loads; it equals the run's own export.
+  out = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}",
+                        f"--out={tmp_path / 'export'}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
+  assert "Dev evaluation" in open(tmp_path / "export" / "README.md").read()
+  ids = torch.tensor([[151644, 872, 198, 9707, 1879]])
+  logits = []
+  for d in (workdir / "hf", tmp_path / "export"):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
+    with torch.no_grad():
+      logits.append(model(ids).logits.numpy())
+  np.testing.assert_array_equal(logits[0], logits[1])
+  tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+  assert tok("Hello world")["input_ids"] == [9707, 1879]
+
+
+def test_bad_config_fails_before_compiling(tmp_path):
+  for override, key in (("--config.rollout.group_size=1", "config.rollout.group_size"),
+                        ("--config.rollout.chain_length=4", "config.rollout.chain_length"),
+                        ("--config.pipeline.chains_per_step=3", "config.pipeline.chains_per_step"),
+                        ("--config.rollout.group_sise=4", "group_sise")):
+    # 3 chains x group size 2 = 6 rollouts do not split over a data axis of 4.
+    extra = ["--config.mesh.data=4", "--config.mesh.fsdp=1"] if "chains" in override else []
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    out = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                          f"--workdir={tmp_path / 'bad'}", override, *extra], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert key in out.stderr, (override, out.stderr[-2000:])
+    assert not os.path.exists(tmp_path / "bad" / "config.json")
