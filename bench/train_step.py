@@ -8,6 +8,10 @@ random sequences of `seq_len` tokens: tokens/s and model FLOPs/s, where model FL
 = 6 * (matmul parameters, LM head included) + 12 * layers * heads * head_dim * seq_len (the
 attention scores and values, forward + backward; PaLM's MFU definition). MFU = model FLOP/s /
 peak. Rematerialisation is extra work that MFU does not credit.
+
+`--peer=torch` also times the same update in PyTorch, in the same process: transformers'
+`Qwen2ForCausalLM` (same shapes, sdpa attention) with a per-token weighted log-likelihood loss
+over the same micro-batches, gradient accumulation and `torch.optim.AdamW`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,44 @@ def matmul_peak(n: int, dtype, repeats: int) -> float:
   return 2 * n ** 3 / best
 
 
+def torch_peer(cfg, batch, steps: int, threads: int = 0) -> dict:
+  """Median seconds of a transformers Qwen2 train step on the same micro-batches."""
+  import torch
+  import transformers
+
+  if threads:
+    torch.set_num_threads(threads)
+  torch.manual_seed(0)
+  hf = transformers.Qwen2Config(**{k: v for k, v in cfg.to_hf().items() if k != "dtype"})
+  model = transformers.Qwen2ForCausalLM._from_config(hf, attn_implementation="sdpa",
+                                                     torch_dtype=torch.float32)
+  model.train()
+  opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+  micros = [(torch.as_tensor(np.asarray(batch.tokens[m]), dtype=torch.long),
+             torch.as_tensor(np.asarray(batch.targets[m]), dtype=torch.long),
+             torch.as_tensor(np.asarray(batch.weights[m] * batch.advantages[m])))
+            for m in range(batch.shape[0])]
+
+  def step():
+    for tokens, targets, weights in micros:
+      logits = model(input_ids=tokens).logits.float()
+      logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+      (-(weights * logp).sum()).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+  step()  # warm-up
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t)
+  return {"torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
+          "step_s_median": round(statistics.median(times), 4),
+          "step_s_all": [round(x, 4) for x in times]}
+
+
 def model_flops_per_token(cfg, seq_len: int) -> float:
   e, i, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
   q = cfg.num_attention_heads * cfg.head_dim
@@ -66,6 +108,9 @@ def main():
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--peak_n", type=int, default=2048)
   p.add_argument("--mesh", default="", help="data,fsdp,tensor (default: one device)")
+  p.add_argument("--peer", default="", choices=["", "torch"],
+                 help="also time the same update in PyTorch/transformers")
+  p.add_argument("--torch_threads", type=int, default=0, help="0 = torch's default")
   args = p.parse_args()
 
   cfg = get_preset(args.preset).replace(dtype=args.dtype, remat=args.remat)
@@ -135,6 +180,11 @@ def main():
       "peak_matmul": f"{args.peak_n}^3 {np.dtype(peak_dtype).name}",
       "mfu": round(tokens * flops_tok / step_s / peak, 4),
   }
+  if args.peer == "torch":
+    peer = torch_peer(cfg, batch, args.steps, args.torch_threads)
+    peer["tokens_per_s"] = round(tokens / peer["step_s_median"], 1)
+    out["torch_peer"] = peer
+    out["speedup_vs_torch"] = round(peer["step_s_median"] / step_s, 3)
   print(json.dumps(out))
 
 
