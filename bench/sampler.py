@@ -54,6 +54,7 @@ _TUNIX_PATH = flags.DEFINE_string(
     "Extra import path holding google-tunix (pip install --no-deps --target=PATH "
     "-r bench/requirements.txt); ignored when missing.")
 _SYSTEMS = flags.DEFINE_list("systems", ["ours", "transformers", "tunix"], "Systems to run.")
+_MULTITURN = flags.DEFINE_bool("multiturn", True, "Run the multi-turn benchmark.")
 _OUT = flags.DEFINE_string("out", None, "Also write the JSON here.")
 
 SOURCE_TEXT_FILES = ("README.md", "DESIGN.md", "sage_jax/sampler/engine.py")
@@ -199,8 +200,11 @@ class Tunix:
     from tunix.models.qwen2 import model as tunix_model
     from tunix.models.qwen2 import params as tunix_params
     self.sampler_lib = tunix_sampler
+    # The same model as ours: tunix's 0.5B preset ties the output layer to the embeddings,
+    # while this checkpoint has its own (the GGUF quantises it separately).
+    tied = Qwen2Config.from_hf(model_dir).tie_word_embeddings
     cfg = dataclasses.replace(tunix_model.ModelConfig.qwen2p5_0p5b(), dtype=jnp.float32,
-                              param_dtype=jnp.float32)
+                              param_dtype=jnp.float32, use_tied_embedding=tied)
     self.model = tunix_params.create_model_from_safe_tensors(model_dir, cfg, mesh=None,
                                                              dtype=jnp.float32)
     self.hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -366,7 +370,7 @@ def main(argv):
   systems, report["skipped"] = load_systems(model_dir)
   prompts = bench_prompts(tok, max(map(int, _BATCHES.value)), _PROMPT_LEN.value)
   report["decode"] = [decode_benchmark(systems, prompts, int(b)) for b in _BATCHES.value]
-  if any(s.name == "ours" for s in systems):
+  if _MULTITURN.value and any(s.name == "ours" for s in systems):
     report["multiturn"] = multiturn_benchmark(systems, tok)
     report["bound"] = bound(report["decode"], model_dir,
                             max(report["bandwidth_gb_s"].values()))

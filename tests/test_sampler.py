@@ -257,6 +257,8 @@ def test_context_full_is_an_outcome_not_a_crash(model):
   assert (again.finish_reason, again.tokens, again.prefilled_tokens) == ("context_full", [], 0)
   too_long = engine.start(_prompts([15])[0], params)
   assert engine.run()[0].finish_reason == "context_full"
+  engine.append(too_long, obs)
+  assert engine.run()[0].finish_reason == "context_full"
   engine.free(too_long)
   # The whole cache: a prompt of max_len - 1 tokens still gets one token.
   (last,) = engine.generate(_prompts([127]), SamplingParams(temperature=0, max_new_tokens=9))

@@ -106,7 +106,7 @@ class EngineStats:
   generated_tokens: int = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Sequence:
   seq_id: int
   sampling: SamplingParams
@@ -317,7 +317,8 @@ class Engine:
     token becomes the slot's first decode input."""
     seq.tokens, seq.sample_lps, seq.model_lps = [], [], []
     seq.prefilled, seq.decode_steps = len(inputs), 0
-    if start + len(inputs) + 1 > seq.limit or (seq.slot is None and start > 0):
+    # start < 0: the prompt never fit, there is nothing to continue.
+    if start < 0 or start + len(inputs) + 1 > seq.limit:
       seq.prefilled = 0
       self._finish(seq, "context_full")
       return
