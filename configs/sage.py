@@ -45,6 +45,9 @@ def apply_preset(c, preset: str):
     c.pipeline.update(chains_per_step=2)
     c.eval.update(max_scenarios=2, split="dev")
     c.batch.update(micro_batch_tokens=4096, length_buckets=[512, 1024, 2048, 4096])
+    # Logits of the 152k vocabulary in chunks of 256 positions keep the demo's memory small.
+    c.grpo.logprob_chunk = 256
+    c.sft.logprob_chunk = 256
     c.optimizer.update(learning_rate=1e-4, warmup_steps=0, max_grad_norm=1.0)
     c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=0)
     c.sft.update(total_steps=4, batch_size=2)
