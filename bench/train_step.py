@@ -2,8 +2,9 @@
 
     python bench/train_step.py --preset=small --seq_len=512 --rows=4 --micro_batches=2
 
-Measures, in the same process: (1) the peak of this machine, a large float32 (or the
-compute dtype's) matmul's FLOP/s; (2) warm GRPO train steps (compile excluded) on packed
+Measures, in the same process and interleaved round by round (so both see the same machine
+load): (1) the peak of this machine, the best of 3 large float32 (or the compute dtype's)
+matmuls per round; (2) one warm GRPO train step per round (compile excluded) on packed
 random sequences of `seq_len` tokens: tokens/s and model FLOPs/s, where model FLOPs per token
 = 6 * (matmul parameters, LM head included) + 12 * layers * heads * head_dim * seq_len (the
 attention scores and values, forward + backward; PaLM's MFU definition). MFU = model FLOP/s /
@@ -35,18 +36,19 @@ from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.rl_loop import grpo_trainer
 
 
-def matmul_peak(n: int, dtype, repeats: int) -> float:
-  """FLOP/s of an n x n x n matmul (best of `repeats`)."""
+def matmul_timer(n: int, dtype):
+  """A callable timing one n x n x n matmul (seconds), compiled and warmed up."""
   a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
   b = jnp.asarray(np.random.default_rng(1).standard_normal((n, n)), dtype)
   f = jax.jit(lambda x, y: x @ y)
   f(a, b).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
+
+  def run() -> float:
     t = time.perf_counter()
     f(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2 * n ** 3 / best
+    return time.perf_counter() - t
+
+  return run
 
 
 def torch_peer(cfg, batch, steps: int, threads: int = 0) -> dict:
@@ -147,17 +149,20 @@ def main():
   t = time.perf_counter()
   jax.block_until_ready(trainer.step(device_batch))
   compile_s = time.perf_counter() - t
-  times = []
+  peak_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+  matmul = matmul_timer(args.peak_n, peak_dtype)
+  times, peaks, mfus = [], [], []
+  tokens = info.real_positions
+  flops_tok = model_flops_per_token(cfg, args.seq_len)
   for _ in range(args.steps):
     t = time.perf_counter()
     jax.block_until_ready(trainer.step(device_batch))
     times.append(time.perf_counter() - t)
+    peaks.append(2 * args.peak_n ** 3 / min(matmul() for _ in range(3)))
+    mfus.append(tokens * flops_tok / times[-1] / peaks[-1])
   assert trainer.num_compiled == 1
   step_s = statistics.median(times)
-  tokens = info.real_positions
-  flops_tok = model_flops_per_token(cfg, args.seq_len)
-  peak_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-  peak = matmul_peak(args.peak_n, peak_dtype, repeats=5)
+  peak = statistics.median(peaks)
   out = {
       "bench": "train_step",
       "device": jax.devices()[0].device_kind,
@@ -178,7 +183,8 @@ def main():
       "model_flops_per_s": round(tokens * flops_tok / step_s, 1),
       "peak_matmul_flops_per_s": round(peak, 1),
       "peak_matmul": f"{args.peak_n}^3 {np.dtype(peak_dtype).name}",
-      "mfu": round(tokens * flops_tok / step_s / peak, 4),
+      "mfu": round(statistics.median(mfus), 4),
+      "mfu_all": [round(x, 4) for x in mfus],
   }
   if args.peer == "torch":
     peer = torch_peer(cfg, batch, args.steps, args.torch_threads)
