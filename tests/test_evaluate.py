@@ -62,6 +62,8 @@ def test_scripted_policy_scores_100_with_reuse_in_every_later_task(pool, mini_ro
   assert set(report["metrics"]["by_difficulty"]) == {"1", "2"}
   table = (tmp_path / "eval_dev.md").read_text()
   assert "| all | 9 | 100.0 | 100.0 |" in table
+  transcript = json.loads((tmp_path / "transcripts_dev.jsonl").read_text().splitlines()[1])
+  assert "<|im_start|>assistant" in transcript["conversation"] and transcript["success"]
   saved = json.loads((tmp_path / "eval_dev.json").read_text())
   assert saved["metrics"] == report["metrics"]
   library = json.loads((tmp_path / "library_dev.json").read_text())

@@ -6,8 +6,8 @@ order, with one skill library for the whole run and the configured retrieval str
 reports TGC, SGC, average interaction steps, average generated tokens, skill usage rate,
 success given skill use and no-code rate, overall and per difficulty. Writes
 <workdir>/eval_<split>.json (metrics, AppWorld's own scores of the same outputs, per-task
-records, the config), eval_<split>.md (the table) and library_<split>.json (the final
-library). The policy is the model through the sampler engine, or the scripted expert
+records, the config), eval_<split>.md (the table), transcripts_<split>.jsonl (each task's
+conversation, decoded) and library_<split>.json (the final library). The policy is the model through the sampler engine, or the scripted expert
 (`eval.policy="scripted"`), which runs the gold solutions in the skill format.
 
 Config sections: eval (EvalConfig), agent (AgentConfig), retrieval (RetrievalConfig), pool
@@ -177,4 +177,8 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
     f.write(metrics_lib.markdown_table(metrics, title))
   with open(os.path.join(workdir, f"library_{ev.split}.json"), "w") as f:
     json.dump(library.to_list(), f, indent=2)
+  with open(os.path.join(workdir, f"transcripts_{ev.split}.jsonl"), "w") as f:
+    for r in records:
+      f.write(json.dumps({"task_id": r.task_id, "success": r.success,
+                          "conversation": tokenizer.decode(r.tokens.tolist())}) + "\n")
   return report
