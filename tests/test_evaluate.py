@@ -114,3 +114,22 @@ def test_eval_presets_build():
     assert sections["eval"].split == "dev"
   with pytest.raises(ValueError, match="unknown eval preset"):
     eval_configs.get_config("nope")
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_evaluation_path(pool, real_hf_dir, tmp_path):
+  """The real Qwen2.5-Coder-0.5B-Instruct through sampler, agent and evaluation (one scenario,
+  one short turn per task: the path, not the score; BENCHMARKS.md has the full baseline)."""
+  c = _config(policy="model", experiment="eval_real", max_scenarios=1)
+  c.model = dict(spec=real_hf_dir, preset="")
+  c.agent = dict(max_steps=1, max_turn_tokens=12, max_episode_tokens=2048, temperature=0.0)
+  c.engine = dict(num_slots=1, max_len=2048, prefill_buckets=(512,), min_attend=1024,
+                  steps_per_call=4, max_top_k=8)
+  report = evaluate.evaluate(c, str(tmp_path), pool=pool)
+  overall = report["metrics"]["overall"]
+  assert overall["num_tasks"] == 3 and overall["avg_steps"] == 1.0
+  assert overall["avg_generated_tokens"] <= 12
+  assert report["appworld"]["task_goal_completion"] == overall["tgc"]
+  for r in report["records"]:
+    assert r["end_reason"] in ("max_steps", "completed") and not r["errors"]
