@@ -77,16 +77,18 @@ class PolicyEmbedder:
   def __init__(self, model, tokenizer, max_tokens: int = 256):
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     self._tokenizer = tokenizer
     self._max_tokens = max_tokens
+    graphdef, self._params = nnx.split(model)  # weights are arguments, not constants
 
     @jax.jit
-    def pooled(tokens, length):
+    def pooled(params, tokens, length):
       positions = jnp.arange(tokens.shape[1])[None]
-      hidden, _ = model.hidden_states(tokens, positions)
+      hidden, _ = nnx.merge(graphdef, params).hidden_states(tokens, positions)
       mask = (positions < length)[..., None]
-      return (hidden * mask).sum(1) / jnp.maximum(length, 1)
+      return (hidden.astype(jnp.float32) * mask).sum(1) / jnp.maximum(length, 1)
 
     self._pooled = pooled
 
@@ -97,7 +99,7 @@ class PolicyEmbedder:
       size = 1 << max(4, (len(ids) - 1).bit_length())  # power-of-two buckets: few compiles
       tokens = np.full((1, size), self._tokenizer.pad_id, np.int32)
       tokens[0, :len(ids)] = ids
-      rows.append(np.asarray(self._pooled(tokens, np.int32(len(ids))))[0])
+      rows.append(np.asarray(self._pooled(self._params, tokens, np.int32(len(ids))))[0])
     return _normalise(np.stack(rows)) if rows else np.zeros((0, 1), np.float32)
 
 
