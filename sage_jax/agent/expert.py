@@ -108,10 +108,12 @@ def expert_turns_for_task(appworld_root: str, task_id: str,
   return expert_turns(read_solution(appworld_root, task_id), library_names)
 
 
-class _ScriptedSession:
+class TextTurnsSession:
+  """Plays fixed assistant turns as a policy session (logprobs zero); once they run out it
+  completes the task, as the scripted expert does."""
 
-  def __init__(self, turns: list[str], tokenizer: Tokenizer):
-    self._turns = turns
+  def __init__(self, turns: Iterable[str], tokenizer: Tokenizer):
+    self._turns = list(turns)
     self._tok = tokenizer
 
   async def generate(self, request: TurnRequest) -> PolicyTurn:
@@ -138,6 +140,6 @@ class ScriptedPolicy:
     self._root = appworld_root
     self._tok = tokenizer
 
-  def session(self, context: TaskContext) -> _ScriptedSession:
+  def session(self, context: TaskContext) -> TextTurnsSession:
     names = [s.name for s in context.skills] if context.use_library else []
-    return _ScriptedSession(expert_turns_for_task(self._root, context.task_id, names), self._tok)
+    return TextTurnsSession(expert_turns_for_task(self._root, context.task_id, names), self._tok)

@@ -36,8 +36,8 @@ import numpy as np
 from absl import app, flags
 
 from sage_jax.agent.config import AgentConfig
-from sage_jax.agent.expert import ScriptedPolicy
-from sage_jax.agent.policy import PolicyTurn, TaskContext, TurnRequest
+from sage_jax.agent.expert import ScriptedPolicy, TextTurnsSession
+from sage_jax.agent.policy import TaskContext
 from sage_jax.agent.retrieval import Retriever
 from sage_jax.envs import appworld
 from sage_jax.rl import rollout
@@ -70,36 +70,14 @@ class ExpertStats:
   untokenisable: list[str] = dataclasses.field(default_factory=list)
 
 
-class _ReplaySession:
-  """Plays back one trajectory's assistant turns (then completes the task, as the scripted
-  expert does, if the turns run out)."""
-
-  def __init__(self, turns: Sequence[str], tokenizer: Tokenizer):
-    self._turns, self._tok = list(turns), tokenizer
-
-  async def generate(self, request: TurnRequest) -> PolicyTurn:
-    i = request.turn_index
-    text = self._turns[i] if i < len(self._turns) else (
-        "```python\napis.supervisor.complete_task()\n```")
-    ids = self._tok.encode(text) + [self._tok.eos_id]
-    reason = "eos"
-    if len(ids) > request.max_new_tokens:
-      ids, reason = ids[:request.max_new_tokens], "max_new_tokens"
-    zeros = np.zeros(len(ids), np.float32)
-    return PolicyTurn(ids, zeros, zeros.copy(), reason)
-
-  async def close(self) -> None:
-    pass
-
-
 class ReplayPolicy:
   """A policy that answers task `t` with the assistant turns of the given trajectory of `t`."""
 
   def __init__(self, turns_by_task: dict[str, list[str]], tokenizer: Tokenizer):
     self._turns, self._tok = turns_by_task, tokenizer
 
-  def session(self, context: TaskContext) -> _ReplaySession:
-    return _ReplaySession(self._turns.get(context.task_id, []), self._tok)
+  def session(self, context: TaskContext) -> TextTurnsSession:
+    return TextTurnsSession(self._turns.get(context.task_id, []), self._tok)
 
 
 def task_id_of(trajectory: data_lib.Trajectory) -> str:
