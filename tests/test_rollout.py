@@ -11,18 +11,12 @@ from sage_jax.agent import AgentConfig, Retriever, ScriptedPolicy
 from sage_jax.envs import appworld
 from sage_jax.rl import advantages, rewards, rollout
 from sage_jax.tokenizer import Tokenizer
+from tests.appworld_fixtures import pool_config
 
 
 @pytest.fixture(scope="module")
 def mini_root():
   return appworld.ensure_mini_world()
-
-
-def pool_config(root: str, outputs: str, **overrides) -> appworld.EnvPoolConfig:
-  values = dict(num_workers=2, appworld_root=root, outputs_root=outputs, timeout_seconds=20,
-                call_timeout_s=90.0, memory_limit_mb=1536, max_interactions=20,
-                max_output_chars=5000)
-  return appworld.EnvPoolConfig(**(values | overrides))
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +27,8 @@ def tok():
 @pytest.fixture(scope="module")
 def pool(mini_root, tmp_path_factory):
   outputs = str(tmp_path_factory.mktemp("rollout_outputs"))
-  with appworld.EnvPool(pool_config(mini_root, outputs, num_workers=2)) as pool:
+  config = pool_config(mini_root, outputs, timeout_seconds=20, call_timeout_s=90.0)
+  with appworld.EnvPool(config) as pool:
     yield pool
 
 
