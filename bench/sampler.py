@@ -176,7 +176,7 @@ class Transformers:
     import transformers
     self.torch = torch
     self.model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, torch_dtype=torch.float32).eval()
+        model_dir, dtype=torch.float32).eval()
     self.model.generation_config.eos_token_id = None  # Decode exactly N tokens.
 
   def setup(self, batch, max_len, prompt_len):

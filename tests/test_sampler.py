@@ -375,3 +375,25 @@ def test_sharded_engine_matches_single_device(model):
   for a, b in zip(single, sharded):
     assert a.tokens == b.tokens
     np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
+
+
+def test_generate_command_prints_the_completion(tmp_path):
+  import subprocess
+  import sys
+
+  from sage_jax import tokenizer as tokenizer_lib
+  from sage_jax.checkpoint import hf
+  from sage_jax.model.config import get_preset
+  model = init_model(get_preset("tiny"), seed=3)
+  hf.save_hf(model, str(tmp_path / "tiny"),
+             tokenizer_dir=tokenizer_lib.ensure_qwen25_tokenizer_dir())
+  tok = tokenizer_lib.Tokenizer()
+  ids = tok.encode("def add(a, b):")
+  (want,) = Engine(model, EngineConfig(num_slots=1, max_len=32, prefill_buckets=(8,),
+                                       min_attend=32), eos_ids=(tok.eos_id, tok.pad_id)
+                   ).generate([ids], SamplingParams(temperature=0.0, max_new_tokens=6))
+  out = subprocess.run(
+      [sys.executable, "-m", "sage_jax.generate", f"--model={tmp_path / 'tiny'}",
+       "--prompt=def add(a, b):", "--nochat", "--max_new_tokens=6", "--temperature=0"],
+      capture_output=True, text=True, timeout=300, check=True)
+  assert out.stdout == tok.decode(want.tokens) + "\n"

@@ -49,7 +49,7 @@ def engine_results(ours, prompts, tok):
 
 def test_greedy_equals_transformers_generate(real_hf_dir, prompts, engine_results):
   ref = transformers.AutoModelForCausalLM.from_pretrained(
-      real_hf_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+      real_hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
   for prompt, result in zip(prompts, engine_results):
     ids = torch.tensor([prompt])
     with torch.no_grad():

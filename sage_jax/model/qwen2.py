@@ -142,14 +142,41 @@ class Attention(nnx.Module):
       # Attend only over the cache prefix the mask covers (see `attend_len`).
       k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     b, t, h, d = q.shape
-    q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=_F32)
-    scores = scores * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(_F32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+    if kv_cache is not None and t == 1:
+      out = _decode_attention(q[:, 0], k, v, mask[:, 0])
+    else:
+      q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
+      scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=_F32)
+      scores = scores * (d ** -0.5)
+      scores = jnp.where(mask[:, None, None], scores, jnp.finfo(_F32).min)
+      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+      out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
     out = constrain(out, ("act_batch", "act_len", "act_heads", None))
     return self.o_proj(out), kv_cache
+
+
+def _decode_attention(q, k, v, mask):
+  """One query per sequence (q: [b, heads, d]) over cache keys / values k, v: [b, s, kv, d]
+  where mask [b, s] allows; returns [b, 1, heads, d].
+
+  A batched einsum over (batch, kv head) makes XLA transpose (copy) the attended cache
+  window in every layer and decode step, which costs more than reading it. Here both
+  products contract over all KV heads at once, with the batch as the only batch dimension,
+  so K and V are read where they lie: the query becomes block-diagonal over heads (zero
+  off the diagonal, so the sums are unchanged), and the output keeps the diagonal blocks.
+  """
+  b, s, kv, d = k.shape
+  g = q.shape[1] // kv
+  eye = jnp.eye(kv, dtype=q.dtype)
+  q_blocks = jnp.einsum("bkgd,kj->bkdjg", q.reshape(b, kv, g, d), eye).reshape(b, kv * d, -1)
+  batch_dot = lambda x, y, contract: jax.lax.dot_general(
+      x, y, (contract, ((0,), (0,))), preferred_element_type=_F32)
+  scores = batch_dot(k.reshape(b, s, kv * d), q_blocks, ((2,), (1,))) * (d ** -0.5)
+  scores = jnp.where(mask[:, :, None], scores, jnp.finfo(_F32).min)  # [b, s, kv * g]
+  probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+  blocks = batch_dot(probs, v.reshape(b, s, kv * d), ((1,), (1,)))  # [b, kv * g, kv * d]
+  out = jnp.einsum("bkgjd,kj->bkgd", blocks.reshape(b, kv, g, kv, d), eye)
+  return out.reshape(b, 1, kv * g, d).astype(v.dtype)
 
 
 class MLP(nnx.Module):
