@@ -37,9 +37,9 @@ def test_sharded_forward_equals_single_device(reference, mesh_cfg):
   nnx.update(model, state)
   shd.place(model, mesh)
   q = model.layers[0].self_attn.q_proj.kernel[...]
-  assert q.sharding.spec == P("fsdp", "tensor", None)
+  assert q.sharding.spec == P("tensor", None, "fsdp")
   assert len(q.addressable_shards) == 8
-  assert q.addressable_shards[0].data.shape == (64 // mesh_cfg.fsdp, 8 // mesh_cfg.tensor, 16)
+  assert q.addressable_shards[0].data.shape == (8 // mesh_cfg.tensor, 16, 64 // mesh_cfg.fsdp)
   graphdef, params = nnx.split(model)
   batch = jax.device_put(tokens, shd.named_sharding(("act_batch", None), tokens.shape, mesh))
 

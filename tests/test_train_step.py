@@ -114,7 +114,7 @@ def test_sharded_step_equals_single_device():
       np.testing.assert_allclose(m8[k], m1[k], atol=1e-5, rtol=1e-5, err_msg=k)
   q = sharded.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
   assert len(q.addressable_shards) == 8 and q.sharding.spec == jax.sharding.PartitionSpec(
-      "fsdp", "tensor", None)
+      "tensor", None, "fsdp")
   mu = sharded.state.opt_state[1][0].mu["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
   assert mu.sharding == q.sharding  # Adam moments are sharded like their parameters
   for a, b in zip(_leaves(sharded.state), _leaves(single.state)):

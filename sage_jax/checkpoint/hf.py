@@ -34,8 +34,9 @@ from sage_jax.model.config import Qwen2Config
 from sage_jax.model.qwen2 import Qwen2
 
 # kind: "copy" (same shape), "flat" (HF keeps it flat: [heads * head_dim] biases), or
-# "kernel<n>": a torch Linear weight [out, in] that we store as [in..., out...] with n
-# leading input axes (HF = ours.reshape(in, out).T).
+# "kernel<n>": a torch Linear weight [out, in] that we store as [out..., in...] with n
+# trailing input axes (HF = ours.reshape(out, in)). No kind transposes: every conversion is
+# a reshape.
 NAME_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.embed_tokens.weight", "embed_tokens", "copy"),
     ("model.norm.weight", "norm.weight", "copy"),
@@ -94,21 +95,11 @@ def hf_layout(ours: np.ndarray | jax.ShapeDtypeStruct, kind: str) -> tuple[int, 
   if kind == "flat":
     return (math.prod(shape),)
   n_in = int(kind[len("kernel"):])
-  return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
-
-
-def to_module_layout(hf: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
-  if kind in ("copy", "flat"):
-    return hf.reshape(shape)
-  return hf.T.reshape(shape)
+  return (math.prod(shape[:-n_in]), math.prod(shape[-n_in:]))
 
 
 def to_hf_layout(ours: np.ndarray, kind: str) -> np.ndarray:
-  if kind in ("copy", "flat"):
-    return ours.reshape(hf_layout(ours, kind))
-  n_in = int(kind[len("kernel"):])
-  flat = ours.reshape(math.prod(ours.shape[:n_in]), -1)
-  return np.ascontiguousarray(flat.T)
+  return ours.reshape(hf_layout(ours, kind))
 
 
 def _flat_paths(state: nnx.State) -> dict[str, nnx.Variable]:
@@ -190,7 +181,7 @@ def load_tensors(cfg: Qwen2Config, tensors: Iterable[tuple[str, str, np.ndarray]
     if tuple(array.shape) != want:
       raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                             f"the config expects {want}")
-    value = to_module_layout(array, kind, target.shape).astype(target.dtype)
+    value = array.reshape(target.shape).astype(target.dtype)
     loaded[path] = _place(value, shd.logical_axes_of(var), mesh, rules)
   missing = sorted(set(expected) - set(loaded))
   if missing:

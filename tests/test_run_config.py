@@ -1,0 +1,82 @@
+"""Every config file and preset resolves; each bad-config case fails naming the key.
+
+In process and without devices: `run_config.resolve` is what `sage_jax.train` runs before
+it builds anything (tests/test_demo.py checks the same through the command line)."""
+
+import importlib.util
+import os
+
+import pytest
+
+from sage_jax import run_config
+from sage_jax.configurable import ConfigError
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# Devices each preset is sized for: a CPU, one GPU, one 8-GPU node, a v5p-64 slice (32 chips).
+PRESETS = {"demo": 1, "qwen2.5-0.5b": 1, "qwen2.5-7b": 8, "qwen2.5-32b": 32}
+
+
+def _config(name, preset):
+  spec = importlib.util.spec_from_file_location(f"configs_{name}", os.path.join(CONFIGS,
+                                                                                f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(preset)
+
+
+@pytest.mark.parametrize("preset,devices", PRESETS.items())
+@pytest.mark.parametrize("name", ["sage", "grpo", "sft"])
+def test_every_preset_resolves(name, preset, devices):
+  run = run_config.resolve(_config(name, preset), num_devices=devices)
+  if name == "grpo":  # the paper's baseline: K=1 single-task rollouts, no library, outcome
+    assert (run.rollout.effective_chain_length, run.agent.use_library,
+            run.reward.variant) == (1, False, "outcome")
+  elif name == "sage":
+    assert (run.rollout.chain_length, run.agent.use_library,
+            run.reward.variant) == (2, True, "sage")
+  else:
+    assert run.pipeline.stages == ("sft",)
+
+
+def test_unknown_preset_names_the_known_ones():
+  with pytest.raises(ValueError, match="unknown preset 'big'; known: demo"):
+    _config("sage", "big")
+
+
+def _with(overrides, devices=1):
+  config = _config("sage", "demo")
+  for key, value in overrides.items():
+    section, field = key.split(".")
+    config[section][field] = value
+  return run_config.resolve(config, num_devices=devices)
+
+
+@pytest.mark.parametrize("overrides,devices,message", [
+    ({"rollout.group_sise": 4}, 1, r"config.rollout.group_sise: unknown key"),
+    ({"rollout.group_size": "4"}, 1, r"config.rollout.group_size: expected int, got str '4'"),
+    ({"reward.variant": "skill"}, 1, r"config.reward: variant='skill'; expected one of"),
+    ({"engine.prefill_buckets": [64, "x"]}, 1, r"config.engine.prefill_buckets\[1\]"),
+    ({"rollout.group_size": 1}, 1, r"config.rollout.group_size: 1 leaves no group"),
+    ({"rollout.chain_length": 4}, 1, r"config.rollout.chain_length: 4 exceeds the 3 tasks"),
+    ({"pipeline.chains_per_step": 3, "mesh.data": 4, "mesh.fsdp": 1}, 4,
+     r"config.pipeline.chains_per_step: 3 chains x group_size 2 = 6 rollouts per step, not "
+     r"divisible by the mesh's data axis \(4\)"),
+    ({"mesh.tensor": 3}, 8, r"config.mesh: .*8 devices are not divisible by 3"),
+    ({"engine.num_slots": 12}, 8, r"config.engine.num_slots: 12 slots do not split"),
+])
+def test_bad_configs_name_the_key(overrides, devices, message):
+  with pytest.raises(ConfigError, match=message):
+    _with(overrides, devices)
+
+
+def test_unknown_section_and_seed_type():
+  config = _config("sage", "demo").to_dict()
+  with pytest.raises(ConfigError, match=r"config.rollouts: unknown section"):
+    run_config.resolve({**config, "rollouts": {"group_size": 2}})
+  with pytest.raises(ConfigError, match=r"config.seed: expected int, got 1.5"):
+    run_config.resolve({**config, "seed": 1.5})
+
+
+def test_group_size_one_is_fine_without_std_normalisation_or_rl():
+  assert _with({"rollout.group_size": 1, "advantage.estimator": "drgrpo"}).rollout.group_size == 1
+  assert _with({"rollout.group_size": 1, "pipeline.stages": ["sft"]}).rollout.group_size == 1
