@@ -1,8 +1,11 @@
 """The mini AppWorld's data: format, coverage, splits, skill-shaped gold solutions."""
 
 import ast
+import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -27,6 +30,26 @@ def test_cached_under_builder_version(mini_root):  # noqa: F811
     manifest = json.load(f)
   assert manifest["builder_version"] == mini_world.BUILDER_VERSION
   assert appworld.ensure_mini_world() == mini_root  # cached: no rebuild
+
+
+def _digests(root):
+  out = {}
+  for d, _, files in os.walk(root):
+    for f in files:
+      with open(os.path.join(d, f), "rb") as fh:
+        out[os.path.relpath(os.path.join(d, f), root)] = hashlib.sha256(fh.read()).hexdigest()
+  return out
+
+
+@pytest.mark.slow
+def test_build_command_makes_the_same_bytes(mini_root, tmp_path):  # noqa: F811
+  out = tmp_path / "mini_appworld"
+  done = subprocess.run([sys.executable, "-m", "sage_jax.envs.appworld.build_mini",
+                         f"--out={out}"], capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  built, cached = _digests(out), _digests(mini_root)
+  assert built.keys() == cached.keys()
+  assert [f for f in built if built[f] != cached[f]] == []
 
 
 def test_appworld_layout(mini_root):  # noqa: F811

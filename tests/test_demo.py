@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(workdir, *overrides):
-  cmd = [sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+def _train(workdir, *overrides, config="configs/sage.py:demo"):
+  cmd = [sys.executable, "-m", "sage_jax.train", f"--config={config}",
          f"--workdir={workdir}", "--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
          "--config.pool.num_workers=2", *overrides]
   out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
@@ -57,6 +57,36 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   np.testing.assert_array_equal(logits[0], logits[1])
   tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
   assert tok("Hello world")["input_ids"] == [9707, 1879]
+
+  # The SFT stage's checkpoint exports too.
+  out = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}",
+                        "--stage=sft", "--step=1", f"--out={tmp_path / 'sft_export'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+      "out": str(tmp_path / "sft_export"), "stage": "sft", "step": 1}
+  assert (tmp_path / "sft_export" / "config.json").exists()
+
+
+def test_sft_only_config(tmp_path):
+  workdir = tmp_path / "sft"
+  stdout = _train(workdir, "--config.pipeline.eval_before=false", config="configs/sft.py:demo")
+  assert "| tgc |" in stdout
+  assert not os.path.exists(workdir / "metrics.jsonl")  # no RL steps
+  assert (workdir / "hf" / "config.json").exists()
+
+
+def test_grpo_baseline_config(tmp_path):
+  workdir = tmp_path / "grpo"
+  _train(workdir, "--config.rl.total_steps=1", "--config.pipeline.eval_before=false",
+         "--config.pipeline.eval_after=false", "--config.pipeline.plot=false",
+         config="configs/grpo.py:demo")
+  config = json.load(open(workdir / "config.json"))
+  assert config["rollout"]["single_task"] and config["reward"]["variant"] == "outcome"
+  (row,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert row["step"] == 1  # one task per rollout: chain position 0 only
+  assert any(k.startswith("reward/pos0") for k in row)
+  assert not any(k.startswith("reward/pos1") for k in row)
 
 
 def test_bad_config_fails_before_compiling(tmp_path):

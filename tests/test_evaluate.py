@@ -95,6 +95,17 @@ def test_metrics_table_and_disagreement_guard():
   assert "| difficulty 1 | 2 | 50.0 | 0.0 |" in metrics.markdown_table(m)
 
 
+def test_eval_command_scores_the_scripted_expert(mini_root, tmp_path):
+  done = subprocess.run([sys.executable, "-m", "sage_jax.evaluate",
+                         "--config=configs/eval.py:demo", f"--workdir={tmp_path}",
+                         "--config.eval.max_scenarios=1"],
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  overall = json.loads((tmp_path / "eval_dev.json").read_text())["metrics"]["overall"]
+  assert (overall["num_tasks"], overall["tgc"], overall["sgc"]) == (3, 100.0, 100.0)
+
+
 def test_cli_needs_config_and_workdir():
   done = subprocess.run([sys.executable, "-m", "sage_jax.evaluate"], capture_output=True,
                         text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))

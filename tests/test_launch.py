@@ -117,6 +117,16 @@ def test_sweep_dry_run_for_every_launcher():
   assert "tpu-vm ssh pod-k1 --worker=all" in tpu_out
 
 
+def test_readme_reward_ablation_dry_run():
+  out = _run([sys.executable, "launch/sweep.py",
+              "--sweep=configs/sweeps/reward_ablation.py:qwen2.5-7b",
+              "--workdir_root=runs/reward_ablation", "--launcher=slurm", "--dry_run"])
+  for name, variant in (("outcome_only", "outcome"), ("chain_based", "chain"),
+                        ("skill_integrated", "sage")):
+    assert (f"--config=configs/sage.py:qwen2.5-7b --workdir=runs/reward_ablation/{name} "
+            f"--config.reward.variant={variant}") in out, out
+
+
 def test_sweep_errors_are_clear():
   with pytest.raises(ValueError, match="needs --project, --zone"):
     sweep.commands_for(sweep.Run("a", "c.py:x", {}, "w"), "tpu_pod", tpu="t")

@@ -36,6 +36,14 @@ def test_plot_run_writes_a_png_with_every_panel(tmp_path):
       "generated tokens", "skill usage", "loss"}
 
 
+def test_plot_run_command(tmp_path):
+  _write_run(tmp_path / "run", 3)
+  out = subprocess.run([sys.executable, "-m", "sage_jax.plot", f"--workdir={tmp_path}/run"],
+                       capture_output=True, text=True, check=True, timeout=120)
+  assert out.stdout.strip() == f"{tmp_path}/run/plots/training.png"
+  assert os.path.getsize(out.stdout.strip()) > 10_000
+
+
 def test_plot_sweep_command(tmp_path):
   for i, name in enumerate(["outcome_only", "skill_integrated"]):
     _write_run(tmp_path / "sweep" / name, 4, offset=i)

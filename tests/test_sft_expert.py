@@ -88,6 +88,16 @@ def test_trajectories_from_elsewhere_are_replayed_and_failures_dropped(gold, min
     assert a.messages == b.messages and a.metadata["source"] == "strong.jsonl"
 
 
+def test_command_line_plays_the_gold_solutions_of_a_split(mini_root, tmp_path):
+  out = tmp_path / "test.jsonl"
+  done = subprocess.run([sys.executable, "-m", "sage_jax.sft.expert", f"--out={out}",
+                         "--splits=test"], capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  by_scenario = appworld.group_by_scenario(appworld.read_split(mini_root, "test"))
+  assert [t.id for t in sft_data.read_jsonl(out)] == [
+      i for s in sorted(by_scenario) for i in by_scenario[s]]
+
+
 def test_command_line_without_verification(gold, tmp_path):
   trajectories, _ = gold
   given = tmp_path / "given.jsonl"
