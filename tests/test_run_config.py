@@ -9,6 +9,7 @@ import os
 import pytest
 
 from sage_jax import run_config
+from sage_jax.checkpoint.loader import ModelSpec, build_model
 from sage_jax.configurable import ConfigError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -56,6 +57,7 @@ def _with(overrides, devices=1):
     ({"rollout.group_size": "4"}, 1, r"config.rollout.group_size: expected int, got str '4'"),
     ({"reward.variant": "skill"}, 1, r"config.reward: variant='skill'; expected one of"),
     ({"engine.prefill_buckets": [64, "x"]}, 1, r"config.engine.prefill_buckets\[1\]"),
+    ({"model.remat": "all"}, 1, r"config.model: remat='all'; expected 'none', 'full' or 'dots'"),
     ({"rollout.group_size": 1}, 1, r"config.rollout.group_size: 1 leaves no group"),
     ({"rollout.chain_length": 4}, 1, r"config.rollout.chain_length: 4 exceeds the 3 tasks"),
     ({"pipeline.chains_per_step": 3, "mesh.data": 4, "mesh.fsdp": 1}, 4,
@@ -80,3 +82,10 @@ def test_unknown_section_and_seed_type():
 def test_group_size_one_is_fine_without_std_normalisation_or_rl():
   assert _with({"rollout.group_size": 1, "advantage.estimator": "drgrpo"}).rollout.group_size == 1
   assert _with({"rollout.group_size": 1, "pipeline.stages": ["sft"]}).rollout.group_size == 1
+
+
+def test_remat_reaches_the_model():
+  model = build_model(ModelSpec(preset="tiny", remat="dots", remat_layers=(1,)))
+  assert (model.config.remat, model.config.remat_layers) == ("dots", (1,))
+  for preset in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b"):
+    assert run_config.resolve(_config("sage", preset)).model.remat == "full"

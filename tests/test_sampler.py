@@ -397,3 +397,15 @@ def test_generate_command_prints_the_completion(tmp_path):
        "--prompt=def add(a, b):", "--nochat", "--max_new_tokens=6", "--temperature=0"],
       capture_output=True, text=True, timeout=300, check=True)
   assert out.stdout == tok.decode(want.tokens) + "\n"
+
+
+def test_a_model_configured_for_remat_samples_like_one_without(model):
+  """Remat applies to training only; sampling under a cache runs the plain layers."""
+  rematted = tiny_model()
+  rematted.config = rematted.config.replace(remat="full")
+  prompts = _prompts([5, 9])
+  outputs = []
+  for m in (model, rematted):
+    engine = Engine(m, ENGINE, eos_ids=NO_EOS)
+    outputs.append([r.tokens for r in engine.generate(prompts, GREEDY)])
+  assert outputs[0] == outputs[1]

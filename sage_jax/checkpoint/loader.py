@@ -48,17 +48,23 @@ def load_model(spec: str, *, mesh: Mesh | None = None,
 class ModelSpec:
   """spec: what `load_model` takes (an HF directory, a .gguf file, or
   "qwen2.5-coder-0.5b-instruct"); preset: instead, a randomly initialised model preset
-  (e.g. "tiny") with init seed `seed`. param_dtype / dtype: numerics ("" keeps defaults)."""
+  (e.g. "tiny") with init seed `seed`. param_dtype / dtype: numerics ("" keeps defaults).
+  remat / remat_layers: rematerialisation of decoder layers in training ("none", "full",
+  "dots"; layers empty = all), which the activation memory of long sequences needs."""
 
   spec: str = ""
   preset: str = ""
   seed: int = 0
   param_dtype: str = ""
   dtype: str = ""
+  remat: str = "none"
+  remat_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     if bool(self.spec) == bool(self.preset):
       raise ValueError("model: set exactly one of spec (weights) and preset (random init)")
+    if self.remat not in ("none", "full", "dots"):
+      raise ValueError(f"remat={self.remat!r}; expected 'none', 'full' or 'dots'")
 
 
 def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
@@ -69,7 +75,12 @@ def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
                  if v}
     cfg = get_preset(spec.preset, **overrides)
     if mesh is None:
-      return init_model(cfg, seed=spec.seed)
-    return shd.create_sharded(lambda: init_model(cfg, seed=spec.seed), mesh, rules)
-  return load_model(spec.spec, mesh=mesh, rules=rules, param_dtype=spec.param_dtype or None,
-                    dtype=spec.dtype or None)
+      model = init_model(cfg, seed=spec.seed)
+    else:
+      model = shd.create_sharded(lambda: init_model(cfg, seed=spec.seed), mesh, rules)
+  else:
+    model = load_model(spec.spec, mesh=mesh, rules=rules, param_dtype=spec.param_dtype or None,
+                       dtype=spec.dtype or None)
+  # Remat changes how the forward pass is traced, not the weights.
+  model.config = model.config.replace(remat=spec.remat, remat_layers=spec.remat_layers)
+  return model

@@ -275,7 +275,8 @@ class Qwen2(nnx.Module):
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       run = _run_layer
-      if cfg.remat != "none" and i in remat_layers:
+      # Remat is for training; sampling with a cache keeps no activations to save.
+      if cfg.remat != "none" and cache is None and i in remat_layers:
         run = nnx.remat(_run_layer, policy=_REMAT_POLICIES[cfg.remat])
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
       x, layer_cache = run(layer, x, positions, mask, layer_cache)
