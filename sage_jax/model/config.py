@@ -24,6 +24,12 @@ def dtype_from_name(name: str) -> Any:
     raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+def check_remat(mode: str) -> None:
+  """Rematerialisation modes of decoder layers: "none", "full" (save nothing) or "dots"."""
+  if mode not in ("none", "full", "dots"):
+    raise ValueError(f"remat={mode!r}; expected 'none', 'full' or 'dots'")
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
   """Shape and numerics of a Qwen2 decoder. Field names follow HF's `Qwen2Config`."""
@@ -58,8 +64,7 @@ class Qwen2Config:
           f"num_key_value_heads={self.num_key_value_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-    if self.remat not in ("none", "full", "dots"):
-      raise ValueError(f"remat={self.remat!r}; expected 'none', 'full' or 'dots'")
+    check_remat(self.remat)
     dtype_from_name(self.param_dtype)
     dtype_from_name(self.dtype)
 
