@@ -11,12 +11,8 @@ import pytest
 from sage_jax.eval import runner as evaluate
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
-
-
-@pytest.fixture(scope="module")
-def mini_root():
-  return appworld.ensure_mini_world()
 
 
 def _config(**eval_overrides):

@@ -11,12 +11,8 @@ from sage_jax.agent import AgentConfig, Retriever, ScriptedPolicy
 from sage_jax.envs import appworld
 from sage_jax.rl import advantages, rewards, rollout
 from sage_jax.tokenizer import Tokenizer
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
-
-
-@pytest.fixture(scope="module")
-def mini_root():
-  return appworld.ensure_mini_world()
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,7 @@ from sage_jax.envs import appworld
 from sage_jax.sft import data as sft_data
 from sage_jax.sft import expert
 from sage_jax.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def mini_root():
-  return appworld.ensure_mini_world()
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 
 
 @pytest.fixture(scope="module")
