@@ -15,7 +15,9 @@ w_gen = w_use = 1.0, no-code penalty -1.0, no KL, strictly on-policy (one update
 SFT before RL. Where the paper is silent (learning rate, group size, lengths, batch) the
 values below are our choices, sized for the hardware each preset names. The real-model
 presets rematerialise every decoder layer: without it a 16k-token micro-batch of the 0.5B
-needs ~120 GB of temporaries (dense attention scores and MLP outputs of 24 layers).
+needs ~120 GB of temporaries (dense attention scores and MLP outputs of 24 layers). They
+also run training attention in 1024-token blocks: dense scores of one 16k-token row of the
+7B are 30 GB per layer.
 """
 
 from sage_jax import run_config
@@ -57,7 +59,8 @@ def apply_preset(c, preset: str):
     c.checkpoint.update(save_every=1, keep_last=2, async_save=False)
     c.expert.update(num_workers=2, splits=["train"])
   elif preset == "qwen2.5-0.5b":
-    c.model.update(spec="qwen2.5-coder-0.5b-instruct", preset="", remat="full")
+    c.model.update(spec="qwen2.5-coder-0.5b-instruct", preset="", remat="full",
+                   attention_block=1024)
     c.mesh.update(data=1, fsdp=-1, tensor=1)
     c.pool.num_workers = 16
     c.engine.update(num_slots=32, max_len=8192, prefill_buckets=[128, 512, 2048])
@@ -71,7 +74,7 @@ def apply_preset(c, preset: str):
     c.checkpoint.update(save_every=20)
   elif preset == "qwen2.5-7b":
     c.model.update(spec="", preset="qwen2.5-7b", param_dtype="float32", dtype="bfloat16",
-                   remat="full")
+                   remat="full", attention_block=1024)
     c.mesh.update(data=1, fsdp=-1, tensor=2)
     c.pool.num_workers = 32
     c.engine.update(num_slots=64, max_len=16384, prefill_buckets=[128, 512, 2048])
@@ -86,7 +89,7 @@ def apply_preset(c, preset: str):
     c.checkpoint.update(save_every=25)
   elif preset == "qwen2.5-32b":
     c.model.update(spec="", preset="qwen2.5-32b", param_dtype="float32", dtype="bfloat16",
-                   remat="full")
+                   remat="full", attention_block=1024)
     c.mesh.update(data=1, fsdp=-1, tensor=4)
     c.pool.num_workers = 64
     c.engine.update(num_slots=128, max_len=16384, prefill_buckets=[128, 512, 2048])

@@ -58,6 +58,7 @@ def _with(overrides, devices=1):
     ({"reward.variant": "skill"}, 1, r"config.reward: variant='skill'; expected one of"),
     ({"engine.prefill_buckets": [64, "x"]}, 1, r"config.engine.prefill_buckets\[1\]"),
     ({"model.remat": "all"}, 1, r"config.model: remat='all'; expected 'none', 'full' or 'dots'"),
+    ({"model.attention_block": -8}, 1, r"config.model: attention_block=-8; expected 0"),
     ({"rollout.group_size": 1}, 1, r"config.rollout.group_size: 1 leaves no group"),
     ({"rollout.chain_length": 4}, 1, r"config.rollout.chain_length: 4 exceeds the 3 tasks"),
     ({"pipeline.chains_per_step": 3, "mesh.data": 4, "mesh.fsdp": 1}, 4,
@@ -84,8 +85,11 @@ def test_group_size_one_is_fine_without_std_normalisation_or_rl():
   assert _with({"rollout.group_size": 1, "pipeline.stages": ["sft"]}).rollout.group_size == 1
 
 
-def test_remat_reaches_the_model():
-  model = build_model(ModelSpec(preset="tiny", remat="dots", remat_layers=(1,)))
+def test_remat_and_attention_block_reach_the_model():
+  model = build_model(ModelSpec(preset="tiny", remat="dots", remat_layers=(1,),
+                                attention_block=512))
   assert (model.config.remat, model.config.remat_layers) == ("dots", (1,))
+  assert model.config.attention_block == 512
   for preset in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b"):
-    assert run_config.resolve(_config("sage", preset)).model.remat == "full"
+    spec = run_config.resolve(_config("sage", preset)).model
+    assert (spec.remat, spec.attention_block) == ("full", 1024)

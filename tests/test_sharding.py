@@ -27,13 +27,16 @@ def reference():
   return nnx.state(model), tokens, np.asarray(_forward(model, tokens))
 
 
-@pytest.mark.parametrize("mesh_cfg", [shd.MeshConfig(data=1, fsdp=4, tensor=2),
-                                      shd.MeshConfig(data=2, fsdp=2, tensor=2)])
-def test_sharded_forward_equals_single_device(reference, mesh_cfg):
+@pytest.mark.parametrize("mesh_cfg,attention_block", [
+    (shd.MeshConfig(data=1, fsdp=4, tensor=2), 0),
+    (shd.MeshConfig(data=2, fsdp=2, tensor=2), 0),
+    (shd.MeshConfig(data=2, fsdp=2, tensor=2), 4),  # blocked attention, against dense
+])
+def test_sharded_forward_equals_single_device(reference, mesh_cfg, attention_block):
   assert jax.device_count() == 8
   state, tokens, expected = reference
   mesh = shd.make_mesh(mesh_cfg)
-  model = init_model(CFG)
+  model = init_model(CFG.replace(attention_block=attention_block))
   nnx.update(model, state)
   shd.place(model, mesh)
   q = model.layers[0].self_attn.q_proj.kernel[...]

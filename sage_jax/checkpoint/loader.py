@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
 from sage_jax.checkpoint import gguf_import, hf
-from sage_jax.model.config import Qwen2Config, check_remat, get_preset
+from sage_jax.model.config import Qwen2Config, check_attention_block, check_remat, get_preset
 from sage_jax.model.qwen2 import Qwen2, init_model
 
 # Name of the real Qwen2.5-Coder-0.5B-Instruct that pinned PyPI wheels carry (fetched, cached).
@@ -50,7 +50,9 @@ class ModelSpec:
   "qwen2.5-coder-0.5b-instruct"); preset: instead, a randomly initialised model preset
   (e.g. "tiny") with init seed `seed`. param_dtype / dtype: numerics ("" keeps defaults).
   remat / remat_layers: rematerialisation of decoder layers in training ("none", "full",
-  "dots"; layers empty = all), which the activation memory of long sequences needs."""
+  "dots"; layers empty = all), which the activation memory of long sequences needs.
+  attention_block: training attention over rows longer than this runs in blocks of this many
+  tokens, so its memory grows linearly with length (0 = dense)."""
 
   spec: str = ""
   preset: str = ""
@@ -59,11 +61,13 @@ class ModelSpec:
   dtype: str = ""
   remat: str = "none"
   remat_layers: tuple[int, ...] = ()
+  attention_block: int = 0
 
   def __post_init__(self):
     if bool(self.spec) == bool(self.preset):
       raise ValueError("model: set exactly one of spec (weights) and preset (random init)")
     check_remat(self.remat)
+    check_attention_block(self.attention_block)
 
 
 def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
@@ -80,6 +84,7 @@ def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
   else:
     model = load_model(spec.spec, mesh=mesh, rules=rules, param_dtype=spec.param_dtype or None,
                        dtype=spec.dtype or None)
-  # Remat changes how the forward pass is traced, not the weights.
-  model.config = model.config.replace(remat=spec.remat, remat_layers=spec.remat_layers)
+  # Remat and blocked attention change how the forward pass is traced, not the weights.
+  model.config = model.config.replace(remat=spec.remat, remat_layers=spec.remat_layers,
+                                      attention_block=spec.attention_block)
   return model

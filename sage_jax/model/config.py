@@ -30,6 +30,12 @@ def check_remat(mode: str) -> None:
     raise ValueError(f"remat={mode!r}; expected 'none', 'full' or 'dots'")
 
 
+def check_attention_block(block: int) -> None:
+  """Block size of training attention: 0 (dense) or a positive number of tokens."""
+  if not isinstance(block, int) or block < 0:
+    raise ValueError(f"attention_block={block!r}; expected 0 (dense) or a positive token count")
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
   """Shape and numerics of a Qwen2 decoder. Field names follow HF's `Qwen2Config`."""
@@ -56,6 +62,9 @@ class Qwen2Config:
   # layers (empty = all) so memory can be traded per layer.
   remat: str = "none"
   remat_layers: tuple[int, ...] = ()
+  # Training attention over rows longer than this many tokens runs this many at a time
+  # (`blocked_attention`): memory grows with length x block, not length^2. 0 = always dense.
+  attention_block: int = 0
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -65,6 +74,7 @@ class Qwen2Config:
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     check_remat(self.remat)
+    check_attention_block(self.attention_block)
     dtype_from_name(self.param_dtype)
     dtype_from_name(self.dtype)
 

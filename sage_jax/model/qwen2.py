@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from sage_jax.model.config import Qwen2Config
 from sage_jax.sharding import constrain
 
@@ -168,7 +169,10 @@ class Attention(nnx.Module):
       # Attend only over the cache prefix the mask covers (see `attend_len`).
       k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     b, t, h, d = q.shape
-    if kv_cache is not None and t == 1:
+    if isinstance(mask, BlockedCausal):
+      q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
+      out = blocked_attention(q, k, v, mask).reshape(b, t, h, d)
+    elif kv_cache is not None and t == 1:
       out = _decode_attention(q[:, 0], k, v, mask[:, 0])
     else:
       q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
@@ -280,7 +284,10 @@ class Qwen2(nnx.Module):
     cfg = self.config
     x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(cfg.jnp_dtype)
     x = constrain(x, ("act_batch", "act_len", "act_embed"))
-    if cache is None:
+    if cache is None and 0 < cfg.attention_block < tokens.shape[1]:
+      segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+      mask = BlockedCausal(segments, cfg.attention_block)
+    elif cache is None:
       mask = _training_mask(tokens.shape, segment_ids)
     else:
       attend_len = attend_len or cache.max_len
