@@ -10,7 +10,8 @@ random sequences of `seq_len` tokens: tokens/s and model FLOPs/s, where model FL
 attention scores and values, forward + backward; PaLM's MFU definition). MFU = model FLOP/s /
 peak. Rematerialisation is extra work that MFU does not credit.
 
-`--peer=torch` also times the same update in PyTorch, in the same process: transformers'
+`temp_bytes` is what XLA plans for the step's temporaries (activations, logits, attention
+scores), read from the compiled step. `--peer=torch` also times the same update in PyTorch, in the same process: transformers'
 `Qwen2ForCausalLM` (same shapes, sdpa attention) with a per-token weighted log-likelihood loss
 over the same micro-batches, gradient accumulation and `torch.optim.AdamW`.
 """
@@ -106,6 +107,7 @@ def main():
   p.add_argument("--micro_batches", type=int, default=2)
   p.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
   p.add_argument("--remat", default="none")
+  p.add_argument("--attention_block", type=int, default=0, help="0 = dense attention")
   p.add_argument("--logprob_chunk", type=int, default=0)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--peak_n", type=int, default=2048)
@@ -115,7 +117,8 @@ def main():
   p.add_argument("--torch_threads", type=int, default=0, help="0 = torch's default")
   args = p.parse_args()
 
-  cfg = get_preset(args.preset).replace(dtype=args.dtype, remat=args.remat)
+  cfg = get_preset(args.preset).replace(dtype=args.dtype, remat=args.remat,
+                                        attention_block=args.attention_block)
   if args.vocab_size:
     cfg = cfg.replace(vocab_size=args.vocab_size)
   mesh = None
@@ -146,6 +149,7 @@ def main():
   assert batch.shape == (args.micro_batches, args.rows, args.seq_len), batch.shape
   device_batch = trainer.place_batch(batch)
 
+  temp_bytes = trainer.step_temp_bytes(device_batch)
   t = time.perf_counter()
   jax.block_until_ready(trainer.step(device_batch))
   compile_s = time.perf_counter() - t
@@ -173,6 +177,7 @@ def main():
       "load_avg_1m": os.getloadavg()[0],
       "preset": args.preset, "params": cfg.num_params(), "vocab_size": cfg.vocab_size,
       "dtype": args.dtype, "remat": args.remat, "logprob_chunk": args.logprob_chunk,
+      "attention_block": args.attention_block, "temp_bytes": temp_bytes,
       "seq_len": args.seq_len, "rows": args.rows, "micro_batches": args.micro_batches,
       "tokens_per_step": tokens,
       "compile_s": round(compile_s, 2),

@@ -114,38 +114,33 @@ def _attention_bwd(block, residuals, d_out):
   # D_i = sum_d dO_i * O_i, the softmax backward's per-row term.
   delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(_F32), out.astype(_F32))
 
-  def grads_of_pair(i, j):
-    """Probabilities and score gradients of query block i against key block j."""
-    q_blk, k_blk, v_blk = _blocks(q, i, block), _blocks(k, j, block), _blocks(v, j, block)
-    lse_i = jax.lax.dynamic_slice_in_dim(lse, i * block, block, axis=3)
-    delta_i = jax.lax.dynamic_slice_in_dim(delta, i * block, block, axis=3)
-    p = _probs(q_blk, k_blk, _blocks(segments, i, block), _blocks(segments, j, block), i, j,
-               block, shift=lse_i)
-    d_out_i = _blocks(d_out, i, block)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out_i, v_blk, preferred_element_type=_F32)
-    ds = p * (dp - delta_i[..., None]) * scale
-    return p, ds, q_blk, k_blk, d_out_i
+  def key_block(j, grads):
+    """Adds key block j's share: its dk, dv, and its part of every later query's dq."""
+    k_blk, v_blk, seg_k = _blocks(k, j, block), _blocks(v, j, block), _blocks(segments, j, block)
 
-  def dq_block(i):
-    def body(j, dq):
-      _, ds, _, k_blk, _ = grads_of_pair(i, j)
-      return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, k_blk.astype(_F32))
-    return jax.lax.fori_loop(0, i + 1, body, jnp.zeros((b, block, kv, g, d), _F32))
+    def query_block(i, carry):
+      dq, dk_j, dv_j = carry
+      q_blk, d_out_i = _blocks(q, i, block), _blocks(d_out, i, block)
+      lse_i = jax.lax.dynamic_slice_in_dim(lse, i * block, block, axis=3)
+      delta_i = jax.lax.dynamic_slice_in_dim(delta, i * block, block, axis=3)
+      p = _probs(q_blk, k_blk, _blocks(segments, i, block), seg_k, i, j, block, shift=lse_i)
+      dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out_i, v_blk, preferred_element_type=_F32)
+      ds = p * (dp - delta_i[..., None]) * scale
+      dv_j = dv_j + jnp.einsum("bkgqs,bqkgd->bskd", p, d_out_i.astype(_F32))
+      dk_j = dk_j + jnp.einsum("bkgqs,bqkgd->bskd", ds, q_blk.astype(_F32))
+      dq_i = _blocks(dq, i, block) + jnp.einsum("bkgqs,bskd->bqkgd", ds, k_blk.astype(_F32))
+      return jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block, axis=1), dk_j, dv_j
 
-  def dkv_block(j):
-    def body(i, carry):
-      dk, dv = carry
-      p, ds, q_blk, _, d_out_i = grads_of_pair(i, j)
-      dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, d_out_i.astype(_F32))
-      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, q_blk.astype(_F32))
-      return dk, dv
+    dq, dk, dv = grads
     zeros = jnp.zeros((b, block, kv, d), _F32)
-    return jax.lax.fori_loop(j, n, body, (zeros, zeros))
+    # Query blocks before j cannot see key block j.
+    dq, dk_j, dv_j = jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros))
+    put = lambda x, blk: jax.lax.dynamic_update_slice_in_dim(x, blk, j * block, axis=1)
+    return dq, put(dk, dk_j), put(dv, dv_j)
 
-  stitch = lambda x: jnp.moveaxis(x, 0, 1).reshape((b, t) + x.shape[3:])
-  dq = stitch(jax.lax.map(dq_block, jnp.arange(n)))
-  dk, dv = jax.lax.map(dkv_block, jnp.arange(n))
-  return (dq.astype(q.dtype), stitch(dk).astype(k.dtype), stitch(dv).astype(v.dtype), None)
+  grads = (jnp.zeros(q.shape, _F32), jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+  dq, dk, dv = jax.lax.fori_loop(0, n, key_block, grads)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

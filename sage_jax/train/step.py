@@ -207,6 +207,12 @@ class Trainer:
     params = self.state.params if params is None else params
     return np.asarray(self._logprobs(params, self.place_batch(batch)))
 
+  def step_temp_bytes(self, batch: TrainBatch) -> int:
+    """Bytes of temporaries XLA plans for one step on `batch`'s shapes (activations, logits,
+    attention scores; not the state or the batch). Compiles, does not run."""
+    lowered = self._step.lower(self.abstract_state(), self.place_batch(batch))
+    return lowered.compile().memory_analysis().temp_size_in_bytes
+
   @property
   def num_compiled(self) -> int:
     """Compiled variants of the train step (a recompilation probe for tests)."""
