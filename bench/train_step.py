@@ -11,7 +11,9 @@ attention scores and values, forward + backward; PaLM's MFU definition). MFU = m
 peak. Rematerialisation is extra work that MFU does not credit.
 
 `temp_bytes` is what XLA plans for the step's temporaries (activations, logits, attention
-scores), read from the compiled step. `--peer=torch` also times the same update in PyTorch, in the same process: transformers'
+scores), read from the compiled step.
+
+`--peer=torch` also times the same update in PyTorch, in the same process: transformers'
 `Qwen2ForCausalLM` (same shapes, sdpa attention) with a per-token weighted log-likelihood loss
 over the same micro-batches, gradient accumulation and `torch.optim.AdamW`.
 """

@@ -49,19 +49,15 @@ def _blocks(x, i, block):
   return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=1)
 
 
-def _probs(q_blk, k_blk, seg_q, seg_k, i, j, block, shift=None):
-  """Scaled scores [b, kv, g, bq, bk] of query block i against key block j, the mask, and
-  (with `shift`, the saved log-sum-exp) the final probabilities."""
+def _scores(q_blk, k_blk, seg_q, seg_k, i, j, block):
+  """Scaled scores [b, kv, g, bq, bk] of query block i against key block j, and where the
+  mask allows them (causal by index, same segment)."""
   d = q_blk.shape[-1]
   scores = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, preferred_element_type=_F32)
-  scores = scores * (d ** -0.5)
   rows = i * block + jnp.arange(block)
   cols = j * block + jnp.arange(block)
   allowed = (cols[None, :] <= rows[:, None])[None] & (seg_q[:, :, None] == seg_k[:, None, :])
-  allowed = allowed[:, None, None]
-  if shift is None:
-    return jnp.where(allowed, scores, _MIN), allowed
-  return jnp.where(allowed, jnp.exp(scores - shift[..., None]), 0.0)
+  return scores * (d ** -0.5), allowed[:, None, None]
 
 
 def _forward(q, k, v, segments, block):
@@ -74,8 +70,9 @@ def _forward(q, k, v, segments, block):
 
     def key_block(j, carry):
       m, l, acc = carry
-      scores, allowed = _probs(q_blk, _blocks(k, j, block), seg_q, _blocks(segments, j, block),
-                               i, j, block)
+      scores, allowed = _scores(q_blk, _blocks(k, j, block), seg_q,
+                                _blocks(segments, j, block), i, j, block)
+      scores = jnp.where(allowed, scores, _MIN)
       m_new = jnp.maximum(m, scores.max(-1))
       p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0.0)
       scale = jnp.exp(m - m_new)
@@ -123,7 +120,8 @@ def _attention_bwd(block, residuals, d_out):
       q_blk, d_out_i = _blocks(q, i, block), _blocks(d_out, i, block)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, i * block, block, axis=3)
       delta_i = jax.lax.dynamic_slice_in_dim(delta, i * block, block, axis=3)
-      p = _probs(q_blk, k_blk, _blocks(segments, i, block), seg_k, i, j, block, shift=lse_i)
+      scores, allowed = _scores(q_blk, k_blk, _blocks(segments, i, block), seg_k, i, j, block)
+      p = jnp.where(allowed, jnp.exp(scores - lse_i[..., None]), 0.0)
       dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out_i, v_blk, preferred_element_type=_F32)
       ds = p * (dp - delta_i[..., None]) * scale
       dv_j = dv_j + jnp.einsum("bkgqs,bqkgd->bskd", p, d_out_i.astype(_F32))

@@ -169,14 +169,13 @@ class Attention(nnx.Module):
       # Attend only over the cache prefix the mask covers (see `attend_len`).
       k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     b, t, h, d = q.shape
+    q_groups = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
     if isinstance(mask, BlockedCausal):
-      q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
-      out = blocked_attention(q, k, v, mask).reshape(b, t, h, d)
+      out = blocked_attention(q_groups, k, v, mask).reshape(b, t, h, d)
     elif kv_cache is not None and t == 1:
       out = _decode_attention(q[:, 0], k, v, mask[:, 0])
     else:
-      q = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
-      scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=_F32)
+      scores = jnp.einsum("btkgd,bskd->bkgts", q_groups, k, preferred_element_type=_F32)
       scores = scores * (d ** -0.5)
       scores = jnp.where(mask[:, None, None], scores, jnp.finfo(_F32).min)
       probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
