@@ -4,6 +4,7 @@ import ast
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from sage_jax.envs.appworld import mini_world
 from sage_jax.envs.appworld.mini import content
 from sage_jax.envs.appworld.mini import scenarios
 from tests.appworld_fixtures import all_task_ids
+from tests.appworld_fixtures import gold_solution
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import task_dir
 
@@ -33,23 +35,110 @@ def test_cached_under_builder_version(mini_root):  # noqa: F811
 
 
 def _digests(root):
+  """sha256 of every file the builder wrote (the cache's own digest file left out)."""
   out = {}
   for d, _, files in os.walk(root):
     for f in files:
       with open(os.path.join(d, f), "rb") as fh:
         out[os.path.relpath(os.path.join(d, f), root)] = hashlib.sha256(fh.read()).hexdigest()
+  out.pop(mini_world.DIGEST, None)
   return out
 
 
-@pytest.mark.slow
-def test_build_command_makes_the_same_bytes(mini_root, tmp_path):  # noqa: F811
-  out = tmp_path / "mini_appworld"
+@pytest.fixture(scope="module")
+def fresh_build(tmp_path_factory):
+  """The mini world built anew by the build command."""
+  out = tmp_path_factory.mktemp("fresh") / "mini_appworld"
   done = subprocess.run([sys.executable, "-m", "sage_jax.envs.appworld.build_mini",
                          f"--out={out}"], capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
-  built, cached = _digests(out), _digests(mini_root)
-  assert built.keys() == cached.keys()
+  return str(out)
+
+
+def _assert_same_files(built, cached):
+  built, cached = _digests(built), _digests(cached)
+  assert sorted(set(built) ^ set(cached)) == []
   assert [f for f in built if built[f] != cached[f]] == []
+
+
+@pytest.mark.slow
+def test_build_command_makes_the_same_bytes(mini_root, fresh_build):  # noqa: F811
+  _assert_same_files(fresh_build, mini_root)
+  with open(os.path.join(mini_root, mini_world.DIGEST)) as f:
+    assert mini_world.data_digest(fresh_build) == f.read().strip()
+
+
+@pytest.mark.slow
+def test_readme_pool_example_leaves_the_cache_as_built(mini_root, fresh_build):  # noqa: F811
+  """The README's EnvPool example (no outputs_root) writes nothing into the data root."""
+  import asyncio  # noqa: PLC0415
+
+  task_id = appworld.read_split(mini_root, "train")[0]
+  config = appworld.EnvPoolConfig(num_workers=2, appworld_root=appworld.ensure_mini_world())
+
+  async def episode(experiment, code):
+    async with pool.episode(task_id, experiment=experiment) as ep:
+      await ep.execute(code)
+      return await ep.evaluate()
+
+  with appworld.EnvPool(config) as pool:
+    scratch = pool.outputs_root
+    assert not scratch.startswith(mini_root)
+    gold = asyncio.run(episode("readme/gold", gold_solution(mini_root, task_id)))
+    noop = asyncio.run(episode("readme/noop", "print(apis.supervisor.show_profile())"))
+    assert os.listdir(os.path.join(scratch, "experiments", "outputs"))
+  assert gold.success and not noop.success
+  assert not os.path.exists(scratch)  # the pool's own outputs directory is gone with it
+  assert mini_world.damage(mini_root) is None
+  _assert_same_files(fresh_build, mini_root)
+
+
+def test_cache_is_read_only_and_checked_against_its_digest(mini_root, tmp_path):  # noqa: F811
+  for d, _, files in os.walk(mini_root):
+    assert not os.stat(d).st_mode & 0o222, d
+    for f in files:
+      assert not os.stat(os.path.join(d, f)).st_mode & 0o222, f
+  assert mini_world.damage(mini_root) is None
+  copy = str(tmp_path / "copy")
+  shutil.copytree(mini_root, copy)
+  for d, _, _ in os.walk(copy):
+    os.chmod(d, 0o755)
+  assert mini_world.damage(copy) is None
+  spec = os.path.join(copy, "data", "tasks", all_task_ids(copy)[0], "specs.json")
+  os.chmod(spec, 0o644)
+  with open(spec, "r+b") as f:  # one byte
+    first = f.read(1)
+    f.seek(0)
+    f.write(bytes([first[0] ^ 1]))
+  assert "differ" in mini_world.damage(copy)
+  with open(spec, "r+b") as f:
+    f.write(first)
+  assert mini_world.damage(copy) is None
+  os.makedirs(os.path.join(copy, "experiments", "outputs", "x"))
+  with open(os.path.join(copy, "experiments", "outputs", "x", "log.txt"), "w") as f:
+    f.write("")
+  assert "differ" in mini_world.damage(copy)
+  os.remove(os.path.join(copy, mini_world.DIGEST))
+  assert mini_world.damage(copy) == "no stored digest"
+
+
+@pytest.mark.slow
+def test_a_damaged_cache_is_rebuilt(mini_root, tmp_path, monkeypatch, caplog):  # noqa: F811
+  monkeypatch.setenv("SAGE_JAX_CACHE", str(tmp_path / "cache"))
+  damaged = mini_world.mini_world_root()
+  shutil.copytree(mini_root, damaged)
+  for d, _, _ in os.walk(damaged):
+    os.chmod(d, 0o755)
+  os.makedirs(os.path.join(damaged, "experiments"))
+  with open(os.path.join(damaged, "experiments", "stray.txt"), "w") as f:
+    f.write("written by an episode")
+  assert appworld.ensure_mini_world() == damaged
+  assert [r.message for r in caplog.records if "damaged" in r.message] == [
+      f"The cached mini AppWorld at {damaged} is damaged (its files differ from the digest "
+      "stored when it was built): rebuilding it."]
+  assert mini_world.damage(damaged) is None
+  _assert_same_files(damaged, mini_root)
+  assert os.listdir(os.path.dirname(damaged)) == [mini_world.BUILDER_VERSION]
 
 
 def test_appworld_layout(mini_root):  # noqa: F811

@@ -161,8 +161,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
             "policy": ev.policy, "retrieval": retrieval_cfg.strategy,
             "elapsed_s": elapsed, "metrics": metrics}
   if ev.appworld_check:
-    outputs = (pool.config.outputs_root or pool.config.appworld_root)
-    theirs = metrics_lib.appworld_scores(outputs, ev.experiment, task_ids)
+    theirs = metrics_lib.appworld_scores(pool.outputs_root, ev.experiment, task_ids)
     report["appworld"] = theirs
     ours = metrics["overall"]
     if (abs(theirs["task_goal_completion"] - ours["tgc"]) > 0.05

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -117,12 +116,10 @@ def play(policy: Any, task_ids: Sequence[str], tokenizer: Tokenizer, config: Exp
   order."""
   root = config.appworld_root or appworld.ensure_mini_world()
   if pool is None:
-    with tempfile.TemporaryDirectory(prefix="expert-outputs-") as tmp:
-      pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
-                                           outputs_root=config.outputs_root or tmp,
-                                           keep_outputs=False)
-      with appworld.EnvPool(pool_config) as started:
-        return play(policy, task_ids, tokenizer, config, source, started)
+    pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
+                                         outputs_root=config.outputs_root, keep_outputs=False)
+    with appworld.EnvPool(pool_config) as started:
+      return play(policy, task_ids, tokenizer, config, source, started)
   agent = AgentConfig(use_library=config.use_library)
   ctx = rollout.RolloutContext(policy, pool, tokenizer, agent, Retriever(), root)
   chains = _chains(task_ids)

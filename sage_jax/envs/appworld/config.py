@@ -13,8 +13,9 @@ class EnvPoolConfig:
   num_workers: int = 4
   # AppWorld data root (holds data/); None means $APPWORLD_ROOT.
   appworld_root: str | None = None
-  # Where AppWorld writes experiment outputs (DB diffs, logs); None means appworld_root.
-  # Set it when the data is shared or read-only: outputs go to <outputs_root>/experiments.
+  # Where AppWorld writes experiment outputs (DB diffs, logs): <outputs_root>/experiments.
+  # None gives the pool a temporary directory of its own, removed when it closes; runs set
+  # it to their workdir. The data root is only written to when named here.
   outputs_root: str | None = None
   # Delete an episode's outputs once it is closed (its result record is kept in memory).
   keep_outputs: bool = True

@@ -2,10 +2,17 @@
 
 Pure Python: the build runs `python -m sage_jax.envs.appworld.build_mini` in a child
 process, so calling `ensure_mini_world()` from the trainer never imports appworld.
+
+The cached world is shared by every test, demo and run on the machine, so it is kept
+read-only on disk and checked against the digest stored at build time on every use: a
+world that something wrote into is rebuilt, not trusted.
 """
 
+import hashlib
+import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -14,6 +21,7 @@ import tempfile
 BUILDER_VERSION = "2"
 DEFAULT_SEED = 0
 MANIFEST = "mini_world.json"  # written last by the builder: its presence marks a full build
+DIGEST = "data.sha256"  # digest of every other file, written when the build is cached
 
 
 def cache_root() -> str:
@@ -26,17 +34,74 @@ def mini_world_root() -> str:
   return os.path.join(cache_root(), "appworld_mini", BUILDER_VERSION)
 
 
-def ensure_mini_world() -> str:
-  """Builds the mini world into the cache unless it is there; returns its root.
+def data_digest(root: str) -> str:
+  """SHA-256 over the relative path and bytes of every file under `root` but DIGEST."""
+  digest = hashlib.sha256()
+  for path in sorted(_files(root)):
+    relative = os.path.relpath(path, root)
+    if relative == DIGEST:
+      continue
+    digest.update(relative.encode() + b"\0")
+    with open(path, "rb") as f:
+      digest.update(hashlib.sha256(f.read()).digest())
+  return digest.hexdigest()
 
-  The build goes to a fresh temporary directory that is renamed into place, so a reader
-  never sees a half-built world; when two processes build at once, the first rename
-  wins and the other build is discarded.
+
+def _files(root: str) -> list[str]:
+  return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+
+
+def damage(root: str) -> str | None:
+  """Why the cached world at `root` cannot be trusted, or None when it is intact."""
+  if not os.path.exists(os.path.join(root, MANIFEST)):
+    return "incomplete (no manifest)"
+  try:
+    with open(os.path.join(root, DIGEST)) as f:
+      stored = f.read().strip()
+  except FileNotFoundError:
+    return "no stored digest"
+  if data_digest(root) != stored:
+    return "its files differ from the digest stored when it was built"
+  return None
+
+
+def _make_read_only(root: str) -> None:
+  for d, dirs, files in os.walk(root):
+    for name in files:
+      os.chmod(os.path.join(d, name), 0o444)
+  for d, _, _ in os.walk(root, topdown=False):
+    os.chmod(d, 0o555)
+
+
+def _remove(root: str) -> None:
+  """rmtree of a tree that may be read-only."""
+  for d, _, _ in os.walk(root):
+    os.chmod(d, stat.S_IRWXU)
+  shutil.rmtree(root, ignore_errors=True)
+
+
+def ensure_mini_world() -> str:
+  """Builds the mini world into the cache unless an intact one is there; returns its root.
+
+  The build goes to a fresh temporary directory that is digested, made read-only and
+  renamed into place, so a reader never sees a half-built world; when two processes build
+  at once, the first rename wins and the other build is discarded. A damaged cached world
+  is moved aside, rebuilt and then removed.
   """
   root = mini_world_root()
-  if os.path.exists(os.path.join(root, MANIFEST)):
-    return root
   parent = os.path.dirname(root)
+  if os.path.exists(root):
+    problem = damage(root)
+    if problem is None:
+      return root
+    logging.warning("The cached mini AppWorld at %s is damaged (%s): rebuilding it.", root,
+                    problem)
+    aside = tempfile.mkdtemp(dir=parent, prefix=f".{BUILDER_VERSION}-damaged-")
+    try:
+      os.rename(root, os.path.join(aside, "world"))
+    except FileNotFoundError:  # another process moved it first
+      pass
+    _remove(aside)
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(dir=parent, prefix=f".{BUILDER_VERSION}-building-")
   try:
@@ -46,11 +111,14 @@ def ensure_mini_world() -> str:
     if done.returncode != 0:
       raise RuntimeError(f"Building the mini AppWorld failed ({' '.join(command)}):\n"
                          + (done.stdout + done.stderr)[-4000:])
+    with open(os.path.join(staging, DIGEST), "w") as f:
+      f.write(data_digest(staging) + "\n")
+    _make_read_only(staging)
     try:
       os.rename(staging, root)
     except OSError:
       if not os.path.exists(os.path.join(root, MANIFEST)):
         raise
   finally:
-    shutil.rmtree(staging, ignore_errors=True)
+    _remove(staging)
   return root

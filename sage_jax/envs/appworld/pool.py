@@ -12,14 +12,19 @@ asyncio:
     ep.result  # the episode's one EpisodeResult; pool.results holds them all
 
 Multi-host: every host runs its own pool over its own share of episodes; nothing is shared
-between pools but the (read-only) data root.
+between pools but the data root, which no pool writes to: outputs go to
+`config.outputs_root`, or to a temporary directory of the pool's own that it removes when
+it closes.
 """
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import logging
 import queue
+import shutil
+import tempfile
 import threading
 from typing import Any
 
@@ -157,12 +162,17 @@ class EnvPool:
     self._live: dict[tuple[str, str], Episode | None] = {}  # None until started
     self._threads: list[threading.Thread] = []
     self._closed = False
+    self._scratch: str | None = None  # the outputs directory this pool made, if any
 
   # --- lifecycle --------------------------------------------------------------------------
 
   def start(self) -> "EnvPool":
     """Spawns the workers (in parallel); raises AppWorldDataError for a bad data root."""
     self.config.data_root()  # fail fast when no root is configured at all
+    if self.config.outputs_root is None:
+      self._scratch = tempfile.mkdtemp(prefix="sage_jax_appworld_")
+      atexit.register(self._remove_scratch)
+      self.config = dataclasses.replace(self.config, outputs_root=self._scratch)
     ready = [concurrent.futures.Future() for _ in range(self.config.num_workers)]
     for slot, future in enumerate(ready):
       thread = threading.Thread(target=self._serve, args=(slot, future), daemon=True,
@@ -189,6 +199,18 @@ class EnvPool:
       self._jobs.put(None)
     for thread in self._threads:
       thread.join()
+    self._remove_scratch()
+
+  @property
+  def outputs_root(self) -> str | None:
+    """Where AppWorld writes this pool's experiments (<outputs_root>/experiments)."""
+    return self.config.outputs_root
+
+  def _remove_scratch(self) -> None:
+    if self._scratch is not None:
+      shutil.rmtree(self._scratch, ignore_errors=True)
+      atexit.unregister(self._remove_scratch)
+      self._scratch = None
 
   def __enter__(self) -> "EnvPool":
     return self.start()
