@@ -1,14 +1,29 @@
-"""Single-host launch on any number of local devices (CPU, GPUs or a TPU VM).
+"""Launch on this machine: one process on its local devices, or N processes that form one
+multi-process JAX run (how to try a multi-host run on one machine).
 
   python launch/local.py --config=configs/sage.py:demo --workdir=runs/demo [--cpu_devices=8]
-      [--gpus=0,1] [--override=rollout.group_size=4 ...] [--dry_run]
+      [--gpus=0,1] [--override=rollout.group_size=4 ...] [--module=sage_jax.evaluate]
+      [--dry_run]
+  python launch/local.py --num_processes=2 --cpu_devices=2 --config=configs/sage.py:demo \\
+      --workdir=runs/demo2
+  python launch/local.py --num_processes=2 --cpu_devices=2 -- python -m sage_jax.generate ...
+
+With --num_processes=N, process i gets JAX_COORDINATOR_ADDRESS (127.0.0.1 and a free port),
+JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i, which `multihost.initialize()` in every entry
+point reads; with --cpu_devices=D each simulates D CPU devices and collectives go over gloo.
+Process 0 prints to this terminal, process i > 0 to <workdir>/logs/process_<i>.log. A
+SIGTERM or SIGINT here is passed to every process (they save one checkpoint and stop
+together); when one process fails, the others are stopped and its exit code is returned.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 from absl import app, flags
 
@@ -17,38 +32,118 @@ FLAGS = flags.FLAGS
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import common  # noqa: E402
 
+# Seconds the other processes get to exit on their own after one has failed.
+FAILURE_GRACE_S = 30.0
+
 
 def build(config, workdir, overrides, module="sage_jax.train", cpu_devices=0, gpus=None):
   """(environment additions, argv) for one local run."""
+  return device_env(cpu_devices, gpus), common.entry_command(
+      config, workdir, overrides, module=module, python=sys.executable)
+
+
+def device_env(cpu_devices: int = 0, gpus: str | None = None) -> dict[str, str]:
   env = {}
   if cpu_devices:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
     env["JAX_PLATFORMS"] = "cpu"
+    env["SAGE_JAX_CPU_DEVICES"] = str(cpu_devices)
   if gpus is not None:
     env["CUDA_VISIBLE_DEVICES"] = gpus
-  return env, common.entry_command(config, workdir, overrides, module=module,
-                                   python=sys.executable)
+  return env
+
+
+def process_envs(num_processes: int, port: int, base: dict[str, str]) -> list[dict[str, str]]:
+  """The environment additions of each process of a multi-process run."""
+  return [{**base, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+           "JAX_NUM_PROCESSES": str(num_processes), "JAX_PROCESS_ID": str(i)}
+          for i in range(num_processes)]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(cmd: list[str], envs: list[dict[str, str]], log_dir: str) -> int:
+  """Starts one process per environment and waits for all; returns the first non-zero exit
+  code (0 if all succeed)."""
+  os.makedirs(log_dir, exist_ok=True)
+  procs = []
+  for i, env in enumerate(envs):
+    out = None if i == 0 else open(os.path.join(log_dir, f"process_{i}.log"), "w")
+    procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out,
+                                  stderr=subprocess.STDOUT if out else None))
+    print(f"launch: process {i} pid {procs[-1].pid}", flush=True)
+
+  def forward(signum, frame):
+    del frame
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    failed_at = None
+    while any(p.poll() is None for p in procs):
+      codes = [p.poll() for p in procs]
+      if failed_at is None and any(c not in (None, 0) for c in codes):
+        failed_at = time.monotonic()
+      if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+        for p in procs:
+          if p.poll() is None:
+            p.kill()
+      time.sleep(0.2)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  codes = [p.returncode for p in procs]
+  for i, code in enumerate(codes):
+    if code:
+      print(f"launch: process {i} exited with {code}"
+            + (f" (log: {os.path.join(log_dir, f'process_{i}.log')})" if i else ""),
+            file=sys.stderr)
+  return next((c for c in codes if c), 0)
 
 
 def main(argv):
-  del argv
-  env, cmd = build(FLAGS.config, FLAGS.workdir, common.parse_overrides(FLAGS.override),
-                   FLAGS.module, FLAGS.cpu_devices, FLAGS.gpus)
-  prefix = [f"{k}={v}" for k, v in env.items()]
+  command = argv[1:]
+  env = device_env(FLAGS.cpu_devices, FLAGS.gpus)
+  if command:
+    cmd = command
+  else:
+    if not FLAGS.config or not FLAGS.workdir:
+      raise app.UsageError("--config and --workdir are required (or a command after --).")
+    cmd = common.entry_command(FLAGS.config, FLAGS.workdir,
+                               common.parse_overrides(FLAGS.override), FLAGS.module,
+                               python=sys.executable)
+  if FLAGS.num_processes < 1:
+    raise app.UsageError(f"--num_processes must be >= 1, got {FLAGS.num_processes}")
+  if FLAGS.num_processes == 1:
+    if FLAGS.dry_run:
+      prefix = [f"{k}={v}" for k, v in env.items()]
+      print(common.show([(["env", *prefix] if prefix else []) + cmd]))
+      return
+    raise SystemExit(subprocess.call(cmd, env={**os.environ, **env}))
+  envs = process_envs(FLAGS.num_processes, FLAGS.port or free_port(), env)
   if FLAGS.dry_run:
-    print(common.show([(["env", *prefix] if prefix else []) + cmd]))
+    print(common.show([["env", *(f"{k}={v}" for k, v in e.items())] + cmd for e in envs]))
     return
-  raise SystemExit(subprocess.call(cmd, env={**os.environ, **env}))
+  log_dir = os.path.join(FLAGS.workdir or ".", "logs")
+  raise SystemExit(run_processes(cmd, envs, log_dir))
 
 
 def define_flags():
-  flags.DEFINE_string("config", None, "configs/<file>.py:<preset>", required=True)
-  flags.DEFINE_string("workdir", None, "Run directory.", required=True)
+  flags.DEFINE_string("config", None, "configs/<file>.py:<preset>")
+  flags.DEFINE_string("workdir", None, "Run directory.")
   flags.DEFINE_string("module", "sage_jax.train", "Entry point module.")
   flags.DEFINE_multi_string("override", [], "KEY=VALUE config overrides.")
-  flags.DEFINE_integer("cpu_devices", 0, "Simulate this many CPU devices.")
+  flags.DEFINE_integer("num_processes", 1, "JAX processes to start on this machine.")
+  flags.DEFINE_integer("port", 0, "Coordinator port of a multi-process run (0: a free one).")
+  flags.DEFINE_integer("cpu_devices", 0, "Simulate this many CPU devices (per process).")
   flags.DEFINE_string("gpus", None, "Comma-separated visible GPU ids.")
-  flags.DEFINE_bool("dry_run", False, "Print the command instead of running it.")
+  flags.DEFINE_bool("dry_run", False, "Print the command(s) instead of running them.")
 
 
 if __name__ == "__main__":

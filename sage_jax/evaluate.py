@@ -13,6 +13,7 @@ import logging
 from absl import app, flags
 from ml_collections import config_flags
 
+from sage_jax import multihost
 from sage_jax.eval import metrics as metrics_lib
 from sage_jax.eval.runner import evaluate
 
@@ -22,8 +23,11 @@ def main(argv) -> None:
   config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
   if config is None or not workdir:
     raise app.UsageError("--config=configs/eval.py:<preset> and --workdir=DIR are required")
+  multihost.initialize()
   logging.getLogger("httpx").setLevel(logging.WARNING)
   report = evaluate(config, workdir)
+  if not multihost.is_lead():
+    return
   print(metrics_lib.markdown_table(report["metrics"], report["split"]))
   print(json.dumps({k: report[k] for k in ("split", "policy", "retrieval", "elapsed_s")}
                    | {"tgc": report["metrics"]["overall"]["tgc"],

@@ -19,12 +19,13 @@ import ml_collections
 from absl import app, flags
 from flax import nnx
 
-from sage_jax import run_config
+from sage_jax import multihost, run_config
+from sage_jax import sharding as shd
 from sage_jax.checkpoint import hf, loader
 from sage_jax.tokenizer import ensure_qwen25_tokenizer_dir
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.optimizer import make_optimizer
-from sage_jax.train.state import abstract_train_state
+from sage_jax.train.state import abstract_train_state, state_shardings
 
 STAGE_DIRS = {"rl": "checkpoints", "sft": os.path.join("sft", "checkpoints")}
 
@@ -44,7 +45,11 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -
     model = nnx.eval_shape(lambda: loader.build_model(run.model))
     params = nnx.state(model)
     tx, _ = make_optimizer(run.sft_optimizer if stage == "sft" else run.optimizer)
-    state, _ = checkpointer.restore(abstract_train_state(params, tx), step)
+    # Restored over every device of this run (however many processes it has), whatever
+    # mesh trained it; save_hf gathers each tensor and process 0 writes.
+    mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
+    state, _ = checkpointer.restore(abstract_train_state(
+        params, tx, shardings=state_shardings(params, tx, mesh)), step)
   finally:
     checkpointer.close()
   model = nnx.merge(nnx.graphdef(model), state.params)
@@ -80,8 +85,10 @@ def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary
 
 def main(argv) -> None:
   del argv
+  multihost.initialize()
   result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage)
-  print(json.dumps(result))
+  if multihost.is_lead():
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

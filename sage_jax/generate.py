@@ -16,6 +16,7 @@ import time
 
 from absl import app, flags, logging
 
+from sage_jax import multihost
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.checkpoint import loader
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
@@ -47,6 +48,7 @@ def prompt_ids(tok: tokenizer_lib.Tokenizer, prompt: str, chat: bool, system: st
 
 def main(argv: list[str]) -> None:
   del argv
+  multihost.initialize()  # several processes: each generates on its own devices
   path = loader.resolve(_MODEL.value)
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
   tok = tokenizer_lib.Tokenizer(tok_dir)
@@ -66,8 +68,9 @@ def main(argv: list[str]) -> None:
   tokens = result.tokens
   if result.finish_reason == "eos":
     tokens = tokens[:-1]
-  print(tok.decode(tokens))
-  sys.stdout.flush()
+  if multihost.is_lead():
+    print(tok.decode(tokens))
+    sys.stdout.flush()
   logging.info("%d prompt tokens, %d new tokens in %.2f s (compilation included), finish: %s",
                len(ids), len(result.tokens), elapsed, result.finish_reason)
 

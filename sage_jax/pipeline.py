@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -32,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sage_jax import plot, run_config
+from sage_jax import multihost, plot, run_config
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
 from sage_jax.checkpoint import hf, loader
@@ -70,7 +71,7 @@ class Pipeline:
 
   def __init__(self, config: Any, workdir: str):
     self.config = config
-    self.run = run_config.resolve(config, jax.device_count())
+    self.run = run_config.resolve(config, jax.device_count(), jax.local_device_count())
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     if jax.process_index() == 0:
@@ -78,16 +79,24 @@ class Pipeline:
     p = self.run.pipeline
     self.root = appworld.ensure_mini_world() if p.data == "mini" else os.path.abspath(p.data)
     self.mesh = shd.make_mesh(self.run.mesh)
+    self.batch_config = self.run.batch
+    if jax.process_count() > 1:  # each process must own whole rows of every train batch
+      multihost.check_batch_split(self.mesh, ("data", "fsdp"))
+      self.batch_config = dataclasses.replace(self.batch_config, row_multiple=math.lcm(
+          self.batch_config.row_multiple, self.mesh.shape["data"] * self.mesh.shape["fsdp"]))
     self.tokenizer = Tokenizer()
     self.model = loader.build_model(self.run.model, mesh=self.mesh)
-    self.engine = Engine(self.model, self.run.engine,
+    # Each process samples from its own copy of the weights on its own devices.
+    self.weight_sync = multihost.WeightSync(nnx.state(self.model), self.run.sampler_mesh)
+    graphdef, params = nnx.split(self.model)
+    self.engine = Engine(nnx.merge(graphdef, self.weight_sync(params)), self.run.engine,
                          eos_ids=[self.tokenizer.eos_id, self.tokenizer.endoftext],
-                         detokenize=self.tokenizer.decode, mesh=self.mesh)
+                         detokenize=self.tokenizer.decode, mesh=self.weight_sync.mesh)
     self.driver = rollout.EngineDriver(self.engine)
     self.policy = rollout.SamplerPolicy(self.driver, self.run.agent)
     pool_cfg = dataclasses.replace(
-        self.run.pool, appworld_root=self.root,
-        outputs_root=self.run.pool.outputs_root or os.path.join(self.workdir, "appworld"))
+        self.run.pool, appworld_root=self.root, outputs_root=multihost.outputs_root(
+            self.run.pool.outputs_root, os.path.join(self.workdir, "appworld")))
     self.pool = appworld.EnvPool(pool_cfg).start()
 
   def close(self) -> None:
@@ -114,11 +123,13 @@ class Pipeline:
       path = os.path.join(self.workdir, "expert_trajectories.jsonl")
       if not os.path.exists(path):
         expert_cfg = dataclasses.replace(self.run.expert, appworld_root=self.root,
-                                         outputs_root=os.path.join(self.workdir, "appworld"))
+                                         outputs_root=self.pool.outputs_root)
         trajectories, stats = sft_expert.gold_trajectories(expert_cfg, self.tokenizer,
                                                            pool=self.pool)
         logging.info("expert trajectories: %d kept of %d tasks", stats.kept, stats.tasks)
-        sft_data.write_jsonl(path, trajectories)
+        if multihost.is_lead():
+          sft_data.write_jsonl(path, trajectories)
+      multihost.sync_barrier("expert_trajectories")
     return sft_data.load_examples(path, self.tokenizer, max_len=self.run.engine.max_len)
 
   def sft(self) -> None:
@@ -130,7 +141,8 @@ class Pipeline:
         run.checkpoint, directory=os.path.join(directory, "checkpoints"), keep_best=0),
         run_config=self.config.to_dict())
     try:
-      sft_loop.run_sft(trainer, self.expert_examples(), config=run.sft, batch_config=run.batch,
+      sft_loop.run_sft(trainer, self.expert_examples(), config=run.sft,
+                       batch_config=self.batch_config,
                        checkpointer=checkpointer,
                        metrics=dataclasses.replace(run.metrics, log_dir=directory))
     finally:
@@ -149,18 +161,20 @@ class Pipeline:
     k = run.rollout.effective_chain_length
 
     def collect(step: int, seed: int):
+      # Every process draws the same chains and runs its own share of them: a group (the G
+      # rollouts of a chain) stays on one host, with its rewards and advantages.
       chains = rollout.sample_chains(task_ids, k, run.pipeline.chains_per_step,
                                      random.Random(seed), run.rollout.chain_order)
+      share = multihost.share(len(chains))
       cfg = dataclasses.replace(run.rollout, seed=seed,
                                 experiment_prefix=f"{run.rollout.experiment_prefix}_s{step}")
-      batch = rollout.collect(ctx, chains, cfg, run.reward, run.advantage)
+      batch = rollout.collect(ctx, chains[share], cfg, run.reward, run.advantage,
+                              first_group=share.start)
       records = batch.flat()
       stats = batch.advantage_stats
-      metrics = dict(rollout.rollout_metrics(records))
-      if stats is not None:
-        metrics["constant_groups"] = stats.num_constant_groups
-        for i, mean in enumerate(stats.reward_mean_by_position):
-          metrics[f"reward/mean_pos{i + 1}"] = mean
+      metrics = dict(rollout.rollout_metrics(rl_loop.gather_episodes(records)))
+      metrics["constant_groups"] = float(sum(multihost.allgather_objects(
+          stats.num_constant_groups if stats is not None else 0)))
       return records, metrics
 
     def dev(step: int) -> dict:
@@ -170,20 +184,26 @@ class Pipeline:
         run.checkpoint, directory=os.path.join(self.workdir, "checkpoints"),
         keep_best=run.checkpoint.keep_best if run.rl.eval_every else 0),
         run_config=self.config.to_dict())
-    self.engine.update_params(trainer.params)
     try:
       rl_loop.run_rl(trainer, rollout=collect, config=run.rl, grpo_config=run.grpo,
-                     batch_config=run.batch, evaluate=dev if run.rl.eval_every else None,
-                     sync_params=self.engine.update_params, checkpointer=checkpointer,
+                     batch_config=self.batch_config,
+                     evaluate=dev if run.rl.eval_every else None,
+                     sync_params=self.sync_sampler, checkpointer=checkpointer,
                      metrics=dataclasses.replace(run.metrics, log_dir=self.workdir))
     finally:
       checkpointer.close()
     self._adopt(trainer.params)
 
+  def sync_sampler(self, params: nnx.State) -> None:
+    """Every process's sampler samples from `params` (a collective: all processes call it)."""
+    copy = self.weight_sync(params)
+    self.weight_sync.check_copies_agree(copy)
+    self.engine.update_params(copy)
+
   def _adopt(self, params: nnx.State) -> None:
-    """Makes trained params the model's (and the sampler's) without a host copy."""
+    """Makes trained params the model's and the sampler's (no host copy)."""
     nnx.update(self.model, params)
-    self.engine.update_params(params)
+    self.sync_sampler(params)
 
   def export(self) -> str:
     out = os.path.join(self.workdir, "hf")
@@ -231,7 +251,8 @@ def run(config: Any, workdir: str) -> dict:
       pipe.export()  # every process joins the gathers
   finally:
     pipe.close()
-  if p.plot and os.path.exists(os.path.join(pipe.workdir, plot.METRICS_FILE)):
+  if (p.plot and multihost.is_lead()
+      and os.path.exists(os.path.join(pipe.workdir, plot.METRICS_FILE))):
     summary["plot"] = plot.plot_run(pipe.workdir)
   summary["elapsed_s"] = round(time.time() - started, 1)
   summary["table"] = summary_table(summary.get("before"), summary.get("after"))

@@ -26,6 +26,7 @@ from sage_jax.rl.rollout import RolloutConfig
 from sage_jax.sampler import EngineConfig
 from sage_jax.sft.expert import ExpertConfig
 from sage_jax.sft.loop import SFTConfig
+from sage_jax.multihost import SamplerMeshConfig
 from sage_jax.sharding import MeshConfig
 from sage_jax.train.checkpoint import CheckpointConfig
 from sage_jax.train.metrics import MetricsConfig
@@ -70,6 +71,7 @@ SECTIONS: dict[str, type] = {
     "pipeline": PipelineConfig,
     "model": ModelSpec,
     "mesh": MeshConfig,
+    "sampler_mesh": SamplerMeshConfig,
     "pool": EnvPoolConfig,
     "engine": EngineConfig,
     "agent": AgentConfig,
@@ -97,6 +99,7 @@ class RunConfig:
   pipeline: PipelineConfig
   model: ModelSpec
   mesh: MeshConfig
+  sampler_mesh: SamplerMeshConfig
   pool: EnvPoolConfig
   engine: EngineConfig
   agent: AgentConfig
@@ -139,8 +142,11 @@ def defaults() -> ml_collections.ConfigDict:
   return config
 
 
-def resolve(config: Any, num_devices: int | None = None) -> RunConfig:
-  """Builds every section and checks the combinations; errors name the offending key."""
+def resolve(config: Any, num_devices: int | None = None,
+            local_devices: int | None = None) -> RunConfig:
+  """Builds every section and checks the combinations; errors name the offending key.
+  `num_devices`: all devices of the run (the training mesh); `local_devices`: those of one
+  host (the sampler's mesh)."""
   sections = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   unknown = sorted(set(sections) - set(SECTIONS) - {"seed"})
   if unknown:
@@ -151,11 +157,11 @@ def resolve(config: Any, num_devices: int | None = None) -> RunConfig:
   if not isinstance(seed, int) or isinstance(seed, bool):
     raise ConfigError(f"config.seed: expected int, got {seed!r}")
   run = RunConfig(seed=seed, **built)
-  _check(run, num_devices)
+  _check(run, num_devices, local_devices)
   return run
 
 
-def _check(run: RunConfig, num_devices: int | None) -> None:
+def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -> None:
   rollout, pipeline = run.rollout, run.pipeline
   if rollout.group_size == 1 and run.advantage.estimator == "grpo" and "rl" in pipeline.stages:
     raise ConfigError("config.rollout.group_size: 1 leaves no group to normalise over; the "
@@ -173,6 +179,13 @@ def _check(run: RunConfig, num_devices: int | None) -> None:
       raise ConfigError(f"config.pipeline.chains_per_step: {pipeline.chains_per_step} chains x "
                         f"group_size {rollout.group_size} = {rollouts} rollouts per step, not "
                         f"divisible by the mesh's data axis ({data})")
-    if run.engine.num_slots % (data * fsdp) and run.engine.num_slots > data * fsdp:
+  if local_devices is not None:
+    tensor = run.sampler_mesh.tensor
+    if local_devices % tensor:
+      raise ConfigError(f"config.sampler_mesh.tensor: {tensor} does not divide the "
+                        f"{local_devices} devices of a host (the sampler's mesh is host-local)")
+    slots_split = local_devices // tensor
+    if run.engine.num_slots % slots_split and run.engine.num_slots > slots_split:
       raise ConfigError(f"config.engine.num_slots: {run.engine.num_slots} slots do not split "
-                        f"over the mesh's batch axes (data x fsdp = {data * fsdp})")
+                        f"over the sampler's data axis ({slots_split} = a host's devices / "
+                        f"sampler_mesh.tensor)")

@@ -7,7 +7,7 @@ table that turns those names into ``PartitionSpec`` entries over the mesh axes
 
 The same model code therefore runs on one CPU, on 8 simulated CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``), on a GPU and on a multi-host TPU
-pod (after ``initialize_distributed()``).
+pod (after ``multihost.initialize()``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -150,30 +149,19 @@ class MeshConfig:
     return tuple(shape)
 
 
-def initialize_distributed() -> None:
-  """Joins a multi-host run (TPU pod, multi-node GPU) when the environment describes one.
-
-  TPU pods are detected by JAX itself; GPU clusters set JAX_COORDINATOR_ADDRESS,
-  JAX_NUM_PROCESSES and JAX_PROCESS_ID (the launch scripts export them). Single-host runs
-  are left alone.
-  """
-  if jax.distributed.is_initialized():
-    return
-  coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if coordinator:
-    jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAX_PROCESS_ID"]))
-  elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
-    jax.distributed.initialize()
-
-
 def make_mesh(config: MeshConfig = MeshConfig(),
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, tensor) mesh over `devices` (default: all devices)."""
+  """Builds the (data, fsdp, tensor) mesh over `devices` (default: all devices).
+
+  With several processes, devices are laid out process by process (each process's devices
+  are a contiguous block of the leading axes), so that each process owns whole rows of a
+  batch split over (data, fsdp) and feeds them from its own host.
+  """
   devices = list(jax.devices() if devices is None else devices)
   shape = config.resolve(len(devices))
+  if len({d.process_index for d in devices}) > 1:
+    grid = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
   try:
     from jax.experimental import mesh_utils
     grid = mesh_utils.create_device_mesh(shape, devices=devices)

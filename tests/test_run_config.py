@@ -49,7 +49,7 @@ def _with(overrides, devices=1):
   for key, value in overrides.items():
     section, field = key.split(".")
     config[section][field] = value
-  return run_config.resolve(config, num_devices=devices)
+  return run_config.resolve(config, num_devices=devices, local_devices=devices)
 
 
 @pytest.mark.parametrize("overrides,devices,message", [
@@ -66,6 +66,9 @@ def _with(overrides, devices=1):
      r"divisible by the mesh's data axis \(4\)"),
     ({"mesh.tensor": 3}, 8, r"config.mesh: .*8 devices are not divisible by 3"),
     ({"engine.num_slots": 12}, 8, r"config.engine.num_slots: 12 slots do not split"),
+    ({"sampler_mesh.tensor": 3}, 8, r"config.sampler_mesh.tensor: 3 does not divide the 8 "
+                                    r"devices of a host"),
+    ({"sampler_mesh.param_dtype": "fp8"}, 1, r"config.sampler_mesh: .*param_dtype='fp8'"),
 ])
 def test_bad_configs_name_the_key(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):

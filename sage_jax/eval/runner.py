@@ -11,6 +11,10 @@ conversation, decoded) and library_<split>.json (the final library). The policy 
 model through the sampler engine, or the scripted expert (`eval.policy="scripted"`), which
 runs the gold solutions in the skill format.
 
+With several processes, each runs its share of the scenarios on its own pool and sampler;
+the records are gathered and process 0 writes the reports (AppWorld's own scores are
+computed by each process on its outputs and combined, weighted by tasks and scenarios).
+
 Config sections: eval (EvalConfig), agent (AgentConfig), retrieval (RetrievalConfig), pool
 (EnvPoolConfig), model (ModelSpec), engine (the sampler's EngineConfig).
 """
@@ -25,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sage_jax import configurable
+from sage_jax import configurable, multihost
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.expert import ScriptedPolicy
 from sage_jax.agent.library import SkillLibrary
@@ -72,9 +76,9 @@ def data_root(config: EvalConfig) -> str:
 
 async def run_scenarios(ctx: rollout.RolloutContext, task_ids: Sequence[str], *,
                         experiment: str, library: SkillLibrary, max_concurrent: int = 0,
-                        seed: int = 0) -> list[EpisodeRecord]:
+                        seed: int = 0, first_index: int = 0) -> list[EpisodeRecord]:
   """Every scenario of `task_ids` (tasks in order) with one shared library; records in
-  split order."""
+  split order. Scenario i is number `first_index + i` of the split (its group and seed)."""
   chains = rollout.scenario_chains(task_ids)
   limit = max_concurrent or len(chains)
   semaphore = asyncio.Semaphore(limit)
@@ -84,7 +88,7 @@ async def run_scenarios(ctx: rollout.RolloutContext, task_ids: Sequence[str], *,
       return await rollout.run_chain(ctx, chain, group=index, rollout=0, experiment=experiment,
                                      library=library, seed=seed * 1_000_003 + index)
 
-  results = await asyncio.gather(*(one(i, c) for i, c in enumerate(chains)))
+  results = await asyncio.gather(*(one(i, c) for i, c in enumerate(chains, first_index)))
   by_task = {r.task_id: r for chain in results for r in chain}
   return [by_task[t] for c in chains for t in c.task_ids]
 
@@ -117,6 +121,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   if ev.max_scenarios:
     keep = list(appworld.group_by_scenario(task_ids))[:ev.max_scenarios]
     task_ids = [t for t in task_ids if appworld.scenario_id(t) in keep]
+  scenarios = list(appworld.group_by_scenario(task_ids).values())
+  share = multihost.share(len(scenarios))
+  own_task_ids = [t for ids in scenarios[share] for t in ids]
   tokenizer = tokenizer or Tokenizer()
   driver = model = None
   if policy is None:
@@ -137,8 +144,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   max_concurrent = ev.max_concurrent_scenarios or (
       0 if retrieval_cfg.strategy in ("same_scenario", "none") else 1)
   pool_cfg = s["pool"]
-  if pool is None and pool_cfg.outputs_root is None:
-    pool_cfg = dataclasses.replace(pool_cfg, outputs_root=os.path.join(workdir, "appworld"))
+  if pool is None:  # several processes: each pool keeps its outputs on its own host
+    pool_cfg = dataclasses.replace(pool_cfg, outputs_root=multihost.outputs_root(
+        pool_cfg.outputs_root, os.path.join(workdir, "appworld")))
   pool_cfg = dataclasses.replace(pool_cfg, appworld_root=root)
   library = SkillLibrary()
   started = time.time()
@@ -147,21 +155,26 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
     if own_pool:
       pool = appworld.EnvPool(pool_cfg).start()
     ctx = rollout.RolloutContext(policy, pool, tokenizer, agent_cfg, retriever, root)
-    records = asyncio.run(run_scenarios(ctx, task_ids, experiment=ev.experiment,
+    records = asyncio.run(run_scenarios(ctx, own_task_ids, experiment=ev.experiment,
                                         library=library, max_concurrent=max_concurrent,
-                                        seed=ev.seed))
+                                        seed=ev.seed, first_index=share.start))
+    if ev.appworld_check:
+      own_scores = (metrics_lib.appworld_scores(pool.outputs_root, ev.experiment, own_task_ids)
+                    if own_task_ids else None)
   finally:
     if own_pool and pool is not None:
       pool.close()
     if driver is not None:
       driver.close()
   elapsed = time.time() - started
+  records = [r for part in multihost.allgather_objects(records) for r in part]
   metrics = metrics_lib.evaluation_metrics(records)
   report = {"split": ev.split, "data_root": root, "experiment": ev.experiment,
             "policy": ev.policy, "retrieval": retrieval_cfg.strategy,
             "elapsed_s": elapsed, "metrics": metrics}
   if ev.appworld_check:
-    theirs = metrics_lib.appworld_scores(pool.outputs_root, ev.experiment, task_ids)
+    theirs = _combine_scores(multihost.allgather_objects(
+        (own_scores, len(own_task_ids), len(scenarios[share]))))
     report["appworld"] = theirs
     ours = metrics["overall"]
     if (abs(theirs["task_goal_completion"] - ours["tgc"]) > 0.05
@@ -170,6 +183,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
                          f"{ours['tgc']}/{ours['sgc']}, AppWorld's {theirs}")
   report["config"] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   report["records"] = [r.summary() for r in records]
+  skills = [s for part in multihost.allgather_objects(library.to_list()) for s in part]
+  if not multihost.is_lead():
+    return report
   name = f"eval_{ev.split}"
   with open(os.path.join(workdir, f"{name}.json"), "w") as f:
     json.dump(report, f, indent=2, default=str)
@@ -177,9 +193,20 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   with open(os.path.join(workdir, f"{name}.md"), "w") as f:
     f.write(metrics_lib.markdown_table(metrics, title))
   with open(os.path.join(workdir, f"library_{ev.split}.json"), "w") as f:
-    json.dump(library.to_list(), f, indent=2)
+    json.dump(skills, f, indent=2)
   with open(os.path.join(workdir, f"transcripts_{ev.split}.jsonl"), "w") as f:
     for r in records:
       f.write(json.dumps({"task_id": r.task_id, "success": r.success,
                           "conversation": tokenizer.decode(r.tokens.tolist())}) + "\n")
   return report
+
+
+def _combine_scores(parts: Sequence[tuple[dict | None, int, int]]) -> dict:
+  """AppWorld's TGC and SGC over every process's tasks: per-process scores weighted by
+  their tasks and scenarios."""
+  scored = [(s, tasks, scen) for s, tasks, scen in parts if s is not None]
+  if len(scored) == 1:
+    return scored[0][0]
+  mean = lambda key, i: (sum(p[0][key] * p[i] for p in scored) / max(sum(p[i] for p in scored), 1))
+  return {"task_goal_completion": mean("task_goal_completion", 1),
+          "scenario_goal_completion": mean("scenario_goal_completion", 2)}

@@ -26,13 +26,19 @@ rows), so a run compiles one train step per bucket and never again after warm-up
 Normalisation. Per-token loss weights are computed here over the whole batch, so the loss of
 a batch is `sum(weights * per_token_loss)` whatever the micro-batch split: gradient
 accumulation over micro-batches is exact.
+
+Several processes. Each process packs its own sequences into its own rows of the global
+batch. Given `allgather` (e.g. `multihost.allgather`), the processes agree on one layout
+(row length, rows per process, micro-batches) from the rows each would need per bucket, and
+the weights use the global token and sequence counts: the global batch has exactly the loss
+of one process packing every sequence.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -201,7 +207,8 @@ def _read(record: Any, index: int, need_advantage: bool) -> _Seq:
 
 
 def loss_weights(masks: Sequence[np.ndarray], aggregation: str = "token-mean",
-                 norm_constant: float | None = None) -> list[np.ndarray]:
+                 norm_constant: float | None = None, *, total_tokens: float | None = None,
+                 num_sequences: int | None = None) -> list[np.ndarray]:
   """Each sequence's per-token weight so that the batch loss is sum(weight * token_loss).
 
   token-mean: every masked token of the batch counts the same (1 / masked tokens of the batch).
@@ -209,14 +216,15 @@ def loss_weights(masks: Sequence[np.ndarray], aggregation: str = "token-mean",
   seq-mean-token-sum-norm (Dr.GRPO): each sequence's token sum divided by a constant
     (`norm_constant`, e.g. the generation budget), then the mean over sequences.
   A sequence without masked tokens contributes nothing (and still counts as a sequence in
-  the sequence means).
+  the sequence means). `total_tokens` / `num_sequences` are the batch's counts when `masks`
+  are one process's part of it (default: the counts of `masks`).
   """
   masks = [np.asarray(m, np.float32) for m in masks]
-  n = len(masks)
-  if not n:
+  n = len(masks) if num_sequences is None else num_sequences
+  if not masks:
     return []
   if aggregation == "token-mean":
-    total = sum(float(m.sum()) for m in masks)
+    total = sum(float(m.sum()) for m in masks) if total_tokens is None else total_tokens
     return [m / total if total else m * 0 for m in masks]
   if aggregation == "seq-mean-token-mean":
     return [m / (n * m.sum()) if m.sum() else m * 0 for m in masks]
@@ -249,39 +257,65 @@ def _pack_rows(lengths: Sequence[int], row_len: int, pack: bool) -> list[list[in
   return rows
 
 
-def _choose_layout(lengths: Sequence[int], config: BatchConfig):
-  longest = max(lengths)
-  candidates = [b for b in config.length_buckets if b >= longest]
-  if not candidates:
-    raise ValueError(f"a sequence needs {longest} positions (length - 1), more than the "
-                     f"largest length bucket {config.length_buckets[-1]}")
-  for row_len in candidates:
-    rows = _pack_rows(lengths, row_len, config.pack)
-    r = config.rows_per_micro_batch(row_len)
-    if len(rows) <= config.num_micro_batches * r:
-      return row_len, r, config.num_micro_batches, rows
+def _rows_per_process(config: BatchConfig, row_len: int, num_processes: int) -> int:
+  """Rows of one process in a micro-batch: the global rows rounded up to split evenly."""
+  rows = config.rows_per_micro_batch(row_len)
+  step = math.lcm(config.row_multiple, num_processes)
+  return -(-rows // step) * step // num_processes
+
+
+def _choose_layout(lengths: Sequence[int], config: BatchConfig,
+                   allgather: Callable[[np.ndarray], np.ndarray] | None):
+  """(row_len, rows per process per micro-batch, micro-batches, processes, this process's
+  rows as lists of sequence indices)."""
+  buckets = config.length_buckets
+  packed = {b: _pack_rows(lengths, b, config.pack) for b in buckets
+            if not lengths or b >= max(lengths)}
+  needed = np.asarray([len(packed[b]) if b in packed else -1 for b in buckets], np.int64)
+  every = needed[None] if allgather is None else np.asarray(allgather(needed))
+  num_processes = every.shape[0]
+  fits = [i for i, b in enumerate(buckets) if (every[:, i] >= 0).all()]
+  if not fits:
+    raise ValueError(f"a sequence needs {max(lengths) if lengths else 0} positions "
+                     f"(length - 1), more than the largest length bucket {buckets[-1]}")
+  layouts = []
+  for i in fits:
+    r = _rows_per_process(config, buckets[i], num_processes)
+    m = max(config.num_micro_batches, -(-int(every[:, i].max()) // r))
+    layouts.append((buckets[i], r, m))
+  for row_len, r, m in layouts:  # the shortest rows that fit in num_micro_batches
+    if m == config.num_micro_batches:
+      return row_len, r, m, num_processes, packed.get(row_len, [])
   # Nothing fits in num_micro_batches: more micro-batches, with the layout that has the fewest
   # positions (ties: the shorter rows).
-  best = None
-  for row_len in candidates:
-    rows = _pack_rows(lengths, row_len, config.pack)
-    r = config.rows_per_micro_batch(row_len)
-    m = -(-len(rows) // r)
-    if best is None or m * r * row_len < best[2] * best[1] * best[0]:
-      best = (row_len, r, m, rows)
-  return best
+  row_len, r, m = min(layouts, key=lambda lay: (lay[2] * lay[1] * lay[0], lay[0]))
+  return row_len, r, m, num_processes, packed.get(row_len, [])
 
 
 def make_batch(records: Sequence[Any], config: BatchConfig = BatchConfig(), *,
                aggregation: str = "token-mean", norm_constant: float | None = None,
-               need_advantage: bool = True) -> tuple[TrainBatch, BatchInfo]:
-  """Packs `records` into one numpy `TrainBatch` [M, R, T] plus where each one landed."""
-  if not records:
+               need_advantage: bool = True,
+               allgather: Callable[[np.ndarray], np.ndarray] | None = None
+               ) -> tuple[TrainBatch, BatchInfo]:
+  """Packs `records` into one numpy `TrainBatch` [M, R, T] plus where each one landed.
+
+  With `allgather` (one call per process, same order everywhere), `records` are this
+  process's part of the batch and the result is its rows [M, R / processes, T] of the global
+  batch; BatchInfo's counts are then global. A process may then have no records.
+  """
+  if not records and allgather is None:
     raise ValueError("make_batch needs at least one sequence")
   seqs = [_read(r, i, need_advantage) for i, r in enumerate(records)]
   lengths = [s.tokens.shape[0] - 1 for s in seqs]
-  row_len, r, m, rows = _choose_layout(lengths, config)
-  weights = loss_weights([s.mask[1:] for s in seqs], aggregation, norm_constant)
+  masks = [s.mask[1:] for s in seqs]
+  counts = np.asarray([sum(float(m.sum()) for m in masks), len(seqs), sum(lengths)],
+                      np.float64)
+  if allgather is not None:
+    counts = np.asarray(allgather(counts)).sum(0)
+  loss_tokens, num_sequences, real_positions = float(counts[0]), int(counts[1]), int(counts[2])
+  row_len, r, m, num_processes, rows = _choose_layout(lengths, config, allgather)
+  weights = loss_weights(masks, aggregation, norm_constant, total_tokens=loss_tokens,
+                         num_sequences=num_sequences)
 
   shape = (m * r, row_len)
   out = {f: np.zeros(shape, np.int32) for f in _FIELDS_INT}
@@ -304,9 +338,9 @@ def make_batch(records: Sequence[Any], config: BatchConfig = BatchConfig(), *,
       placements[i] = Placement(row // r, row % r, offset, n)
       offset += n
   batch = TrainBatch(**{k: v.reshape(m, r, row_len) for k, v in out.items()})
-  info = BatchInfo(placements=tuple(placements), num_sequences=len(seqs),
-                   real_positions=int(sum(lengths)), total_positions=m * r * row_len,
-                   loss_tokens=int(sum(s.mask[1:].sum() for s in seqs)))
+  info = BatchInfo(placements=tuple(placements), num_sequences=num_sequences,
+                   real_positions=real_positions,
+                   total_positions=m * r * num_processes * row_len, loss_tokens=int(loss_tokens))
   return batch, info
 
 

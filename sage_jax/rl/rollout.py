@@ -177,20 +177,23 @@ class RolloutBatch:
 
 
 async def run_groups(ctx: RolloutContext, chains: Sequence[Chain], config: RolloutConfig,
-                     *, initial_library: SkillLibrary | None = None) -> RolloutBatch:
+                     *, initial_library: SkillLibrary | None = None,
+                     first_group: int = 0) -> RolloutBatch:
   """G rollouts of every chain, all concurrently; each rollout gets its own library (a copy
-  of `initial_library`, empty by default; none in single-task mode)."""
+  of `initial_library`, empty by default; none in single-task mode). Chain i is group
+  `first_group + i`: its records, experiment names and seeds (so that the processes of a
+  multi-host run, each given its own share of a step's chains, never collide)."""
   libraries = [[None if config.single_task else
                 (initial_library.copy() if initial_library is not None else SkillLibrary())
                 for _ in range(config.group_size)] for _ in chains]
   jobs = []
-  for g, chain in enumerate(chains):
+  for g, chain in enumerate(chains, start=first_group):
     if config.single_task:
       chain = Chain(chain.scenario, chain.task_ids[:1])
     for r in range(config.group_size):
       jobs.append(run_chain(ctx, chain, group=g, rollout=r,
                             experiment=f"{config.experiment_prefix}_g{g}_r{r}",
-                            library=libraries[g][r],
+                            library=libraries[g - first_group][r],
                             seed=config.seed * 1_000_003 + g * 1009 + r))
   results = await asyncio.gather(*jobs)
   it = iter(results)
@@ -211,9 +214,9 @@ def score(batch: RolloutBatch, reward: rewards_lib.RewardConfig,
 def collect(ctx: RolloutContext, chains: Sequence[Chain], config: RolloutConfig,
             reward: rewards_lib.RewardConfig,
             advantage: advantages_lib.AdvantageConfig = advantages_lib.AdvantageConfig(),
-            ) -> RolloutBatch:
+            *, first_group: int = 0) -> RolloutBatch:
   """Synchronous entry for the trainer: runs the groups, then rewards and advantages."""
-  batch = asyncio.run(run_groups(ctx, chains, config))
+  batch = asyncio.run(run_groups(ctx, chains, config, first_group=first_group))
   score(batch, reward, advantage)
   return batch
 

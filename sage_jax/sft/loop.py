@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from sage_jax import multihost
 from sage_jax import sharding as shd
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl import batch as batch_lib
@@ -98,9 +99,11 @@ def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> l
 
 def sft_batch(examples: Sequence[Any], batch_config: batch_lib.BatchConfig,
               aggregation: str = "token-mean"):
-  """A packed TrainBatch of SFT examples (anything with `tokens` and `loss_mask`)."""
-  return batch_lib.make_batch(examples, batch_config, aggregation=aggregation,
-                              need_advantage=False)
+  """This process's rows of the packed TrainBatch of SFT examples (anything with `tokens`
+  and `loss_mask`): every process passes the same examples and packs its own share."""
+  own = list(examples)[multihost.share(len(examples))]
+  return batch_lib.make_batch(own, batch_config, aggregation=aggregation,
+                              need_advantage=False, allgather=multihost.allgather)
 
 
 def evaluate_nll(trainer: Trainer, examples: Sequence[Any], batch_config: batch_lib.BatchConfig,
@@ -112,7 +115,8 @@ def evaluate_nll(trainer: Trainer, examples: Sequence[Any], batch_config: batch_
     logprobs = trainer.logprobs(batch)
     total_nll -= float(np.sum(logprobs * batch.loss_mask))
     total_tokens += float(np.sum(batch.loss_mask))
-  return {"nll": total_nll / max(total_tokens, 1.0), "tokens": total_tokens}
+  total_nll, total_tokens = multihost.allgather(np.asarray([total_nll, total_tokens])).sum(0)
+  return {"nll": float(total_nll / max(total_tokens, 1.0)), "tokens": float(total_tokens)}
 
 
 def run_sft(trainer: Trainer, examples: Sequence[Any], *, config: SFTConfig = SFTConfig(),

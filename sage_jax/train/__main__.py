@@ -12,8 +12,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from sage_jax import pipeline
-from sage_jax import sharding as shd
+from sage_jax import multihost, pipeline
 
 
 # XLA:CPU's default schedule starts independent work early, which keeps every layer's
@@ -31,7 +30,7 @@ def main(argv) -> None:
     os.environ["XLA_FLAGS"] = f"{xla_flags} {CPU_REMAT_FLAG}".strip()
   if not flags.FLAGS["verbosity"].present:  # orbax logs every file at INFO
     absl_logging.set_verbosity(absl_logging.WARNING)
-  shd.initialize_distributed()
+  multihost.initialize()
   logging.getLogger("httpx").setLevel(logging.WARNING)
   print(config, flush=True)
   summary = pipeline.run(config, workdir)

@@ -6,7 +6,8 @@ order and randomness are pure functions of the step, so a resumed run repeats ex
 straight run would have done. After each step it logs metrics at `step + 1` (completed
 steps), evaluates every `eval_every` steps ("dev/<name>"), saves when due (every
 `save_every`, at evaluations, at the end), and on SIGTERM / SIGINT (or orbax's multi-host
-preemption notice) saves, waits for the save to land, and returns.
+preemption notice) saves, waits for the save to land, and returns. With several processes,
+a signal to any one of them stops all of them after the same step, with one checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 from flax import nnx
+
+from sage_jax import multihost
 
 from sage_jax.train.checkpoint import Checkpointer, PreemptionGuard
 from sage_jax.train.metrics import MetricsConfig, MetricsWriter
@@ -78,7 +81,9 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         t0 = time.perf_counter()
         values = dict(one_step(step, step_seed(seed, step)))
         if sync_params is not None:
+          t_sync = time.perf_counter()
           sync_params(trainer.params)
+          values["time/sync_s"] = time.perf_counter() - t_sync
         step += 1
         values["time/step_s"] = time.perf_counter() - t0
         dev = {}
@@ -92,8 +97,9 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         history.append(values)
         if on_step is not None:
           on_step(step, values)
-        preempted = guard.requested or (checkpointer is not None
-                                        and checkpointer.reached_preemption(step))
+        # Every process stops at the same step, whichever one was signalled.
+        preempted = multihost.any_process(guard.requested) or (
+            checkpointer is not None and checkpointer.reached_preemption(step))
         if checkpointer is not None and (checkpointer.should_save(step) or dev or preempted
                                          or step == total_steps):
           checkpointer.save(step, trainer.state,

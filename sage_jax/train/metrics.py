@@ -4,6 +4,7 @@
 `s` counting completed steps (1 = after the first update). A run resumed after `start_step`
 completed steps first drops the lines of later steps, which it will redo (TensorBoard purges
 them too), so the logs of an interrupted + resumed run read like those of a straight run.
+With several processes only process 0 writes (the values it gets are already global).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from typing import Any, Mapping
 
 import numpy as np
+
+from sage_jax import multihost
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -75,7 +78,8 @@ class MetricsWriter:
     self._jsonl = None
     self._tb = None
     self._bar = None
-    if config.log_dir:
+    lead = multihost.is_lead()
+    if config.log_dir and lead:
       os.makedirs(config.log_dir, exist_ok=True)
       if config.jsonl:
         path = os.path.join(config.log_dir, METRICS_FILE)
@@ -85,7 +89,7 @@ class MetricsWriter:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(os.path.join(config.log_dir, "tb"),
                                  purge_step=start_step + 1 if start_step else None)
-    if config.progress:
+    if config.progress and lead:
       from tqdm import tqdm
       self._bar = tqdm(total=total_steps, initial=start_step, desc=description,
                        dynamic_ncols=True, file=sys.stderr)

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from sage_jax import multihost
 from sage_jax import sharding as shd
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl import batch as batch_lib
@@ -164,6 +165,19 @@ def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
   return out
 
 
+def gather_episodes(episodes: Sequence[Any]) -> list[Any]:
+  """Every process's episodes, for metrics (per-token arrays left behind: they are large and
+  metrics read `generated_tokens` instead); the episodes themselves with one process."""
+  if jax.process_count() == 1:
+    return list(episodes)
+  empty = np.zeros(0, np.float32)
+  light = [dataclasses.replace(e, tokens=empty, loss_mask=empty, sampler_logprobs=empty,
+                               model_logprobs=empty, turns=[])
+           if dataclasses.is_dataclass(e) and _field(e, "generated_tokens") is not None
+           else e for e in episodes]
+  return [e for part in multihost.allgather_objects(light) for e in part]
+
+
 # --- Update ---------------------------------------------------------------------------------
 
 
@@ -179,7 +193,8 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
   for part in parts:
     batch, info = batch_lib.make_batch(part, batch_config,
                                        aggregation=grpo_config.loss_aggregation,
-                                       norm_constant=grpo_config.norm_constant)
+                                       norm_constant=grpo_config.norm_constant,
+                                       allgather=multihost.allgather)
     batches.append((batch, info))
   if grpo_config.recompute_old_logprobs:  # pi_old of every mini-batch before any update
     batches = [(b.replace(old_logprobs=trainer.logprobs(b)), i) for b, i in batches]
@@ -264,7 +279,7 @@ def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopC
     t1 = time.perf_counter()
     if score is not None:
       values.update(score(episodes) or {})
-    values.update(episode_metrics(episodes))
+    values.update(episode_metrics(gather_episodes(episodes)))
     t2 = time.perf_counter()
     values.update(grpo_update(trainer, episodes, grpo_config, batch_config, seed=seed,
                               reference_params=reference_params))

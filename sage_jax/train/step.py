@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -26,6 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from sage_jax import multihost
 from sage_jax import sharding as shd
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl.batch import TrainBatch
@@ -179,12 +181,31 @@ class Trainer:
   # --- Device -----------------------------------------------------------------------------
 
   def place_batch(self, batch: TrainBatch) -> TrainBatch:
-    """Puts a host batch on device, rows split over the data-parallel mesh axes."""
+    """Puts a host batch on device, rows split over the data-parallel mesh axes.
+
+    With several processes, `batch` is this process's rows of the global batch
+    (`rl.batch.make_batch(..., allgather=multihost.allgather)`), and the result is the
+    global batch they make together.
+    """
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, batch)
-    return jax.tree.map(
-        lambda x: jax.device_put(x, shd.named_sharding(BATCH_AXES, x.shape, self.mesh,
-                                                       self.rules)), batch)
+    processes = jax.process_count()
+
+    def place(x):
+      if isinstance(x, jax.Array):
+        return x
+      shape = (x.shape[0], x.shape[1] * processes, *x.shape[2:])
+      sharding = shd.named_sharding(BATCH_AXES, shape, self.mesh, self.rules)
+      split = sharding.spec[1] if len(sharding.spec) > 1 else None
+      axes = (split,) if isinstance(split, str) else tuple(split or ())
+      if processes > 1 and math.prod(self.mesh.shape[a] for a in axes) % processes:
+        raise ValueError(
+            f"a batch of {shape[1]} rows does not split over the mesh's batch axes "
+            f"(data x fsdp = {self.mesh.shape['data'] * self.mesh.shape['fsdp']}) across "
+            f"{processes} processes: make BatchConfig.row_multiple a multiple of data x fsdp")
+      return multihost.make_global(x, sharding)
+
+    return jax.tree.map(place, batch)
 
   def step(self, batch: TrainBatch) -> dict[str, jax.Array]:
     """One optimiser update on `batch` (host or device); returns device scalars."""
@@ -203,9 +224,10 @@ class Trainer:
 
   def logprobs(self, batch: TrainBatch, params: nnx.State | None = None) -> np.ndarray:
     """log pi(target) for every masked position of `batch` [M, R, T] (0 elsewhere) under
-    `params` (default: the current ones), e.g. pi_old recomputed or a frozen reference."""
+    `params` (default: the current ones), e.g. pi_old recomputed or a frozen reference.
+    With several processes: this process's rows, as `place_batch` took them."""
     params = self.state.params if params is None else params
-    return np.asarray(self._logprobs(params, self.place_batch(batch)))
+    return multihost.local_part(self._logprobs(params, self.place_batch(batch)))
 
   def step_temp_bytes(self, batch: TrainBatch) -> int:
     """Bytes of temporaries XLA plans for one step on `batch`'s shapes (activations, logits,

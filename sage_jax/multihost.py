@@ -1,0 +1,287 @@
+"""Multi-controller JAX: joining a run, host-local sampling meshes, and the few collectives
+that every process runs in the same order.
+
+Sampling is host-local and training is global (DESIGN.md, principle 6). Each process samples
+with its own copy of the weights on a mesh over its own devices, so continuous batching and
+AppWorld timing never make processes wait for each other; the cross-process steps are
+(1) the weight sync after an update (`WeightSync`), (2) the global train batch
+(`make_global`, with the layout agreed through `allgather`), (3) gathers of episode metrics
+and evaluation records (`allgather_objects`), and (4) the stop decision after each step
+(`any_process`). Each is a collective: every process calls it, in the same order.
+
+With one process every function here is the identity or a local device-to-device copy, so
+single-host runs pay nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import pickle
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sage_jax import sharding as shd
+
+# Environment our launchers (launch/local.py, launch/multinode.sh, launch/slurm.sbatch)
+# export for every process of a run.
+COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
+NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "JAX_PROCESS_ID"
+LOCAL_DEVICES_ENV = "SAGE_JAX_CPU_DEVICES"  # simulated CPU devices per process
+
+
+def initialize() -> None:
+  """Joins a multi-process run when the environment describes one; a no-op otherwise.
+
+  - our launchers: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
+  - Cloud TPU VMs (TPU_WORKER_HOSTNAMES with several hosts, or Megascale) and SLURM jobs of
+    several tasks: JAX's own detection;
+  - on CPU (simulated devices, one machine), collectives go over gloo.
+  Every entry point calls this first; a single process runs exactly as before.
+  """
+  if jax.distributed.is_initialized():
+    return
+  coordinator = os.environ.get(COORDINATOR_ENV)
+  tpu_hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+  if coordinator:
+    num_processes = int(os.environ[NUM_PROCESSES_ENV])
+    if num_processes <= 1:
+      return
+    _use_cpu_collectives_if_cpu()
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=int(os.environ[PROCESS_ID_ENV]))
+  elif "," in tpu_hosts or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS") or slurm_tasks > 1:
+    jax.distributed.initialize()
+  else:
+    return
+  logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def _use_cpu_collectives_if_cpu() -> None:
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms == "cpu" or os.environ.get(LOCAL_DEVICES_ENV):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def is_lead() -> bool:
+  """Whether this process writes the run's files (metrics, reports, exports)."""
+  return jax.process_index() == 0
+
+
+def share(n: int, index: int | None = None, count: int | None = None) -> slice:
+  """The contiguous part of `n` items that process `index` (default: this one) handles."""
+  index = jax.process_index() if index is None else index
+  count = jax.process_count() if count is None else count
+  bounds = np.linspace(0, n, count + 1).round().astype(int)
+  return slice(int(bounds[index]), int(bounds[index + 1]))
+
+
+def outputs_root(configured: str | None, run_default: str) -> str | None:
+  """Where this process's AppWorld pool writes. One process: `configured`, else the run's
+  default (under its workdir). Several: `configured`/process_<i> when set, else None (the
+  pool's own temporary directory on this host), so that hosts never share an experiment
+  directory."""
+  if jax.process_count() == 1:
+    return configured or run_default
+  if configured:
+    return os.path.join(configured, f"process_{jax.process_index()}")
+  return None
+
+
+# --- Collectives ----------------------------------------------------------------------------
+
+
+def allgather(values: np.ndarray) -> np.ndarray:
+  """[P, *shape]: `values` (same shape and dtype on every process) of every process."""
+  values = np.asarray(values)
+  if jax.process_count() == 1:
+    return values[None]
+  return np.asarray(multihost_utils.process_allgather(values, tiled=False))
+
+
+def any_process(flag: bool) -> bool:
+  """True on every process when `flag` is true on any (e.g. a SIGTERM on one host)."""
+  return bool(allgather(np.asarray([int(bool(flag))], np.int32)).any())
+
+
+def allgather_objects(value: Any) -> list[Any]:
+  """Every process's picklable `value`, in process order (two small collectives)."""
+  if jax.process_count() == 1:
+    return [value]
+  data = np.frombuffer(pickle.dumps(value), np.uint8)
+  sizes = allgather(np.asarray([data.size], np.int64))[:, 0]
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  gathered = allgather(padded)
+  return [pickle.loads(gathered[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
+
+
+def sync_barrier(name: str) -> None:
+  """All processes reach this point before any goes on (e.g. before reading a file that
+  process 0 wrote)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+# --- Meshes ---------------------------------------------------------------------------------
+
+
+def _process_devices(index: int) -> list[jax.Device]:
+  return sorted((d for d in jax.devices() if d.process_index == index), key=lambda d: d.id)
+
+
+def host_grids(config: shd.MeshConfig) -> np.ndarray:
+  """[P, data, fsdp, tensor]: process p's devices laid out as its sampling mesh."""
+  grids = []
+  for p in range(jax.process_count()):
+    devices = _process_devices(p)
+    grids.append(np.asarray(devices, dtype=object).reshape(config.resolve(len(devices))))
+  return np.stack(grids)
+
+
+def local_mesh(config: shd.MeshConfig) -> Mesh:
+  """This process's sampling mesh: its own devices only, so nothing it runs is a
+  cross-process collective."""
+  grid = host_grids(config)[jax.process_index()]
+  return Mesh(grid, shd.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+SAMPLING_DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerMeshConfig:
+  """Where each process keeps its sampling copy of the weights. tensor: the tensor-parallel
+  size of the copy within one host (the host's other devices split the sampler's slots).
+  param_dtype: "auto" (bfloat16 on accelerators, the training dtype on CPU), "float32" or
+  "bfloat16"."""
+
+  tensor: int = 1
+  param_dtype: str = "auto"
+
+  def __post_init__(self):
+    if self.tensor < 1:
+      raise ValueError(f"tensor must be >= 1, got {self.tensor}")
+    if self.param_dtype not in SAMPLING_DTYPES:
+      raise ValueError(f"param_dtype={self.param_dtype!r}; expected one of {SAMPLING_DTYPES}")
+
+  def mesh(self) -> shd.MeshConfig:
+    return shd.MeshConfig(data=-1, fsdp=1, tensor=self.tensor)
+
+
+# --- Weight sync ----------------------------------------------------------------------------
+
+
+def sampling_dtype(name: str) -> jnp.dtype | None:
+  """The sampling copy's dtype: "auto" is bfloat16 on accelerators and the training dtype on
+  CPU (XLA:CPU has no fast bf16 matmul); "float32" / "bfloat16" force it."""
+  if name == "auto":
+    return None if jax.default_backend() == "cpu" else jnp.bfloat16
+  return jnp.dtype(name)
+
+
+class WeightSync:
+  """Turns the trainer's parameters (float, sharded over every process's devices) into this
+  process's sampling copy (sampling dtype, sharded over its local mesh).
+
+  One jitted reshard onto a mesh of shape [processes, *local mesh] whose spec leaves the
+  process axis out: XLA gathers what each host lacks, in one collective step that every
+  process runs, and each process keeps the shards that live on its own devices. With one
+  process, a matching sharding and dtype, the parameters are handed over as they are.
+  """
+
+  def __init__(self, params: nnx.State, config: SamplerMeshConfig = SamplerMeshConfig(),
+               rules: shd.ShardingRules = shd.ShardingRules()):
+    mesh_config = config.mesh()
+    local = jax.local_device_count()
+    if local % config.tensor:
+      raise ValueError(f"sampler_mesh.tensor={config.tensor} does not divide this host's "
+                       f"{local} devices")
+    self.mesh = local_mesh(mesh_config)
+    self.dtype = sampling_dtype(config.param_dtype)
+    self.local_shardings = shd.state_shardings(params, self.mesh, rules)
+    grids = host_grids(mesh_config)
+    self._sync_mesh = Mesh(grids, ("process", *shd.MESH_AXES),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    self._sync_shardings = jax.tree.map(
+        lambda s: NamedSharding(self._sync_mesh, PartitionSpec(*s.spec)),
+        self.local_shardings)
+    self._reshard = jax.jit(self._cast, out_shardings=self._sync_shardings)
+
+  def _cast(self, params: nnx.State) -> nnx.State:
+    if self.dtype is None:
+      return params
+    return jax.tree.map(lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, params)
+
+  def __call__(self, params: nnx.State) -> nnx.State:
+    if jax.process_count() == 1 and self._is_local_copy(params):
+      return params
+    synced = self._reshard(params)
+    return jax.tree.map(self._local_part, synced, self.local_shardings)
+
+  def _is_local_copy(self, params: nnx.State) -> bool:
+    leaves, targets = jax.tree.leaves(params), jax.tree.leaves(self.local_shardings)
+    return all((self.dtype is None or x.dtype == self.dtype)
+               and isinstance(x.sharding, NamedSharding)
+               and x.sharding.mesh.devices.tolist() == self.mesh.devices.tolist()
+               and x.sharding.spec == t.spec for x, t in zip(leaves, targets))
+
+  @staticmethod
+  def _local_part(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    shards = [s.data for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+  def check_copies_agree(self, copy: nnx.State) -> None:
+    """Raises unless every process's sampling copy holds the same values (a fingerprint of
+    each array, gathered), e.g. after the sync of every step."""
+    if jax.process_count() == 1:
+      return
+    fingerprint = np.asarray([float(jnp.sum(x.astype(jnp.float32)))
+                              for x in jax.tree.leaves(copy)], np.float64)
+    every = allgather(fingerprint)
+    if not (every == every[0]).all():
+      raise RuntimeError("the processes' sampling copies of the weights differ after the "
+                         "weight sync: the processes have diverged")
+
+
+# --- Global batches -------------------------------------------------------------------------
+
+
+def make_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A global array from each process's part of it (rows of the process's devices)."""
+  if jax.process_count() == 1:
+    return jax.device_put(local, sharding)
+  return jax.make_array_from_process_local_data(sharding, local)
+
+
+def local_part(x: jax.Array) -> np.ndarray:
+  """This process's part of a global array, as `make_global` took it (host copy)."""
+  if jax.process_count() == 1 or x.is_fully_addressable:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.global_array_to_host_local_array(
+      x, x.sharding.mesh, x.sharding.spec))
+
+
+def check_batch_split(mesh: Mesh, batch_axes: Sequence[str]) -> None:
+  """Each process must own distinct rows of the global batch: the mesh axes that split rows
+  must be a multiple of the process count, with processes outermost."""
+  count = jax.process_count()
+  rows_split = math.prod(mesh.shape[a] for a in batch_axes)
+  if count > 1 and rows_split % count:
+    raise ValueError(
+        f"{count} processes cannot each own rows of the train batch: its rows split over the "
+        f"mesh axes {tuple(batch_axes)} of size {rows_split}, which is not a multiple of "
+        f"{count}. Put the devices of different hosts on the data or fsdp axis "
+        f"(e.g. --config.mesh.tensor=<devices per host or fewer>).")

@@ -1,0 +1,114 @@
+"""A small GRPO job that tests run as one or several JAX processes (launch/local.py).
+
+  python tests/multihost_job.py --out=DIR [--steps=N] [--step_sleep_s=S] [--ckpt=DIR]
+
+A tiny Qwen2 (vocabulary 256) on a global (fsdp) mesh over every process's devices; each step
+draws a fixed global batch of synthetic episodes from (seed, step), every process packs its
+own share, and the GRPO update runs on the global batch; then the weights are synced into
+each process's sampling copy. Process 0 writes DIR/result.json (the loop's steps, the loss
+per step) and DIR/params.npz (the final parameters, gathered); every process writes
+DIR/copy_<i>.json, the fingerprint of its sampling copy after each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sage_jax import multihost  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
+_STEPS = flags.DEFINE_integer("steps", 1, "Loop steps.")
+_SLEEP = flags.DEFINE_float("step_sleep_s", 0.0, "Seconds each step sleeps (a slow rollout).")
+_CKPT = flags.DEFINE_string("ckpt", "", "Checkpoint directory (resumes from it).")
+_SEQUENCES = 12
+
+
+def episodes(step: int):
+  """The step's global batch: sequences of different lengths, masks and advantages."""
+  import numpy as np  # noqa: PLC0415
+
+  rng = np.random.default_rng([7, step])
+  out = []
+  for i in range(_SEQUENCES):
+    n = int(rng.integers(20, 90))
+    mask = (rng.random(n) < 0.6).astype(np.int8)
+    mask[0] = 0
+    lp = np.where(mask, -rng.random(n) * 3, 0).astype(np.float32)
+    out.append({"tokens": rng.integers(0, 256, n), "loss_mask": mask, "sampler_logprobs": lp,
+                "model_logprobs": lp, "advantage": float(rng.normal()) if i % 5 else 0.0})
+  return out
+
+
+def main(argv):
+  del argv
+  multihost.initialize()
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  from sage_jax import sharding as shd  # noqa: PLC0415
+  from sage_jax.checkpoint.loader import init_model  # noqa: PLC0415
+  from sage_jax.model.config import get_preset  # noqa: PLC0415
+  from sage_jax.rl import batch as batch_lib  # noqa: PLC0415
+  from sage_jax.rl import grpo  # noqa: PLC0415
+  from sage_jax.train import checkpoint, rl_loop  # noqa: PLC0415
+  from sage_jax.train.loop import run_steps  # noqa: PLC0415
+  from sage_jax.train.metrics import MetricsConfig  # noqa: PLC0415
+  from sage_jax.train.optimizer import OptimizerConfig  # noqa: PLC0415
+
+  os.makedirs(_OUT.value, exist_ok=True)
+  mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
+  cfg = get_preset("tiny", vocab_size=256)
+  model = shd.create_sharded(lambda: init_model(cfg, seed=0), mesh)
+  trainer = rl_loop.grpo_trainer(model, grpo.GRPOConfig(), OptimizerConfig(learning_rate=1e-2),
+                                 mesh=mesh)
+  sync = multihost.WeightSync(nnx.state(model))
+  batch_config = batch_lib.BatchConfig(micro_batch_tokens=256, num_micro_batches=2,
+                                       length_buckets=(32, 64, 128),
+                                       row_multiple=mesh.shape["fsdp"])
+  fingerprints = []
+
+  def sync_params(params):
+    copy = sync(params)
+    sync.check_copies_agree(copy)
+    fingerprints.append([float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(copy)])
+
+  def one_step(step, seed):
+    del seed
+    time.sleep(_SLEEP.value)
+    mine = episodes(step)[multihost.share(_SEQUENCES)]
+    return rl_loop.grpo_update(trainer, mine, grpo.GRPOConfig(), batch_config)
+
+  checkpointer = (checkpoint.Checkpointer(checkpoint.CheckpointConfig(
+      directory=_CKPT.value, save_every=1000, keep_last=5, keep_best=0, async_save=False))
+      if _CKPT.value else None)
+  result = run_steps(trainer, one_step, total_steps=_STEPS.value, sync_params=sync_params,
+                     checkpointer=checkpointer,
+                     metrics=MetricsConfig(log_dir=_OUT.value, progress=False,
+                                           tensorboard=False))
+  if checkpointer is not None:
+    checkpointer.close()
+  with open(os.path.join(_OUT.value, f"copy_{jax.process_index()}.json"), "w") as f:
+    json.dump(fingerprints, f)
+  flat = {"/".join(str(k) for k in path): np.asarray(
+      multihost_utils.process_allgather(x, tiled=True))
+          for path, x in jax.tree_util.tree_leaves_with_path(trainer.params)}
+  if multihost.is_lead():
+    np.savez(os.path.join(_OUT.value, "params.npz"), **flat)
+    with open(os.path.join(_OUT.value, "result.json"), "w") as f:
+      json.dump({"start_step": result.start_step, "end_step": result.end_step,
+                 "preempted": result.preempted,
+                 "loss": [h.get("loss") for h in result.history],
+                 "processes": jax.process_count(), "devices": jax.device_count()}, f)
+
+
+if __name__ == "__main__":
+  app.run(main)
