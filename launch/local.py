@@ -47,7 +47,6 @@ def device_env(cpu_devices: int = 0, gpus: str | None = None) -> dict[str, str]:
   if cpu_devices:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
     env["JAX_PLATFORMS"] = "cpu"
-    env["SAGE_JAX_CPU_DEVICES"] = str(cpu_devices)
   if gpus is not None:
     env["CUDA_VISIBLE_DEVICES"] = gpus
   return env
@@ -69,9 +68,10 @@ def free_port() -> int:
 def run_processes(cmd: list[str], envs: list[dict[str, str]], log_dir: str) -> int:
   """Starts one process per environment and waits for all; returns the first non-zero exit
   code (0 if all succeed)."""
-  os.makedirs(log_dir, exist_ok=True)
   procs = []
   for i, env in enumerate(envs):
+    if i:
+      os.makedirs(log_dir, exist_ok=True)
     out = None if i == 0 else open(os.path.join(log_dir, f"process_{i}.log"), "w")
     procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out,
                                   stderr=subprocess.STDOUT if out else None))
@@ -120,15 +120,11 @@ def main(argv):
                                python=sys.executable)
   if FLAGS.num_processes < 1:
     raise app.UsageError(f"--num_processes must be >= 1, got {FLAGS.num_processes}")
-  if FLAGS.num_processes == 1:
-    if FLAGS.dry_run:
-      prefix = [f"{k}={v}" for k, v in env.items()]
-      print(common.show([(["env", *prefix] if prefix else []) + cmd]))
-      return
-    raise SystemExit(subprocess.call(cmd, env={**os.environ, **env}))
-  envs = process_envs(FLAGS.num_processes, FLAGS.port or free_port(), env)
+  envs = ([env] if FLAGS.num_processes == 1 else
+          process_envs(FLAGS.num_processes, FLAGS.port or free_port(), env))
   if FLAGS.dry_run:
-    print(common.show([["env", *(f"{k}={v}" for k, v in e.items())] + cmd for e in envs]))
+    print(common.show([(["env", *(f"{k}={v}" for k, v in e.items())] if e else []) + cmd
+                       for e in envs]))
     return
   log_dir = os.path.join(FLAGS.workdir or ".", "logs")
   raise SystemExit(run_processes(cmd, envs, log_dir))

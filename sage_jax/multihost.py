@@ -36,7 +36,6 @@ from sage_jax import sharding as shd
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAX_PROCESS_ID"
-LOCAL_DEVICES_ENV = "SAGE_JAX_CPU_DEVICES"  # simulated CPU devices per process
 
 
 def initialize() -> None:
@@ -69,8 +68,7 @@ def initialize() -> None:
 
 
 def _use_cpu_collectives_if_cpu() -> None:
-  platforms = os.environ.get("JAX_PLATFORMS", "")
-  if platforms == "cpu" or os.environ.get(LOCAL_DEVICES_ENV):
+  if os.environ.get("JAX_PLATFORMS", "") == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 

@@ -32,6 +32,24 @@ def test_local_dry_run():
                       "--workdir=runs/demo", "--config.rollout.group_size=4"]
 
 
+def test_local_multi_process_dry_run():
+  out = _run([sys.executable, "launch/local.py", "--num_processes=2", "--cpu_devices=2",
+              "--port=4321", "--config=configs/sage.py:demo", "--workdir=runs/demo2",
+              "--dry_run"])
+  lines = [shlex.split(line) for line in out.strip().splitlines()]
+  assert len(lines) == 2
+  for i, argv in enumerate(lines):
+    assert argv[:7] == ["env", "XLA_FLAGS=--xla_force_host_platform_device_count=2",
+                        "JAX_PLATFORMS=cpu", "JAX_COORDINATOR_ADDRESS=127.0.0.1:4321",
+                        "JAX_NUM_PROCESSES=2", f"JAX_PROCESS_ID={i}", sys.executable]
+    assert argv[7:] == ["-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                        "--workdir=runs/demo2"]
+  command = _run([sys.executable, "launch/local.py", "--num_processes=2", "--port=4321",
+                  "--dry_run", "--", "python", "-m", "sage_jax.generate", "--prompt=hi"])
+  assert command.splitlines()[1].endswith("JAX_PROCESS_ID=1 python -m sage_jax.generate "
+                                          "--prompt=hi")
+
+
 def test_tpu_pod_dry_run_prints_every_step():
   out = _run([sys.executable, "launch/tpu_pod.py", "--project=proj", "--zone=us-east5-a",
               "--tpu=sage-v5p", "--accelerator_type=v5p-64", "--create",
