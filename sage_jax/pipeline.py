@@ -45,6 +45,7 @@ from sage_jax.sft import data as sft_data
 from sage_jax.sft import expert as sft_expert
 from sage_jax.sft import loop as sft_loop
 from sage_jax.tokenizer import Tokenizer, ensure_qwen25_tokenizer_dir
+from sage_jax.tools import memory_plan
 from sage_jax.train import rl_loop
 from sage_jax.train.checkpoint import Checkpointer
 from sage_jax.train.metrics import MetricsConfig
@@ -60,6 +61,9 @@ def _done(path: str) -> dict | None:
 
 
 def _write_json(path: str, value: Any) -> None:
+  """Writes atomically, from process 0 only."""
+  if not multihost.is_lead():
+    return
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(value, f, indent=2, default=str)
@@ -72,10 +76,10 @@ class Pipeline:
   def __init__(self, config: Any, workdir: str):
     self.config = config
     self.run = run_config.resolve(config, jax.device_count(), jax.local_device_count())
+    memory_plan.check_fits(self.run, jax.local_devices()[0])
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    if jax.process_index() == 0:
-      _write_json(os.path.join(self.workdir, "config.json"), config.to_dict())
+    _write_json(os.path.join(self.workdir, "config.json"), config.to_dict())
     p = self.run.pipeline
     self.root = appworld.ensure_mini_world() if p.data == "mini" else os.path.abspath(p.data)
     self.mesh = shd.make_mesh(self.run.mesh)
@@ -256,6 +260,5 @@ def run(config: Any, workdir: str) -> dict:
     summary["plot"] = plot.plot_run(pipe.workdir)
   summary["elapsed_s"] = round(time.time() - started, 1)
   summary["table"] = summary_table(summary.get("before"), summary.get("after"))
-  if jax.process_index() == 0:
-    _write_json(os.path.join(pipe.workdir, "summary.json"), summary)
+  _write_json(os.path.join(pipe.workdir, "summary.json"), summary)
   return summary

@@ -40,3 +40,47 @@ def test_command_prints_json():
   result = json.loads(out.stdout)
   assert result["num_params"] == get_preset("qwen2.5-0.5b").num_params() == 494_032_768
   assert result["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+
+
+def _run(name, preset, hosts, devices_per_host):
+  from sage_jax import run_config  # noqa: PLC0415
+  from tests.test_run_config import _config  # noqa: PLC0415
+  return run_config.resolve(_config(name, preset), hosts * devices_per_host, devices_per_host)
+
+
+def test_run_plan_counts_the_sampler_kv_cache_reference_and_activations():
+  run = _run("sage", "qwen2.5-32b", hosts=8, devices_per_host=4)
+  result = memory_plan.run_plan(run, hosts=8, devices_per_host=4, device_memory_gib=95)
+  cfg = get_preset("qwen2.5-32b")
+  # KV cache: 32 slots x 16384 positions x 64 layers x (K and V) x 8 KV heads / 4-way tensor
+  # x 128 x bf16, the slots on one host's one data slice.
+  assert result.kv_cache_bytes_per_device == 32 * 16384 * 64 * 2 * 2 * 128 * 2
+  # The bf16 sampling copy, tensor-parallel over a host's 4 chips (norms replicated).
+  assert 2 * cfg.num_params() / 4 < result.sampler_copy_bytes_per_device < (
+      2 * cfg.num_params() / 4 * 1.01)
+  assert result.reference_bytes_per_device == 0 and result.activation_bytes_per_device > 0
+  assert result.fits
+  with_kl = _run("sage", "qwen2.5-32b", hosts=8, devices_per_host=4)
+  with_kl = with_kl.__class__(**{**with_kl.__dict__,
+                                 "grpo": with_kl.grpo.__class__(kl_coef=0.01)})
+  kl = memory_plan.run_plan(with_kl, hosts=8, devices_per_host=4, device_memory_gib=95)
+  assert kl.reference_bytes_per_device == result.train.params_bytes_per_device
+
+
+def test_the_32b_sampler_does_not_fit_one_chip_per_copy():
+  run = _run("sage", "qwen2.5-32b", hosts=8, devices_per_host=4)
+  one_chip = run.__class__(**{**run.__dict__,
+                              "sampler_mesh": run.sampler_mesh.__class__(tensor=1)})
+  result = memory_plan.run_plan(one_chip, hosts=8, devices_per_host=4, device_memory_gib=95)
+  assert result.fits is False
+
+
+def test_config_command_prints_the_run_plan():
+  out = subprocess.run(
+      [sys.executable, "-m", "sage_jax.tools.memory_plan", "--config=configs/sage.py:qwen2.5-7b",
+       "--hosts=1", "--devices_per_host=8", "--device_memory_gib=80"],
+      capture_output=True, text=True, check=True, timeout=300)
+  result = json.loads(out.stdout)
+  assert result["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2} and result["fits"] is True
+  assert set(result["gib_per_device"]) == {"params", "grads", "optimizer", "kl_reference",
+                                           "activations", "sampler_weights", "kv_cache", "total"}

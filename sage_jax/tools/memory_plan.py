@@ -1,10 +1,18 @@
-"""Per-device memory of a full fine-tuning state, computed from shapes alone.
+"""Per-device memory of a run, computed from shapes alone.
 
 `jax.eval_shape` builds the abstract model and AdamW state, the sharding rules give every
 array's PartitionSpec on an abstract mesh of the requested shape, and the bytes each device
 holds follow; nothing is allocated, so a 72B plan runs on a laptop.
 
   python -m sage_jax.tools.memory_plan --preset=qwen2.5-32b --mesh=1,64,1 --param_dtype=bfloat16
+  python -m sage_jax.tools.memory_plan --config=configs/sage.py:qwen2.5-32b --hosts=8 \
+      --devices_per_host=4 --device_memory_gib=95
+
+With --config, the plan covers the whole run on the named hardware: the train state (params,
+gradients, AdamW moments) on the training mesh over every device, the frozen KL reference
+when KL is on, the activations of one micro-batch (an estimate, see `activation_bytes`), and
+on each host the sampler's copy of the weights and its KV cache (slots x max_len), which
+live on the same devices as the train state.
 """
 
 from __future__ import annotations
@@ -89,22 +97,175 @@ def plan(cfg: Qwen2Config, mesh_shape: tuple[int, int, int],
       optimizer_bytes_per_device=opt_bytes)
 
 
-_PRESET = flags.DEFINE_string("preset", "qwen2.5-0.5b", "Model preset name.")
-_MESH = flags.DEFINE_string("mesh", "1,8,1", "Mesh shape data,fsdp,tensor.")
-_PARAM_DTYPE = flags.DEFINE_string("param_dtype", "float32", "Parameter (master) dtype.")
-_MU_DTYPE = flags.DEFINE_string("mu_dtype", None, "AdamW first-moment dtype (default: params').")
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """Bytes per device of a whole run (training and host-local sampling)."""
+
+  train: MemoryPlan
+  reference_bytes_per_device: int
+  activation_bytes_per_device: int
+  sampler_copy_bytes_per_device: int
+  kv_cache_bytes_per_device: int
+  device_memory_bytes: int | None
+
+  @property
+  def total_bytes_per_device(self) -> int:
+    return (self.train.total_bytes_per_device + self.reference_bytes_per_device
+            + self.activation_bytes_per_device + self.sampler_copy_bytes_per_device
+            + self.kv_cache_bytes_per_device)
+
+  @property
+  def fits(self) -> bool | None:
+    if self.device_memory_bytes is None:
+      return None
+    return self.total_bytes_per_device <= self.device_memory_bytes
+
+  def as_dict(self) -> dict:
+    gib = lambda b: round(b / 2**30, 2)
+    return {
+        "num_params": self.train.num_params, "mesh": self.train.mesh,
+        "gib_per_device": {
+            "params": gib(self.train.params_bytes_per_device),
+            "grads": gib(self.train.grads_bytes_per_device),
+            "optimizer": gib(self.train.optimizer_bytes_per_device),
+            "kl_reference": gib(self.reference_bytes_per_device),
+            "activations": gib(self.activation_bytes_per_device),
+            "sampler_weights": gib(self.sampler_copy_bytes_per_device),
+            "kv_cache": gib(self.kv_cache_bytes_per_device),
+            "total": gib(self.total_bytes_per_device)},
+        "device_memory_gib": None if self.device_memory_bytes is None
+        else gib(self.device_memory_bytes),
+        "fits": self.fits}
+
+
+def _shard(n: int, ways: int) -> int:
+  """Elements of a dimension of `n` per device when split `ways` ways (replicated if it does
+  not divide, as the sharding rules do)."""
+  return n // ways if ways > 1 and n % ways == 0 else n
+
+
+def kv_cache_bytes(cfg: Qwen2Config, num_slots: int, max_len: int, data: int,
+                   tensor: int) -> int:
+  """The sampler's KV cache per device: slots over `data`, KV heads over `tensor`."""
+  per_token = 2 * cfg.num_hidden_layers * _shard(cfg.num_key_value_heads, tensor) * cfg.head_dim
+  return (_shard(num_slots, data) * max_len * per_token
+          * np.dtype(cfg.jnp_dtype).itemsize)
+
+
+def activation_bytes(cfg: Qwen2Config, rows_per_device: int, row_len: int, tensor: int,
+                     logprob_chunk: int) -> int:
+  """An estimate of one micro-batch's training activations per device: with remat, each
+  layer's input [rows, T, hidden] is kept and one layer's working set is live during its
+  recomputation (MLP [T, 3 x intermediate / tensor], attention scores [heads / tensor, T,
+  block or T] in float32); without remat every layer's working set is kept. Plus one chunk of
+  logits [chunk, vocab / tensor] in float32, with its gradient."""
+  item = np.dtype(cfg.jnp_dtype).itemsize
+  tokens = rows_per_device * row_len
+  block = cfg.attention_block or row_len
+  heads = _shard(cfg.num_attention_heads, tensor)
+  layer = (tokens * 3 * _shard(cfg.intermediate_size, tensor) * item
+           + rows_per_device * heads * row_len * min(block, row_len) * 4
+           + tokens * 4 * cfg.hidden_size * item)
+  kept = tokens * cfg.hidden_size * item
+  layers = cfg.num_hidden_layers
+  stored = layers * kept + layer if cfg.remat != "none" else layers * (kept + layer)
+  chunk = min(logprob_chunk or tokens, tokens)
+  return stored + 2 * chunk * _shard(cfg.vocab_size, tensor) * 4
+
+
+def run_plan(run, *, hosts: int, devices_per_host: int,
+             device_memory_gib: float | None = None) -> RunPlan:
+  """The plan of a resolved run config (`run_config.RunConfig`) on `hosts` x
+  `devices_per_host` devices (the largest length bucket that fits the engine's sequences)."""
+  cfg = _model_config(run.model)
+  data, fsdp, tensor = run.mesh.resolve(hosts * devices_per_host)
+  train = plan(cfg, (data, fsdp, tensor))
+  sampler_tensor = run.sampler_mesh.tensor
+  sampler_data = devices_per_host // sampler_tensor
+  # On accelerators "auto" samples in bfloat16.
+  sampling_dtype = ("bfloat16" if run.sampler_mesh.param_dtype == "auto"
+                    else run.sampler_mesh.param_dtype)
+  sampler = plan(cfg.replace(param_dtype=sampling_dtype), (sampler_data, 1, sampler_tensor))
+  row_len = max(b for b in run.batch.length_buckets if b <= run.engine.max_len)
+  rows = run.batch.rows_per_micro_batch(row_len)
+  return RunPlan(
+      train=train,
+      reference_bytes_per_device=train.params_bytes_per_device if run.grpo.use_kl else 0,
+      activation_bytes_per_device=activation_bytes(
+          cfg, -(-rows // (data * fsdp)), row_len, tensor, run.grpo.logprob_chunk),
+      sampler_copy_bytes_per_device=sampler.params_bytes_per_device,
+      kv_cache_bytes_per_device=kv_cache_bytes(cfg, run.engine.num_slots, run.engine.max_len,
+                                               sampler_data, sampler_tensor),
+      device_memory_bytes=None if device_memory_gib is None
+      else int(device_memory_gib * 2**30))
+
+
+def check_fits(run, device: jax.Device) -> RunPlan | None:
+  """Fails a run at start when its plan does not fit this process's devices (where the
+  device reports its memory; CPUs do not), naming what to change."""
+  stats = device.memory_stats() or {}
+  if "bytes_limit" not in stats:
+    return None
+  result = run_plan(run, hosts=jax.process_count(), devices_per_host=jax.local_device_count(),
+                    device_memory_gib=stats["bytes_limit"] / 2**30)
+  if not result.fits:
+    gib = result.as_dict()["gib_per_device"]
+    raise MemoryError(
+        f"the run needs {gib['total']} GiB per device, more than the "
+        f"{result.as_dict()['device_memory_gib']} GiB of {device.device_kind}: {gib}. The "
+        f"sampler's weights ({gib['sampler_weights']} GiB) and KV cache ({gib['kv_cache']} "
+        f"GiB) live on each host: raise config.sampler_mesh.tensor (now "
+        f"{run.sampler_mesh.tensor}, at most the host's {jax.local_device_count()} devices) "
+        f"or lower config.engine.num_slots / config.engine.max_len; the train state shrinks "
+        f"with more hosts (config.mesh), the activations with config.batch.micro_batch_tokens.")
+  return result
+
+
+def _model_config(spec) -> Qwen2Config:
+  """The architecture a run's model section names: its preset, or the checkpoint's own
+  config.json (the bundled 0.5B has the qwen2.5-0.5b preset's shapes)."""
+  from sage_jax.checkpoint import loader  # noqa: PLC0415
+
+  dtypes = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype)) if v}
+  if spec.preset:
+    cfg = get_preset(spec.preset, **dtypes)
+  elif spec.spec == loader.BUNDLED_0P5B:
+    cfg = get_preset("qwen2.5-0.5b", **dtypes)
+  else:
+    cfg = Qwen2Config.from_hf(spec.spec, **dtypes)
+  return cfg.replace(remat=spec.remat, attention_block=spec.attention_block)
 
 
 def main(argv):
   del argv
-  mesh_shape = tuple(int(x) for x in _MESH.value.split(","))
+  f = flags.FLAGS
+  if f.config is not None:
+    from sage_jax import run_config  # noqa: PLC0415
+
+    run = run_config.resolve(f.config, f.hosts * f.devices_per_host, f.devices_per_host)
+    result = run_plan(run, hosts=f.hosts, devices_per_host=f.devices_per_host,
+                      device_memory_gib=f.device_memory_gib).as_dict()
+    result.update(hosts=f.hosts, devices_per_host=f.devices_per_host)
+    print(json.dumps(result, indent=2))
+    return
+  mesh_shape = tuple(int(x) for x in f.mesh.split(","))
   if len(mesh_shape) != 3:
-    raise app.UsageError(f"--mesh={_MESH.value!r}: expected data,fsdp,tensor")
-  cfg = get_preset(_PRESET.value, param_dtype=_PARAM_DTYPE.value)
-  result = plan(cfg, mesh_shape, mu_dtype=_MU_DTYPE.value).as_dict()
-  result.update(preset=_PRESET.value, param_dtype=_PARAM_DTYPE.value)
+    raise app.UsageError(f"--mesh={f.mesh!r}: expected data,fsdp,tensor")
+  cfg = get_preset(f.preset, param_dtype=f.param_dtype)
+  result = plan(cfg, mesh_shape, mu_dtype=f.mu_dtype).as_dict()
+  result.update(preset=f.preset, param_dtype=f.param_dtype)
   print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
+  from ml_collections import config_flags
+
+  flags.DEFINE_string("preset", "qwen2.5-0.5b", "Model preset name (without --config).")
+  flags.DEFINE_string("mesh", "1,8,1", "Mesh shape data,fsdp,tensor (without --config).")
+  flags.DEFINE_string("param_dtype", "float32", "Parameter (master) dtype (without --config).")
+  flags.DEFINE_string("mu_dtype", None, "AdamW first-moment dtype (default: params').")
+  config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<preset>: plan the run.")
+  flags.DEFINE_integer("hosts", 1, "Hosts of the run (with --config).")
+  flags.DEFINE_integer("devices_per_host", 1, "Accelerators per host (with --config).")
+  flags.DEFINE_float("device_memory_gib", None, "Memory of one accelerator (with --config).")
   app.run(main)
