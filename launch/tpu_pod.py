@@ -1,13 +1,18 @@
 """Runs one entry point on every worker of a Cloud TPU pod slice.
 
 The code at git HEAD is packed, copied to every worker, installed into a venv there, and the
-same command runs on all workers at once (`--worker=all`); `jax.distributed.initialize()`
-(called by the entry points) finds the other workers by itself. Each worker tees its output to
-`<remote_dir>/logs/<hostname>.log`. Use a bucket (gs://...) or a shared filesystem as the
-workdir: every host writes its shards of each checkpoint there.
+same command starts on all workers at once (`--worker=all`); `jax.distributed.initialize()`
+(called by the entry points) finds the other workers by itself. The run is detached from the
+ssh session (`setsid nohup`), so a dropped connection does not stop it; each worker writes its
+output to `<remote_dir>/logs/<hostname>.log` (the last command printed shows how to follow
+worker 0's). Use a bucket (gs://...) or a shared filesystem as the workdir: every host writes
+its shards of each checkpoint there.
+
+`--create` makes the slice first; with `--queued` it asks for it as a queued resource
+(`--spot` for spot capacity) and waits until the slice is ACTIVE.
 
   python launch/tpu_pod.py --project=P --zone=us-east5-a --tpu=sage-v5p --accelerator_type=v5p-64 \\
-      --config=configs/sage.py:qwen2.5-32b --workdir=gs://bucket/runs/sage32b [--create] [--dry_run]
+      --config=configs/sage.py:qwen2.5-32b --workdir=gs://bucket/runs/sage32b [--create [--queued]]
 """
 
 from __future__ import annotations
@@ -30,12 +35,20 @@ ARCHIVE = "/tmp/sage_jax_code.tar.gz"
 
 def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax.train",
           create=False, accelerator_type="v5p-64", runtime_version="v2-alpha-tpuv5",
-          remote_dir="sage_jax", jax_tpu="jax[tpu]==0.10.2") -> list[list[str]]:
+          remote_dir="sage_jax", jax_tpu="jax[tpu]==0.10.2", queued=False,
+          spot=False) -> list[list[str]]:
   """The full list of commands, in order."""
   where = [f"--zone={zone}", f"--project={project}"]
   gcloud = ["gcloud", "compute", "tpus", "tpu-vm"]
   commands = []
-  if create:
+  if create and queued:
+    queue = ["gcloud", "compute", "tpus", "queued-resources"]
+    commands.append(queue + ["create", tpu, f"--node-id={tpu}", *where,
+                             f"--accelerator-type={accelerator_type}",
+                             f"--runtime-version={runtime_version}", *(["--spot"] if spot else [])])
+    state = shlex.join(queue + ["describe", tpu, *where, "--format=value(state.state)"])
+    commands.append(["bash", "-c", f'until [ "$({state})" = ACTIVE ]; do sleep 30; done'])
+  elif create:
     commands.append(gcloud + ["create", tpu, *where, f"--accelerator-type={accelerator_type}",
                               f"--version={runtime_version}"])
   commands.append(["git", "archive", "--format=tar.gz", f"--output={ARCHIVE}", "HEAD"])
@@ -54,8 +67,10 @@ def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={setup}"])
   entry = shlex.join(common.entry_command(config, workdir, overrides, module=module))
   run = (f"cd {remote_dir} && . .venv/bin/activate && "
-         f"{entry} 2>&1 | tee logs/$(hostname).log")
+         f"setsid nohup {entry} > logs/$(hostname).log 2>&1 < /dev/null &")
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={run}"])
+  follow = f"tail -F {remote_dir}/logs/$(hostname).log"
+  commands.append(gcloud + ["ssh", tpu, "--worker=0", *where, f"--command={follow}"])
   return commands
 
 
@@ -66,12 +81,19 @@ def main(argv):
                    overrides=common.parse_overrides(FLAGS.override), module=FLAGS.module,
                    create=FLAGS.create, accelerator_type=FLAGS.accelerator_type,
                    runtime_version=FLAGS.runtime_version, remote_dir=FLAGS.remote_dir,
-                   jax_tpu=FLAGS.jax_tpu_requirement)
+                   jax_tpu=FLAGS.jax_tpu_requirement, queued=FLAGS.queued,
+                   spot=FLAGS.spot)
+  if FLAGS.queued and not FLAGS.create:
+    raise app.UsageError("--queued asks for the slice as a queued resource: it needs --create")
   if FLAGS.dry_run:
     print(common.show(commands))
     return
-  for cmd in commands:
+  *start, follow = commands
+  for cmd in start:
     subprocess.run(cmd, check=True)
+  print("started on every worker; worker 0's log (Ctrl-C stops following, not the run):",
+        flush=True)
+  subprocess.run(follow, check=False)
 
 
 def define_flags():
@@ -81,6 +103,8 @@ def define_flags():
   flags.DEFINE_string("accelerator_type", "v5p-64", "For --create.")
   flags.DEFINE_string("runtime_version", "v2-alpha-tpuv5", "For --create.")
   flags.DEFINE_bool("create", False, "Create the TPU VM first.")
+  flags.DEFINE_bool("queued", False, "With --create: as a queued resource, waiting until ACTIVE.")
+  flags.DEFINE_bool("spot", False, "With --queued: spot capacity.")
   flags.DEFINE_string("config", None, "configs/<file>.py:<preset>", required=True)
   flags.DEFINE_string("workdir", None, "Run directory (gs:// or shared FS).", required=True)
   flags.DEFINE_string("module", "sage_jax.train", "Entry point module.")

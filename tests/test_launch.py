@@ -61,15 +61,32 @@ def test_tpu_pod_dry_run_prints_every_step():
       ["git", "archive", "--format=tar.gz", f"--output={tpu_pod.ARCHIVE}", "HEAD"],
       ["gcloud", "compute", "tpus", "tpu-vm", "scp"],
       ["gcloud", "compute", "tpus", "tpu-vm", "ssh"],
+      ["gcloud", "compute", "tpus", "tpu-vm", "ssh"],
       ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]]
   assert "--accelerator-type=v5p-64" in lines[0]
-  for line in lines[2:]:
+  for line in lines[2:5]:
     assert "--worker=all" in line and "--zone=us-east5-a" in line and "--project=proj" in line
-  setup, run = lines[3][-1], lines[4][-1]
+  setup, run, follow = lines[3][-1], lines[4][-1], lines[5]
   assert "pip install -q -r requirements.txt -e ." in setup and "jax[tpu]==0.10.2" in setup
-  assert ("python -m sage_jax.train --config=configs/sage.py:qwen2.5-32b "
-          "--workdir=gs://bucket/run --config.seed=1") in run
-  assert run.endswith("| tee logs/$(hostname).log")
+  # Detached from the ssh session, one log per worker.
+  assert ("setsid nohup python -m sage_jax.train --config=configs/sage.py:qwen2.5-32b "
+          "--workdir=gs://bucket/run --config.seed=1 > logs/$(hostname).log") in run
+  assert run.endswith("< /dev/null &")
+  assert "--worker=0" in follow and follow[-1] == "--command=tail -F sage_jax/logs/$(hostname).log"
+
+
+def test_tpu_pod_queued_resource_waits_until_active():
+  argv = [sys.executable, "launch/tpu_pod.py", "--project=proj", "--zone=us-east5-a",
+          "--tpu=sage-v5p", "--accelerator_type=v5p-64", "--create", "--queued", "--spot",
+          "--config=configs/sage.py:qwen2.5-32b", "--workdir=gs://bucket/run", "--dry_run"]
+  lines = [shlex.split(line) for line in _run(argv).strip().splitlines()]
+  assert lines[0][:6] == ["gcloud", "compute", "tpus", "queued-resources", "create", "sage-v5p"]
+  assert {"--node-id=sage-v5p", "--accelerator-type=v5p-64", "--spot"} <= set(lines[0])
+  assert lines[1][:2] == ["bash", "-c"] and "= ACTIVE ]" in lines[1][2]
+  assert "queued-resources describe sage-v5p" in lines[1][2]
+  assert lines[2][:2] == ["git", "archive"]
+  no_create = subprocess.run(argv[:6] + argv[7:], cwd=REPO, capture_output=True, text=True)
+  assert no_create.returncode != 0 and "needs --create" in no_create.stderr
 
 
 def test_slurm_dry_run(tmp_path):
