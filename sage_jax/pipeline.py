@@ -77,6 +77,11 @@ class Pipeline:
     self.config = config
     self.run = run_config.resolve(config, jax.device_count(), jax.local_device_count())
     memory_plan.check_fits(self.run, jax.local_devices()[0])
+    if "://" in workdir:
+      raise ValueError(
+          f"--workdir={workdir}: object-store URLs are not supported; the run writes its "
+          f"files with local file I/O. Use a filesystem every host mounts (NFS, Filestore, "
+          f"Lustre, or the bucket through gcsfuse).")
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     _write_json(os.path.join(self.workdir, "config.json"), config.to_dict())

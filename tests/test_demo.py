@@ -103,3 +103,13 @@ def test_bad_config_fails_before_compiling(tmp_path):
     assert out.returncode != 0
     assert key in out.stderr, (override, out.stderr[-2000:])
     assert not os.path.exists(tmp_path / "bad" / "config.json")
+
+
+def test_object_store_workdir_is_refused_by_name(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "sage_jax.train",
+                        f"--config={REPO}/configs/sage.py:demo", "--workdir=gs://bucket/run"],
+                       cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+  assert out.returncode != 0
+  assert "--workdir=gs://bucket/run: object-store URLs are not supported" in out.stderr
+  assert not os.listdir(tmp_path)  # no local "gs:" directory

@@ -53,7 +53,7 @@ def test_local_multi_process_dry_run():
 def test_tpu_pod_dry_run_prints_every_step():
   out = _run([sys.executable, "launch/tpu_pod.py", "--project=proj", "--zone=us-east5-a",
               "--tpu=sage-v5p", "--accelerator_type=v5p-64", "--create",
-              "--config=configs/sage.py:qwen2.5-32b", "--workdir=gs://bucket/run",
+              "--config=configs/sage.py:qwen2.5-32b", "--workdir=/mnt/shared/run",
               "--override=seed=1", "--dry_run"])
   lines = [shlex.split(line) for line in out.strip().splitlines()]
   assert [l[:5] for l in lines] == [
@@ -70,7 +70,7 @@ def test_tpu_pod_dry_run_prints_every_step():
   assert "pip install -q -r requirements.txt -e ." in setup and "jax[tpu]==0.10.2" in setup
   # Detached from the ssh session, one log per worker.
   assert ("setsid nohup python -m sage_jax.train --config=configs/sage.py:qwen2.5-32b "
-          "--workdir=gs://bucket/run --config.seed=1 > logs/$(hostname).log") in run
+          "--workdir=/mnt/shared/run --config.seed=1 > logs/$(hostname).log") in run
   assert run.endswith("< /dev/null &")
   assert "--worker=0" in follow and follow[-1] == "--command=tail -F sage_jax/logs/$(hostname).log"
 
@@ -78,7 +78,7 @@ def test_tpu_pod_dry_run_prints_every_step():
 def test_tpu_pod_queued_resource_waits_until_active():
   argv = [sys.executable, "launch/tpu_pod.py", "--project=proj", "--zone=us-east5-a",
           "--tpu=sage-v5p", "--accelerator_type=v5p-64", "--create", "--queued", "--spot",
-          "--config=configs/sage.py:qwen2.5-32b", "--workdir=gs://bucket/run", "--dry_run"]
+          "--config=configs/sage.py:qwen2.5-32b", "--workdir=/mnt/shared/run", "--dry_run"]
   lines = [shlex.split(line) for line in _run(argv).strip().splitlines()]
   assert lines[0][:6] == ["gcloud", "compute", "tpus", "queued-resources", "create", "sage-v5p"]
   assert {"--node-id=sage-v5p", "--accelerator-type=v5p-64", "--spot"} <= set(lines[0])
