@@ -32,10 +32,13 @@ def main(argv) -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
   multihost.initialize()
   logging.getLogger("httpx").setLevel(logging.WARNING)
-  print(config, flush=True)
+  lead = multihost.is_lead()
+  if lead:
+    print(config, flush=True)
   summary = pipeline.run(config, workdir)
-  print(summary["table"])
-  print(f"workdir: {summary['workdir']}  ({summary['elapsed_s']} s)")
+  if lead:
+    print(summary["table"])
+    print(f"workdir: {summary['workdir']}  ({summary['elapsed_s']} s)")
 
 
 if __name__ == "__main__":

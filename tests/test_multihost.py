@@ -1,0 +1,155 @@
+"""Multi-process runs on one machine: N JAX processes with simulated CPU devices, joined by
+`jax.distributed` (CPU collectives over gloo), started by `launch/local.py` as a user would.
+
+The GRPO job (tests/multihost_job.py) checks the update and the stop/resume protocol; the
+demo pipeline test runs SFT, SAGE, checkpoints, dev evaluation and export as 2 processes.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(REPO, "launch", "local.py")
+JOB = os.path.join(REPO, "tests", "multihost_job.py")
+STEPS = 4
+
+pytestmark = pytest.mark.slow
+
+
+def _env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the launcher sets each process's devices
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _launch(num_processes, devices, out, *args, wait=True):
+  command = [sys.executable, LAUNCH, f"--num_processes={num_processes}",
+             f"--cpu_devices={devices}", f"--workdir={out}", "--", sys.executable, JOB,
+             f"--out={out}", *args]
+  proc = subprocess.Popen(command, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  if not wait:
+    return proc
+  output, _ = proc.communicate(timeout=900)
+  assert proc.returncode == 0, output[-4000:]
+  return _result(out)
+
+
+def _result(out):
+  with open(os.path.join(out, "result.json")) as f:
+    result = json.load(f)
+  result["params"] = dict(np.load(os.path.join(out, "params.npz")))
+  result["copies"] = [json.load(open(os.path.join(out, f"copy_{i}.json")))
+                      for i in range(result["processes"])]
+  return result
+
+
+def _assert_same_params(a, b, atol=1e-5):
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=1e-4, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  return _launch(1, 4, str(tmp_path_factory.mktemp("one")), f"--steps={STEPS}")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  return _launch(2, 2, str(tmp_path_factory.mktemp("two")), f"--steps={STEPS}")
+
+
+def test_two_process_update_equals_one_process_update(one_process, two_processes):
+  """Same global batches, packed by one process or split over two: the same updates."""
+  assert (one_process["processes"], two_processes["processes"]) == (1, 2)
+  assert one_process["devices"] == two_processes["devices"] == 4
+  np.testing.assert_allclose(two_processes["loss"], one_process["loss"], rtol=1e-4)
+  _assert_same_params(two_processes["params"], one_process["params"])
+  initial = one_process["copies"][0][0]
+  assert one_process["copies"][0][-1] != initial  # the updates moved the weights
+
+
+def test_every_process_samples_from_the_same_weights(one_process, two_processes):
+  """After every step's sync, each process's sampling copy equals the others' and the
+  single-process copy."""
+  copies = two_processes["copies"]
+  assert len(copies) == 2 and len(copies[0]) == STEPS + 1  # after the restore, then each step
+  assert copies[0] == copies[1]
+  np.testing.assert_allclose(copies[0], one_process["copies"][0], rtol=1e-4, atol=1e-4)
+
+
+def _stop_one_process(num_processes, devices, out, ckpt):
+  """Starts the job, sends SIGTERM to its last process once a step has been logged."""
+  proc = _launch(num_processes, devices, out, f"--steps={STEPS}", "--step_sleep_s=2",
+                 f"--ckpt={ckpt}", wait=False)
+  pids = []
+  while len(pids) < num_processes:
+    line = proc.stdout.readline()
+    assert line, "launcher ended before starting its processes"
+    if line.startswith("launch: process"):
+      pids.append(int(line.split()[-1]))
+  metrics = os.path.join(out, "metrics.jsonl")
+  deadline = time.monotonic() + 600
+  while not (os.path.exists(metrics) and open(metrics).read().strip()):
+    assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()[-4000:]
+    time.sleep(0.2)
+  os.kill(pids[-1], signal.SIGTERM)
+  output, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, output[-4000:]
+  return _result(out)
+
+
+@pytest.mark.parametrize("first,then", [((2, 2), (1, 2)), ((1, 2), (2, 2))],
+                         ids=["2-then-1", "1-then-2"])
+def test_sigterm_to_one_process_stops_all_and_resume_changes_process_count(
+    first, then, one_process, tmp_path):
+  ckpt = str(tmp_path / "ckpt")
+  stopped = _stop_one_process(*first, str(tmp_path / "first"), ckpt)
+  assert stopped["preempted"] and 1 <= stopped["end_step"] < STEPS
+  steps = sorted(int(d) for d in os.listdir(ckpt) if d.isdigit())
+  assert steps == [stopped["end_step"]]  # one checkpoint, of the step all processes stopped at
+  resumed = _launch(*then, str(tmp_path / "then"), f"--steps={STEPS}", f"--ckpt={ckpt}")
+  assert (resumed["start_step"], resumed["end_step"], resumed["preempted"]) == (
+      stopped["end_step"], STEPS, False)
+  _assert_same_params(resumed["params"], one_process["params"])
+
+
+def test_demo_pipeline_runs_as_two_processes(tmp_path):
+  """SFT, SAGE steps with per-process environment delays, checkpoints, dev evaluation (one
+  scenario: one process has none to run) and export, as 2 processes x 2 CPU devices."""
+  workdir = tmp_path / "run"
+  overrides = ["--config.sft.total_steps=2", "--config.rl.total_steps=2",
+               "--config.eval.max_scenarios=1", "--config.pool.num_workers=2"]
+  command = [sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
+             "--config=configs/sage.py:demo", f"--workdir={workdir}", "--",
+             sys.executable, os.path.join(REPO, "tests", "delayed_train.py"),
+             "--config=configs/sage.py:demo", f"--workdir={workdir}", *overrides]
+  done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True,
+                        timeout=2400)
+  log = open(workdir / "logs" / "process_1.log").read()
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log[-3000:]
+  assert "| tgc |" in done.stdout and "| tgc |" not in log  # process 0 reports
+  rl = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  sft = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
+  assert [r["step"] for r in rl] == [1, 2] and [r["step"] for r in sft] == [1, 2]
+  # Every process ran its own share of each step's 2 chains x 2 rollouts x 2 tasks.
+  assert all(r["episodes"] == 8 and r["time/sync_s"] > 0 for r in rl)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "config.json"]
+  for name in ("eval_before", "eval_after"):
+    report = json.load(open(workdir / name / "eval_dev.json"))
+    assert len(report["records"]) == 3 and report["appworld"] is not None
+  assert not os.path.exists(workdir / "appworld")  # outputs stayed on each host
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(workdir / "hf")).eval()
+  with torch.no_grad():
+    assert torch.isfinite(model(torch.tensor([[151644, 872, 198]])).logits).all()
