@@ -3,7 +3,10 @@
 A sweep file defines `get_sweep(arg)` returning
   {"config": "configs/sage.py:<preset>", "axes": [{name: overrides, ...}, ...]}
 and the runs are the product of its axes: one run per combination, named by joining the
-chosen names, with the overrides merged. Every run gets its own workdir under --workdir_root.
+chosen names, with the overrides merged. An arm's overrides may name a stage config of its
+own under "config" (e.g. the GRPO baseline's `configs/grpo.py:<preset>`), so that the arm is
+exactly that stage's command plus the swept keys. Every run gets its own workdir under
+--workdir_root.
 
   python launch/sweep.py --sweep=configs/sweeps/reward_ablation.py:qwen2.5-7b \\
       --workdir_root=runs/reward_ablation --launcher=slurm --dry_run
@@ -62,7 +65,8 @@ def expand(sweep: dict, workdir_root: str) -> list[Run]:
       if clash:
         raise ValueError(f"run {name!r}: axes set {sorted(clash)} twice")
       overrides.update(o)
-    runs.append(Run(name, sweep["config"], overrides, os.path.join(workdir_root, name)))
+    config = overrides.pop("config", sweep["config"])
+    runs.append(Run(name, config, overrides, os.path.join(workdir_root, name)))
   names = [r.name for r in runs]
   if len(set(names)) != len(names):
     raise ValueError(f"sweep has duplicate run names: {names}")

@@ -130,12 +130,51 @@ def test_multinode_without_hosts_fails_clearly():
     ("chain_length.py", ["k1", "k2", "k3"]),
     ("retrieval.py", ["same_scenario", "query_ngram", "query_embedding", "skill_embedding"]),
     ("seeds.py", ["sage-seed0", "sage-seed1", "sage-seed2",
-                  "grpo-seed0", "grpo-seed1", "grpo-seed2"]),
+                  "grpo-seed0", "grpo-seed1", "grpo-seed2",
+                  "grpo_matched-seed0", "grpo_matched-seed1", "grpo_matched-seed2"]),
 ])
 def test_sweeps_expand(name, runs):
   expanded = sweep.expand(sweep.load_sweep(os.path.join(SWEEPS, name)), "runs/x")
   assert [r.name for r in expanded] == runs
   assert all(r.workdir == f"runs/x/{r.name}" for r in expanded)
+
+
+def _resolved(run):
+  """The run config an arm's command resolves to."""
+  from sage_jax import run_config  # noqa: PLC0415
+  from tests.test_run_config import _config  # noqa: PLC0415
+
+  name, preset = os.path.basename(run.config).split(".py:")
+  config = _config(name, preset)
+  for key, value in run.overrides.items():
+    *sections, leaf = key.split(".")
+    target = config
+    for section in sections:
+      target = target[section]
+    target[leaf] = value
+  return run_config.resolve(config)
+
+
+@pytest.mark.parametrize("preset", ["demo", "qwen2.5-7b"])
+def test_seed_sweep_arms_are_their_stage_commands(preset):
+  """Each arm is its stage config plus the swept keys; the matched baseline runs as many
+  episodes per update as SAGE; seeds reach every component."""
+  runs = {r.name: r for r in sweep.expand(
+      sweep.load_sweep(os.path.join(SWEEPS, f"seeds.py:{preset}")), "r")}
+  assert runs["grpo-seed1"].config == f"configs/grpo.py:{preset}"
+  assert runs["grpo-seed1"].overrides == {"seed": 1}
+  assert runs["sage-seed1"].config == f"configs/sage.py:{preset}"
+  sage, grpo, matched = (_resolved(runs[f"{arm}-seed1"])
+                         for arm in ("sage", "grpo", "grpo_matched"))
+  assert (grpo.agent.use_library, grpo.reward.variant, grpo.rollout.single_task) == (
+      False, "outcome", True)
+
+  def episodes(run):
+    return (run.pipeline.chains_per_step * run.rollout.group_size
+            * run.rollout.effective_chain_length)
+
+  assert episodes(matched) == episodes(sage) > episodes(grpo)
+  assert sage.seed == grpo.seed == 1 and sage.model.seed != _resolved(runs["sage-seed0"]).model.seed
 
 
 def test_sweep_dry_run_for_every_launcher():
