@@ -15,9 +15,10 @@ import ml_collections
 def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.eval = dict(split="dev", data="mini", policy="model", experiment="eval",
-                max_concurrent_scenarios=0, max_scenarios=0, appworld_check=True, seed=0)
+                max_concurrent_scenarios=0, max_scenarios=0, appworld_check=True, seed=0,
+                temperature=0.0)
   c.agent = dict(use_library=True, max_steps=6, max_turn_tokens=384, max_episode_tokens=6144,
-                 max_observation_chars=3000, temperature=0.0)
+                 max_observation_chars=3000)
   c.retrieval = dict(strategy="same_scenario", top_k=5, embedding_model="hashing")
   c.pool = dict(num_workers=3, max_interactions=50, timeout_seconds=60, call_timeout_s=120.0)
   c.model = dict(spec="qwen2.5-coder-0.5b-instruct", preset="")
@@ -30,7 +31,7 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
     c.agent.max_steps = 3
     c.agent.max_turn_tokens = 32
     c.agent.max_episode_tokens = 2048
-    c.agent.temperature = 1.0
+    c.eval.temperature = 1.0
     c.engine.max_len = 2048
   elif preset == "qwen2.5-coder-0.5b":
     pass

@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import random
 import time
 from typing import Any
 
@@ -84,7 +83,8 @@ class Pipeline:
           f"Lustre, or the bucket through gcsfuse).")
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    _write_json(os.path.join(self.workdir, "config.json"), config.to_dict())
+    self.config_dict = run_config.with_seeds(config, self.run)
+    _write_json(os.path.join(self.workdir, "config.json"), self.config_dict)
     p = self.run.pipeline
     self.root = appworld.ensure_mini_world() if p.data == "mini" else os.path.abspath(p.data)
     self.mesh = shd.make_mesh(self.run.mesh)
@@ -103,6 +103,7 @@ class Pipeline:
                          detokenize=self.tokenizer.decode, mesh=self.weight_sync.mesh)
     self.driver = rollout.EngineDriver(self.engine)
     self.policy = rollout.SamplerPolicy(self.driver, self.run.agent)
+    self.eval_policy = rollout.SamplerPolicy(self.driver, self.run.eval.agent(self.run.agent))
     pool_cfg = dataclasses.replace(
         self.run.pool, appworld_root=self.root, outputs_root=multihost.outputs_root(
             self.run.pool.outputs_root, os.path.join(self.workdir, "appworld")))
@@ -122,7 +123,8 @@ class Pipeline:
       config = self.config.copy_and_resolve_references()
       config.eval.data = self.root
       config.eval.experiment = name
-      report = runner.evaluate(config, out, pool=self.pool, policy=self.policy,
+      config.eval.seed = self.run.eval.seed
+      report = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
                                tokenizer=self.tokenizer)
     return report["metrics"]["overall"]
 
@@ -148,7 +150,7 @@ class Pipeline:
     directory = os.path.join(self.workdir, "sft")
     checkpointer = Checkpointer(dataclasses.replace(
         run.checkpoint, directory=os.path.join(directory, "checkpoints"), keep_best=0),
-        run_config=self.config.to_dict())
+        run_config=self.config_dict)
     try:
       sft_loop.run_sft(trainer, self.expert_examples(), config=run.sft,
                        batch_config=self.batch_config,
@@ -167,24 +169,8 @@ class Pipeline:
                                                        tokenizer=self.tokenizer))
     ctx = rollout.RolloutContext(self.policy, self.pool, self.tokenizer, run.agent, retriever,
                                  self.root)
-    k = run.rollout.effective_chain_length
-
-    def collect(step: int, seed: int):
-      # Every process draws the same chains and runs its own share of them: a group (the G
-      # rollouts of a chain) stays on one host, with its rewards and advantages.
-      chains = rollout.sample_chains(task_ids, k, run.pipeline.chains_per_step,
-                                     random.Random(seed), run.rollout.chain_order)
-      share = multihost.share(len(chains))
-      cfg = dataclasses.replace(run.rollout, seed=seed,
-                                experiment_prefix=f"{run.rollout.experiment_prefix}_s{step}")
-      batch = rollout.collect(ctx, chains[share], cfg, run.reward, run.advantage,
-                              first_group=share.start)
-      records = batch.flat()
-      stats = batch.advantage_stats
-      metrics = dict(rollout.rollout_metrics(rl_loop.gather_episodes(records)))
-      metrics["constant_groups"] = float(sum(multihost.allgather_objects(
-          stats.num_constant_groups if stats is not None else 0)))
-      return records, metrics
+    collect = rl_loop.appworld_rollout(ctx, task_ids, run.rollout, run.reward, run.advantage,
+                                       num_chains=run.pipeline.chains_per_step)
 
     def dev(step: int) -> dict:
       return self.evaluate(f"eval_step{step}")
@@ -192,13 +178,17 @@ class Pipeline:
     checkpointer = Checkpointer(dataclasses.replace(
         run.checkpoint, directory=os.path.join(self.workdir, "checkpoints"),
         keep_best=run.checkpoint.keep_best if run.rl.eval_every else 0),
-        run_config=self.config.to_dict())
+        run_config=self.config_dict)
+    # KL's reference is the model RL starts from (the SFT result, also on a resumed run),
+    # frozen and sharded like the parameters; nothing is kept when KL is off.
+    reference = rl_loop.frozen_copy(trainer.params) if run.grpo.use_kl else None
     try:
       rl_loop.run_rl(trainer, rollout=collect, config=run.rl, grpo_config=run.grpo,
                      batch_config=self.batch_config,
                      evaluate=dev if run.rl.eval_every else None,
                      sync_params=self.sync_sampler, checkpointer=checkpointer,
-                     metrics=dataclasses.replace(run.metrics, log_dir=self.workdir))
+                     metrics=dataclasses.replace(run.metrics, log_dir=self.workdir),
+                     reference_params=reference)
     finally:
       checkpointer.close()
     self._adopt(trainer.params)

@@ -9,6 +9,7 @@ unknown key, a wrong type or an inconsistent combination, before anything is com
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any
 
 import ml_collections
@@ -93,6 +94,27 @@ SECTIONS: dict[str, type] = {
 }
 
 
+# Sections with a `seed` of their own: left unset (None), it derives from config.seed.
+SEEDED_SECTIONS = tuple(name for name, cls in SECTIONS.items()
+                        if "seed" in {f.name for f in dataclasses.fields(cls)})
+
+
+def component_seed(seed: int, section: str) -> int:
+  """Section `section`'s seed in a run seeded `seed`: distinct per section, so that model
+  initialisation, chain draws, sampling and data order do not share a random stream."""
+  return zlib.crc32(f"{section}/{seed}".encode()) & 0x7FFFFFFF
+
+
+def with_seeds(config: Any, run: "RunConfig") -> dict:
+  """`config` as a dict with every derived section seed filled in: what a run writes beside
+  its outputs, so that the file alone reproduces it."""
+  out = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  out["seed"] = run.seed
+  for name in SEEDED_SECTIONS:
+    out[name] = {**(out.get(name) or {}), "seed": getattr(run, name).seed}
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   seed: int
@@ -138,6 +160,8 @@ def defaults() -> ml_collections.ConfigDict:
     if cls is ModelSpec:
       section["spec"] = ""
       section["preset"] = "tiny"
+    if name in SEEDED_SECTIONS:
+      section["seed"] = None  # derived from config.seed
     config[name] = ml_collections.ConfigDict(section, type_safe=False)
   return config
 
@@ -151,11 +175,15 @@ def resolve(config: Any, num_devices: int | None = None,
   unknown = sorted(set(sections) - set(SECTIONS) - {"seed"})
   if unknown:
     raise ConfigError(f"config.{unknown[0]}: unknown section; known: {sorted(SECTIONS)}")
-  built = {name: build(cls, sections.get(name) or {}, f"config.{name}")
-           for name, cls in SECTIONS.items()}
   seed = sections.get("seed", 0)
   if not isinstance(seed, int) or isinstance(seed, bool):
     raise ConfigError(f"config.seed: expected int, got {seed!r}")
+  for name in SEEDED_SECTIONS:
+    section = dict(sections.get(name) or {})
+    if section.get("seed") is None:
+      sections[name] = {**section, "seed": component_seed(seed, name)}
+  built = {name: build(cls, sections.get(name) or {}, f"config.{name}")
+           for name, cls in SECTIONS.items()}
   run = RunConfig(seed=seed, **built)
   _check(run, num_devices, local_devices)
   return run

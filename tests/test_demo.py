@@ -32,7 +32,11 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   first = json.load(open(workdir / "summary.json"))
   assert set(first["before"]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}
   assert os.path.isdir(workdir / "checkpoints" / "1")
-  assert json.load(open(workdir / "config.json"))["rollout"]["chain_length"] == 2
+  config = json.load(open(workdir / "config.json"))
+  assert config["rollout"]["chain_length"] == 2
+  # Dev evaluation samples greedily (the eval section), training at the agent's temperature.
+  assert config["agent"]["temperature"] == 1.0 and config["eval"]["temperature"] == 0.0
+  assert json.load(open(workdir / "eval_before" / "eval_dev.json"))["temperature"] == 0.0
 
   # Resume: one more RL step continues from the checkpoint of step 1; SFT is not redone.
   _train(workdir, "--config.rl.total_steps=2")
@@ -87,6 +91,39 @@ def test_grpo_baseline_config(tmp_path):
   assert row["step"] == 1  # one task per rollout: chain position 0 only
   assert any(k.startswith("reward/pos0") for k in row)
   assert not any(k.startswith("reward/pos1") for k in row)
+
+
+def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
+  """`--config.seed` alone: the same seed reproduces the SFT and SAGE steps exactly, another
+  seed changes them (initial weights, data order, sampled rollouts)."""
+
+  def steps(name, seed):
+    workdir = tmp_path / name
+    _train(workdir, f"--config.seed={seed}", "--config.rl.total_steps=1",
+           "--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
+           "--config.pipeline.export=false", "--config.pipeline.plot=false")
+    (sft,) = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
+    (rl,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    return ({k: sft[k] for k in ("loss", "grad_norm", "batch/real_positions")},
+            {k: rl[k] for k in ("logprob", "entropy", "generated_tokens/total")})
+
+  first, again, other = steps("a", 0), steps("b", 0), steps("c", 1)
+  assert first == again
+  assert first[0]["loss"] != other[0]["loss"] and first[1]["logprob"] != other[1]["logprob"]
+
+
+def test_kl_to_the_starting_model(tmp_path):
+  """With kl_coef > 0 the pipeline keeps the model RL starts from as the reference: the first
+  step's KL is 0 (policy == reference), a later one is not (an entropy bonus moves the policy:
+  the demo's rollouts all get the no-code penalty, so their advantages are 0)."""
+  workdir = tmp_path / "kl"
+  _train(workdir, "--config.grpo.kl_coef=0.05", "--config.rl.total_steps=2",
+         "--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
+         "--config.pipeline.export=false", "--config.pipeline.plot=false",
+         "--config.grpo.entropy_coef=0.1", "--config.optimizer.learning_rate=0.01")
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert abs(rows[0]["kl"]) < 1e-6 and rows[1]["kl"] > 1e-6
 
 
 def test_bad_config_fails_before_compiling(tmp_path):

@@ -123,9 +123,28 @@ def test_sigterm_to_one_process_stops_all_and_resume_changes_process_count(
   _assert_same_params(resumed["params"], one_process["params"])
 
 
+def _launch_entry(workdir, *command):
+  done = subprocess.run([sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
+                         f"--workdir={workdir}", "--", sys.executable, *command],
+                        env=_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return done.stdout
+
+
+def _safetensors(directory):
+  from safetensors.numpy import load_file  # noqa: PLC0415
+  out = {}
+  for name in sorted(os.listdir(directory)):
+    if name.endswith(".safetensors"):
+      out.update(load_file(os.path.join(directory, name)))
+  return out
+
+
 def test_demo_pipeline_runs_as_two_processes(tmp_path):
   """SFT, SAGE steps with per-process environment delays, checkpoints, dev evaluation (one
-  scenario: one process has none to run) and export, as 2 processes x 2 CPU devices."""
+  scenario: one process has none to run) and export, as 2 processes x 2 CPU devices; then
+  `export` and `generate` as 2 processes. Every step's sync checks that the processes'
+  sampling copies agree (the run fails otherwise)."""
   workdir = tmp_path / "run"
   overrides = ["--config.sft.total_steps=2", "--config.rl.total_steps=2",
                "--config.eval.max_scenarios=1", "--config.pool.num_workers=2"]
@@ -153,3 +172,20 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   model = transformers.AutoModelForCausalLM.from_pretrained(str(workdir / "hf")).eval()
   with torch.no_grad():
     assert torch.isfinite(model(torch.tensor([[151644, 872, 198]])).logits).all()
+  # The export entry point as 2 processes: the same weights as the pipeline's export.
+  _launch_entry(tmp_path / "export", "-m", "sage_jax.export", f"--workdir={workdir}",
+                f"--out={tmp_path / 'hf2'}")
+  exported, again = _safetensors(workdir / "hf"), _safetensors(tmp_path / "hf2")
+  assert exported.keys() == again.keys()
+  for k in exported:
+    np.testing.assert_array_equal(exported[k], again[k], err_msg=k)
+  # The generate entry point as 2 processes: each generates, process 0 prints what one
+  # process alone prints.
+  generate = ["-m", "sage_jax.generate", f"--model={workdir / 'hf'}", "--prompt=hi",
+              "--max_new_tokens=4"]
+  two = _launch_entry(tmp_path / "generate", *generate)
+  one = subprocess.run([sys.executable, *generate], env={**_env(), "JAX_PLATFORMS": "cpu"},
+                       cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
+  launched = [line for line in two.splitlines() if line.startswith("launch: process")]
+  assert len(launched) == 2
+  assert two.replace("\n".join(launched) + "\n", "") == one.stdout

@@ -96,3 +96,20 @@ def test_remat_and_attention_block_reach_the_model():
   for preset in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b"):
     spec = run_config.resolve(_config("sage", preset)).model
     assert (spec.remat, spec.attention_block) == ("full", 1024)
+
+
+def test_component_seeds_derive_from_the_run_seed():
+  def seeds(seed, **sections):
+    config = _config("sage", "demo")
+    config.seed = seed
+    for name, value in sections.items():
+      config[name].seed = value
+    run = run_config.resolve(config)
+    return {name: getattr(run, name).seed for name in run_config.SEEDED_SECTIONS}
+
+  zero, one = seeds(0), seeds(1)
+  assert set(zero) >= {"model", "rollout", "rl", "sft", "trainer", "eval"}
+  assert zero == seeds(0)  # reproducible
+  assert all(zero[k] != one[k] for k in zero)  # every component moves with the run seed
+  assert len(set(zero.values())) == len(zero)  # and no two components share a stream
+  assert seeds(1, rollout=7) == {**one, "rollout": 7}  # a component seed set on its own stays

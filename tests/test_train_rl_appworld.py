@@ -48,7 +48,7 @@ def test_rl_loop_with_the_appworld_sequential_rollout(tmp_path):
   assert h["no_code_rate"] == 0.0 and h["steps/mean"] == 1.0
   assert h["reward/pos0/mean"] == 2.0 and h["reward/pos1/mean"] == 2.0  # SAGE bonuses
   assert h["advantage/zero_frac"] == 1.0 and h["loss"] == 0.0  # identical rollouts
-  assert h["rollout/success"] == 1.0 and h["batch/padding_fraction"] < 0.3
+  assert h["constant_groups"] == 2.0 and h["batch/padding_fraction"] < 0.3
   assert h["loss_tokens"] == h["generated_tokens/total"]
   assert np.isfinite(h["entropy"]) and h["grad_norm"] == 0.0
   # A zero gradient still takes an AdamW step (decay): the parameters moved, and were saved.

@@ -52,7 +52,9 @@ class EvalConfig:
   (0: all when retrieval is per scenario, one at a time otherwise, so the library a task
   sees does not depend on timing). max_scenarios: evaluate only the first N scenarios
   (0: all). appworld_check: also score the outputs with AppWorld's own evaluator (child
-  process) and fail if TGC/SGC disagree. seed: sampler seeds."""
+  process) and fail if TGC/SGC disagree. seed: sampler seeds. temperature: the sampling
+  temperature of evaluation (greedy by default, also for the dev evaluations inside a
+  training run, whose agent section samples for training); None keeps the agent section's."""
 
   split: str = "dev"
   data: str = "mini"
@@ -62,12 +64,19 @@ class EvalConfig:
   max_scenarios: int = 0
   appworld_check: bool = True
   seed: int = 0
+  temperature: float | None = 0.0
 
   def __post_init__(self):
     if self.policy not in POLICIES:
       raise ValueError(f"policy={self.policy!r}; expected one of {POLICIES}")
     if self.max_concurrent_scenarios < 0 or self.max_scenarios < 0:
       raise ValueError("max_concurrent_scenarios and max_scenarios must be >= 0")
+
+  def agent(self, agent: AgentConfig) -> AgentConfig:
+    """The agent settings evaluation samples with."""
+    if self.temperature is None:
+      return agent
+    return dataclasses.replace(agent, temperature=self.temperature)
 
 
 def data_root(config: EvalConfig) -> str:
@@ -114,7 +123,8 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   writes the reports into `workdir`; returns the report. `pool` / `policy` / `tokenizer`
   may be given (tests share them); otherwise they are built from the config."""
   s = _sections(config)
-  ev, agent_cfg, retrieval_cfg = s["eval"], s["agent"], s["retrieval"]
+  ev, retrieval_cfg = s["eval"], s["retrieval"]
+  agent_cfg = ev.agent(s["agent"])
   os.makedirs(workdir, exist_ok=True)
   root = data_root(ev)
   task_ids = appworld.read_split(root, ev.split)
@@ -171,7 +181,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   metrics = metrics_lib.evaluation_metrics(records)
   report = {"split": ev.split, "data_root": root, "experiment": ev.experiment,
             "policy": ev.policy, "retrieval": retrieval_cfg.strategy,
-            "elapsed_s": elapsed, "metrics": metrics}
+            "temperature": agent_cfg.temperature, "elapsed_s": elapsed, "metrics": metrics}
   if ev.appworld_check:
     theirs = _combine_scores(multihost.allgather_objects(
         (own_scores, len(own_task_ids), len(scenarios[share]))))

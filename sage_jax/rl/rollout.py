@@ -46,8 +46,8 @@ class RolloutConfig:
   rollouts of the same chain. single_task: K = 1 without a library (the GRPO baseline).
   chain_order: "random" (K distinct tasks of the scenario in random order) or "ordered"
   (K consecutive tasks by task number, starting at a random one). experiment_prefix: AppWorld
-  experiment names are `<prefix>_g<group>_r<rollout>`. seed: chain sampling and the
-  sampler's per-rollout seeds."""
+  experiment names are `<prefix>_g<group>_r<rollout>`. seed: the sampler's per-rollout seeds
+  (the RL loop gives step s `step_seed(seed, s)`; the chains come from the loop's own seed)."""
 
   chain_length: int = 2
   group_size: int = 8

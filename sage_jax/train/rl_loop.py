@@ -43,7 +43,7 @@ from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl import batch as batch_lib
 from sage_jax.rl import grpo
 from sage_jax.train.checkpoint import Checkpointer
-from sage_jax.train.loop import Evaluate, LoopResult, SyncParams, run_steps
+from sage_jax.train.loop import Evaluate, LoopResult, SyncParams, run_steps, step_seed
 from sage_jax.train.metrics import MetricsConfig, scalars
 from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.step import Trainer, TrainerConfig
@@ -224,10 +224,12 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
 
 def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, reward_config: Any,
                      advantage_config: Any = None, *, num_chains: int) -> Rollout:
-  """The RL loop's `rollout` for AppWorld: step s samples `num_chains` chains of the task ids
-  (a `random.Random(seed)` of the step's seed), runs the Sequential Rollout (`rl.rollout`,
-  G rollouts per chain) with the context's policy, then rewards and advantages. Returns the
-  flat episode records and the rollout's metrics (under "rollout/")."""
+  """The RL loop's `rollout` for AppWorld: step s draws `num_chains` chains of the task ids
+  (a `random.Random` of the step's seed, the same on every process), runs this process's
+  share of them (a chain's G rollouts stay on one host, with their rewards and advantages)
+  through the Sequential Rollout (`rl.rollout`) with the context's policy, sampling seeds
+  `step_seed(rollout_config.seed, s)`. Returns this process's episode records and the
+  metrics of every process's episodes."""
   import random
 
   from sage_jax.rl import advantages as advantages_lib
@@ -239,13 +241,16 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
     chains = rollout_lib.sample_chains(task_ids, rollout_config.effective_chain_length,
                                        num_chains, random.Random(seed),
                                        order=rollout_config.chain_order)
-    config = dataclasses.replace(rollout_config, seed=seed,
+    share = multihost.share(len(chains))
+    config = dataclasses.replace(rollout_config, seed=step_seed(rollout_config.seed, step),
                                  experiment_prefix=f"{rollout_config.experiment_prefix}_s{step}")
-    batch = rollout_lib.collect(ctx, chains, config, reward_config, advantage_config)
+    batch = rollout_lib.collect(ctx, chains[share], config, reward_config, advantage_config,
+                                first_group=share.start)
     episodes = batch.flat()
-    values = {f"rollout/{k}": v for k, v in rollout_lib.rollout_metrics(episodes).items()}
-    if batch.advantage_stats is not None:
-      values["advantage/constant_groups"] = batch.advantage_stats.constant_fraction
+    values = dict(rollout_lib.rollout_metrics(gather_episodes(episodes)))
+    stats = batch.advantage_stats
+    values["constant_groups"] = float(sum(multihost.allgather_objects(
+        stats.num_constant_groups if stats is not None else 0)))
     return episodes, values
 
   return run
