@@ -69,6 +69,7 @@ def test_scripted_sequential_rollout_events_and_rewards(pool, mini_root, tok):
       assert first.visible_skills == ()
       for x in later:
         assert x.success and x.events.used == (name,) and x.events.generated == ()
+        assert x.events.mentioned == x.events.used  # run-time and static agree on gold
         assert x.visible_skills == (name,)
         assert x.used_skill_sources == {name: chain.task_ids[0]}
         assert x.num_steps == 1 and x.generated_tokens < first.generated_tokens

@@ -11,6 +11,9 @@ passed.
              saved (skill-generation reward; for K = 2: task 1 gets it when task 2 succeeded
              and used a skill generated in task 1),
     + w_use  if k > 0 and task k succeeded and used a library skill (skill-usage reward).
+  "used" and "saved" are the run-time events of `agent.skills`: a library skill counts as used
+  only when a call of it returned, so swallowed exceptions, dead branches and skills replaced
+  after failing earn no bonus.
   For K > 2 this is the natural generalisation: a task is credited once (not per later
   user) for a skill version it wrote that a later successful task used; credit goes to the
   task that saved the version that ran, so a task that updated a skill earns it, and every
