@@ -4,6 +4,10 @@ A group is the G rollouts of one chain. For each (group, chain position) the G r
 normalised among themselves: GRPO A = (r - mean) / (std + epsilon) (population std), or
 Dr.GRPO A = r - mean (no std division). A (group, position) whose rewards are all equal gives
 zero advantages (it carries no learning signal) and is counted in the statistics.
+
+Episodes on which the environment failed (`EpisodeRecord.env_failed`) are left out of their
+set's normalisation and get advantage 0; the update leaves them out of the loss
+(`train.rl_loop.grpo_update`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class AdvantageConfig:
 class AdvantageStats:
   num_groups: int  # (group, chain position) sets normalised together
   num_constant_groups: int  # of which all rewards were equal (zero advantage)
+  num_env_failures: int  # episodes left out because the environment failed under them
   reward_mean: float
   reward_std: float
   reward_mean_by_position: tuple[float, ...]
@@ -63,7 +68,12 @@ def assign_advantages(records: Sequence[EpisodeRecord],
                       config: AdvantageConfig = AdvantageConfig()) -> AdvantageStats:
   """Sets `.advantage` of every record from its (group, chain position) peers."""
   sets = collections.defaultdict(list)
+  failed = 0
   for record in records:
+    if getattr(record, "env_failed", False):
+      record.advantage = 0.0
+      failed += 1
+      continue
     sets[(record.group, record.chain_position)].append(record)
   constant = 0
   for members in sets.values():
@@ -77,7 +87,7 @@ def assign_advantages(records: Sequence[EpisodeRecord],
   by_position = tuple(float(np.mean([r.reward for r in records if r.chain_position == p]))
                       for p in positions)
   return AdvantageStats(
-      num_groups=len(sets), num_constant_groups=constant,
+      num_groups=len(sets), num_constant_groups=constant, num_env_failures=failed,
       reward_mean=float(rewards.mean()) if rewards.size else 0.0,
       reward_std=float(rewards.std()) if rewards.size else 0.0,
       reward_mean_by_position=by_position)

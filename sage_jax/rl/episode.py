@@ -67,6 +67,12 @@ class EpisodeRecord:
     return bool(self.events.used)
 
   @property
+  def env_failed(self) -> bool:
+    """The environment failed under the episode (worker crash, pool timeout, a refused
+    request): its outcome says nothing about the policy, so it is not trained on."""
+    return bool(self.errors)
+
+  @property
   def no_code(self) -> bool:
     return self.no_code_turns > 0
 

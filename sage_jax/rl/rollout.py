@@ -352,5 +352,6 @@ def rollout_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
       "no_code_rate": mean(r.no_code for r in records),
       "skill_use_rate_later_tasks": mean(r.used_skill for r in later) if later else 0.0,
       "skills_saved": mean(len(r.events.saved) for r in records),
-      "env_errors": float(sum(bool(r.errors) for r in records)),
+      "env_errors": float(sum(r.env_failed for r in records)),
+      "env_failure_rate": mean(r.env_failed for r in records),
   }

@@ -185,7 +185,13 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
                 batch_config: batch_lib.BatchConfig, *, seed: int = 0,
                 reference_params: nnx.State | None = None) -> dict[str, float]:
   """`grpo_config.num_mini_batches` optimiser updates on `episodes` (with advantages set);
-  returns the update metrics (means over mini-batches) and batch layout statistics."""
+  returns the update metrics (means over mini-batches) and batch layout statistics.
+  Episodes on which the environment failed (`env_failed`) are left out of the loss; when no
+  process has any other episode, there is no update."""
+  episodes = [e for e in episodes if not _field(e, "env_failed")]
+  trainable = np.asarray(multihost.allgather(np.asarray([len(episodes)], np.int64))).sum()
+  if trainable == 0:
+    return {"updates": 0.0, "batch/positions": 0.0, "batch/real_positions": 0.0}
   parts = batch_lib.split_mini_batches(
       episodes, grpo_config.num_mini_batches,
       np.random.default_rng(seed) if grpo_config.shuffle_mini_batches else None)
