@@ -1,9 +1,15 @@
 """Group-relative advantages per chain position.
 
 A group is the G rollouts of one chain. For each (group, chain position) the G rewards are
-normalised among themselves: GRPO A = (r - mean) / (std + epsilon) (population std), or
-Dr.GRPO A = r - mean (no std division). A (group, position) whose rewards are all equal gives
-zero advantages (it carries no learning signal) and is counted in the statistics.
+normalised among themselves:
+
+- GRPO: A_i = (r_i - mean) / (std + epsilon), std the population std (ddof 0, the GRPO
+  paper's formula) or the unbiased one (ddof 1, as tunix and verl compute it);
+- Dr.GRPO: A_i = r_i - mean (no std division);
+- RLOO: A_i = r_i - mean_{j != i} r_j (leave-one-out baseline; = G / (G - 1) (r_i - mean)).
+
+A (group, position) whose rewards are all equal gives zero advantages (it carries no learning
+signal) and is counted in the statistics.
 
 Episodes on which the environment failed (`EpisodeRecord.env_failed`) are left out of their
 set's normalisation and get advantage 0; the update leaves them out of the loss
@@ -20,19 +26,25 @@ import numpy as np
 
 from sage_jax.rl.episode import EpisodeRecord
 
-ESTIMATORS = ("grpo", "drgrpo")
+ESTIMATORS = ("grpo", "drgrpo", "rloo")
+STDS = ("population", "unbiased")
 
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-  """estimator: "grpo" (mean and std) or "drgrpo" (mean only). epsilon: added to the std."""
+  """estimator: "grpo" (mean and std), "drgrpo" (mean only) or "rloo" (leave-one-out mean).
+  std: GRPO's std, "population" (ddof 0) or "unbiased" (ddof 1). epsilon: added to the
+  std."""
 
   estimator: str = "grpo"
+  std: str = "population"
   epsilon: float = 1e-6
 
   def __post_init__(self):
     if self.estimator not in ESTIMATORS:
       raise ValueError(f"estimator={self.estimator!r}; expected one of {ESTIMATORS}")
+    if self.std not in STDS:
+      raise ValueError(f"std={self.std!r}; expected one of {STDS}")
     if self.epsilon < 0:
       raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
 
@@ -61,7 +73,9 @@ def group_advantages(rewards: Sequence[float], config: AdvantageConfig) -> np.nd
   centred = r - r.mean()
   if config.estimator == "drgrpo":
     return centred
-  return centred / (r.std() + config.epsilon)
+  if config.estimator == "rloo":
+    return centred * (r.size / (r.size - 1))  # r_i - (sum - r_i) / (G - 1)
+  return centred / (r.std(ddof=1 if config.std == "unbiased" else 0) + config.epsilon)
 
 
 def assign_advantages(records: Sequence[EpisodeRecord],
