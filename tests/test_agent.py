@@ -336,6 +336,11 @@ def test_episode_limits_end_cleanly(tok):
   for limit in (700, 900, 1200):
     trace, _, _ = _run(tok, long, AgentConfig(max_turn_tokens=400, max_episode_tokens=limit))
     assert trace.end_reason == "token_limit" and len(trace.conversation) <= limit
+  prose = ["I will think about this at great length first. " * 40] * 3
+  trace, _, _ = _run(tok, prose, AgentConfig(max_steps=3, max_turn_tokens=30))
+  assert trace.truncated_turns == 3 and trace.no_code_turns == 0  # cut, not code-less
+  trace, _, _ = _run(tok, ["No code here."] * 3, AgentConfig(max_steps=3))
+  assert trace.truncated_turns == 0 and trace.no_code_turns == 3
   tiny = AgentConfig(max_episode_tokens=50)
   trace, _, _ = _run(tok, texts, tiny)
   assert trace.end_reason == "token_limit" and trace.num_steps == 0

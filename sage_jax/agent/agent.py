@@ -23,6 +23,7 @@ from sage_jax.agent.skills import BlockTrace, FunctionInfo, SkillEvents, SkillTr
 from sage_jax.tokenizer import Conversation, Tokenizer
 
 FAILED_PREFIX = "Execution failed."
+TRUNCATED = ("max_new_tokens", "context_full")  # finish reasons of a turn cut by a token limit
 END_REASONS = ("completed", "max_steps", "token_limit", "env_error")
 
 
@@ -67,7 +68,13 @@ class TaskTrace:
 
   @property
   def no_code_turns(self) -> int:
-    return sum(t.code is None for t in self.turns)
+    """Turns that ended on their own without a code block."""
+    return sum(t.code is None and t.finish_reason not in TRUNCATED for t in self.turns)
+
+  @property
+  def truncated_turns(self) -> int:
+    """Turns without a code block because a token limit cut them."""
+    return sum(t.code is None and t.finish_reason in TRUNCATED for t in self.turns)
 
 
 class _Budget:

@@ -350,6 +350,7 @@ def rollout_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
       "steps": mean(r.num_steps for r in records),
       "generated_tokens": mean(r.generated_tokens for r in records),
       "no_code_rate": mean(r.no_code for r in records),
+      "truncation_rate": mean(r.truncated for r in records),
       "skill_use_rate_later_tasks": mean(r.used_skill for r in later) if later else 0.0,
       "skills_saved": mean(len(r.events.saved) for r in records),
       "env_errors": float(sum(r.env_failed for r in records)),

@@ -15,6 +15,9 @@ replayed the same way: grouped into scenario chains by task id (`metadata.task_i
 `id`), their assistant turns played back in order against the real engine; the observations
 are the engine's own. Without `--verify` they are only validated and copied.
 
+Selection (`ExpertConfig.selection`): "scenario" (default, the paper's rule) keeps a
+scenario's trajectories only when its first `scenario_tasks` (2) tasks succeeded, so that
+every kept chain shows a skill written and then reused; "task" keeps every successful task.
 Either way a trajectory is kept only if AppWorld says the task succeeded, and it is written
 from the token-level conversation (`sft.data.messages_from_ids`), checked to tokenise back to
 exactly the same ids and loss mask.
@@ -44,13 +47,17 @@ from sage_jax.sft import data as data_lib
 from sage_jax.tokenizer import Tokenizer
 
 
+SELECTIONS = ("scenario", "task")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertConfig:
   """appworld_root: the data root (None: the mini world, built on first use). splits: task
   splits whose gold solutions are played. num_workers: AppWorld worker processes.
   use_library: the Skill Library Agent (False: the plain code agent). outputs_root: where
   AppWorld writes episode outputs (None: a temporary directory). experiment_prefix: AppWorld
-  experiment names."""
+  experiment names. selection: "scenario" (keep a scenario's successful tasks when its first
+  `scenario_tasks` tasks succeeded; the paper's rule) or "task" (every successful task)."""
 
   appworld_root: str | None = None
   splits: tuple[str, ...] = ("train",)
@@ -58,6 +65,14 @@ class ExpertConfig:
   use_library: bool = True
   outputs_root: str | None = None
   experiment_prefix: str = "expert"
+  selection: str = "scenario"
+  scenario_tasks: int = 2
+
+  def __post_init__(self):
+    if self.selection not in SELECTIONS:
+      raise ValueError(f"selection={self.selection!r}; expected one of {SELECTIONS}")
+    if self.scenario_tasks < 1:
+      raise ValueError(f"scenario_tasks={self.scenario_tasks} must be >= 1")
 
 
 @dataclasses.dataclass
@@ -66,6 +81,7 @@ class ExpertStats:
   succeeded: int = 0
   kept: int = 0
   failed: list[str] = dataclasses.field(default_factory=list)
+  not_selected: list[str] = dataclasses.field(default_factory=list)  # succeeded, scenario not
   untokenisable: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -112,8 +128,8 @@ def play(policy: Any, task_ids: Sequence[str], tokenizer: Tokenizer, config: Exp
          source: str, pool: appworld.EnvPool | None = None
          ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
   """Runs `policy` on the tasks (scenario chains, one library per chain) in the real engine
-  (`pool`, or a pool started for the call); returns the successful trajectories in chain
-  order."""
+  (`pool`, or a pool started for the call); returns the successful trajectories that
+  `config.selection` keeps, in chain order."""
   root = config.appworld_root or appworld.ensure_mini_world()
   if pool is None:
     pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
@@ -129,17 +145,24 @@ def play(policy: Any, task_ids: Sequence[str], tokenizer: Tokenizer, config: Exp
   batch = asyncio.run(rollout.run_groups(ctx, chains, rollout_config))
   stats = ExpertStats()
   out = []
-  for record in batch.flat():
-    stats.tasks += 1
-    if not record.success:
-      stats.failed.append(record.task_id)
-      continue
-    stats.succeeded += 1
-    trajectory = record_to_trajectory(record, tokenizer, source)
-    if trajectory is None:
-      stats.untokenisable.append(record.task_id)
-      continue
-    out.append(trajectory)
+  for group in batch.records:
+    chain = group[0]
+    selected = config.selection == "task" or all(
+        r.success for r in chain[:config.scenario_tasks])
+    for record in chain:
+      stats.tasks += 1
+      if not record.success:
+        stats.failed.append(record.task_id)
+        continue
+      stats.succeeded += 1
+      if not selected:
+        stats.not_selected.append(record.task_id)
+        continue
+      trajectory = record_to_trajectory(record, tokenizer, source)
+      if trajectory is None:
+        stats.untokenisable.append(record.task_id)
+        continue
+      out.append(trajectory)
   stats.kept = len(out)
   return out, stats
 
@@ -179,6 +202,9 @@ def _define_flags() -> None:
                     "only validate and copy them).")
   flags.DEFINE_integer("num_workers", 2, "AppWorld worker processes.")
   flags.DEFINE_bool("use_library", True, "Skill Library Agent (else the plain code agent).")
+  flags.DEFINE_enum("selection", "scenario", list(SELECTIONS),
+                    "scenario: keep a scenario when its first two tasks succeeded (the "
+                    "paper's rule); task: keep every successful task.")
   flags.mark_flag_as_required("out")
 
 
@@ -188,7 +214,8 @@ def main(argv) -> None:
   logging.getLogger("httpx").setLevel(logging.WARNING)
   tokenizer = Tokenizer()
   config = ExpertConfig(appworld_root=f.appworld_root, splits=tuple(f.splits),
-                        num_workers=f.num_workers, use_library=f.use_library)
+                        num_workers=f.num_workers, use_library=f.use_library,
+                        selection=f.selection)
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
   if f.gold:
