@@ -3,6 +3,7 @@ of the loss, and counted."""
 
 import jax
 import numpy as np
+import pytest
 
 from sage_jax.model import get_preset, init_model
 from sage_jax.rl import advantages, grpo, rollout
@@ -28,7 +29,7 @@ def test_failed_episodes_are_left_out_of_normalisation():
   assert np.allclose([r.advantage for r in group], [1.0, -1.0, 0.0], atol=1e-5)
   assert stats.num_env_failures == 1 and stats.num_groups == 1
   metrics = rollout.rollout_metrics(group)
-  assert metrics["env_failure_rate"] == 1 / 3
+  assert metrics["env_failure_rate"] == pytest.approx(100 / 3)
 
 
 def _episode(length, advantage, failed=False):

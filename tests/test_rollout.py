@@ -93,7 +93,8 @@ def test_scripted_sequential_rollout_events_and_rewards(pool, mini_root, tok):
         assert all(x.advantage == 0.0 for x in records)
     assert stats.num_groups == 7 and stats.num_constant_groups == 7
   metrics = rollout.rollout_metrics(batch.flat())
-  assert metrics["success"] == 1.0 and metrics["skill_use_rate_later_tasks"] == 1.0
+  assert metrics["tgc"] == metrics["chain_success"] == 100.0
+  assert metrics["skill_usage_rate"] == metrics["success_skill_usage_rate"] == 100.0
   # A failed second task in one rollout: only that rollout loses the bonuses.
   g0 = batch.records[0]
   g0[1][1].success = False

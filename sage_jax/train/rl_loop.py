@@ -101,10 +101,12 @@ def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
   """Batch statistics of episodes (whatever fields they carry; see the module doc).
 
   reward/mean|std and per chain position reward/pos<k>/mean|std; success (share of tasks
-  whose tests all pass, i.e. the batch TGC) and sgc (share of rollout chains, or scenarios
-  without chain ids, whose tasks all pass); steps, generated tokens; skill generation
-  rate (episodes that defined a new skill), skill usage rate (episodes that used a library
-  skill), no-code rate; advantage statistics.
+  whose tests all pass, i.e. the batch TGC) and chain_success (share of rollout chains, or
+  scenarios without chain ids, whose tasks all pass: SGC is a per-scenario evaluation
+  metric); steps, generated tokens; skill generation rate (episodes that defined a new
+  skill), skill usage rate (among episodes after the first of their chain, the only ones
+  with a library: those that used a library skill), no-code rate; advantage statistics.
+  Fractions in [0, 1]; `rl.metrics` holds the paper's metrics of AppWorld episodes.
   """
   out: dict[str, float] = {"episodes": float(len(episodes))}
   if not episodes:
@@ -133,7 +135,7 @@ def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
       chains = collections.defaultdict(list)
       for k, s in zip(keys, success):
         chains[k].append(bool(s))
-      out["sgc"] = float(np.mean([all(v) for v in chains.values()]))
+      out["chain_success"] = float(np.mean([all(v) for v in chains.values()]))
     if all(p is not None for p in positions):
       by_pos = collections.defaultdict(list)
       for s, p in zip(success, positions):
@@ -152,8 +154,10 @@ def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
   if all(e is not None and hasattr(e, "generated") for e in events):
     out["skill_generation_rate"] = float(np.mean([bool(e.generated) for e in events]))
   used = get("used_skill")
-  if all(u is not None for u in used):
-    out["skill_usage_rate"] = float(np.mean([bool(u) for u in used]))
+  if all(u is not None for u in used) and all(p is not None for p in positions):
+    later = [bool(u) for u, p in zip(used, positions) if p > 0]
+    if later:
+      out["skill_usage_rate"] = float(np.mean(later))
   no_code = get("no_code")
   if all(n is not None for n in no_code):
     out["no_code_rate"] = float(np.mean([bool(n) for n in no_code]))
