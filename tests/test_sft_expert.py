@@ -104,6 +104,38 @@ def test_selection_keeps_scenarios_whose_first_two_tasks_succeeded(gold, mini_ro
     expert.ExpertConfig(selection="chain")
 
 
+def test_self_distillation_rejection_samples_over_temperatures(mini_root, tok, pool):
+  """A policy that fails one scenario's second task at the first temperature: the other
+  scenarios are kept from the first temperature, that one from the second."""
+  from sage_jax.agent import ScriptedPolicy
+  from sage_jax.agent.expert import TextTurnsSession
+
+  dev = appworld.read_split(mini_root, "dev")
+  broken_task = next(t for t in dev if t.endswith("_2"))
+  scripted = ScriptedPolicy(mini_root, tok)
+
+  class Sampled:
+    def __init__(self, temperature):
+      self.temperature = temperature
+
+    def session(self, context):
+      if self.temperature < 0.5 and context.task_id == broken_task:
+        return TextTurnsSession(["```python\napis.supervisor.complete_task(answer='?')\n```"],
+                                tok)
+      return scripted.session(context)
+
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
+                               temperatures=(0.3, 0.7), experiment_prefix="self")
+  kept, stats = expert.self_distilled_trajectories(Sampled, config, tok, pool=pool)
+  broken = appworld.scenario_id(broken_task)
+  assert sorted(t.id for t in kept) == sorted(dev)
+  assert {t.metadata["source"] for t in kept if t.id.startswith(broken)} == {"self@0.7"}
+  assert {t.metadata["source"] for t in kept if not t.id.startswith(broken)} == {"self@0.3"}
+  assert stats.tasks == len(dev) + 3 and stats.failed == [broken_task]
+  with pytest.raises(ValueError, match="temperatures"):
+    expert.ExpertConfig(source="self", temperatures=())
+
+
 def test_command_line_plays_the_gold_solutions_of_a_split(mini_root, tmp_path):
   out = tmp_path / "test.jsonl"
   done = subprocess.run([sys.executable, "-m", "sage_jax.sft.expert", f"--out={out}",

@@ -15,6 +15,11 @@ replayed the same way: grouped into scenario chains by task id (`metadata.task_i
 `id`), their assistant turns played back in order against the real engine; the observations
 are the engine's own. Without `--verify` they are only validated and copied.
 
+Self-distillation (`ExpertConfig.source = "self"`, the paper's ablation): the trajectories
+come from the starting policy itself, rejection-sampled over temperatures: every scenario is
+played at `temperatures[0]`; the scenarios that yield no selected trajectory are played
+again at the next temperature, and so on (`self_distilled_trajectories`).
+
 Selection (`ExpertConfig.selection`): "scenario" (default, the paper's rule) keeps a
 scenario's trajectories only when its first `scenario_tasks` (2) tasks succeeded, so that
 every kept chain shows a skill written and then reused; "task" keeps every successful task.
@@ -32,7 +37,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from absl import app, flags
@@ -48,6 +53,7 @@ from sage_jax.tokenizer import Tokenizer
 
 
 SELECTIONS = ("scenario", "task")
+SOURCES = ("gold", "self")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +63,9 @@ class ExpertConfig:
   use_library: the Skill Library Agent (False: the plain code agent). outputs_root: where
   AppWorld writes episode outputs (None: a temporary directory). experiment_prefix: AppWorld
   experiment names. selection: "scenario" (keep a scenario's successful tasks when its first
-  `scenario_tasks` tasks succeeded; the paper's rule) or "task" (every successful task)."""
+  `scenario_tasks` tasks succeeded; the paper's rule) or "task" (every successful task).
+  source: "gold" (the gold solutions, scripted) or "self" (self-distillation: the starting
+  policy, rejection-sampled over `temperatures`, in order)."""
 
   appworld_root: str | None = None
   splits: tuple[str, ...] = ("train",)
@@ -67,8 +75,15 @@ class ExpertConfig:
   experiment_prefix: str = "expert"
   selection: str = "scenario"
   scenario_tasks: int = 2
+  source: str = "gold"
+  temperatures: tuple[float, ...] = (0.3, 0.7, 1.0)
 
   def __post_init__(self):
+    if self.source not in SOURCES:
+      raise ValueError(f"source={self.source!r}; expected one of {SOURCES}")
+    if not self.temperatures or any(t < 0 for t in self.temperatures):
+      raise ValueError(f"temperatures={self.temperatures} must be a non-empty list of "
+                       "values >= 0")
     if self.selection not in SELECTIONS:
       raise ValueError(f"selection={self.selection!r}; expected one of {SELECTIONS}")
     if self.scenario_tasks < 1:
@@ -175,6 +190,31 @@ def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
   config = dataclasses.replace(config, appworld_root=root)
   task_ids = [t for split in config.splits for t in appworld.read_split(root, split)]
   return play(ScriptedPolicy(root, tokenizer), task_ids, tokenizer, config, "gold", pool)
+
+
+def self_distilled_trajectories(policy_at: Callable[[float], Any], config: ExpertConfig,
+                                tokenizer: Tokenizer, pool: appworld.EnvPool | None = None
+                                ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
+  """Rejection sampling from the starting policy (`policy_at(temperature)`): the split's
+  scenarios are played at each of `config.temperatures` in turn, each scenario until a play
+  of it yields selected trajectories, which are kept (source "self@<temperature>"). The
+  stats count every play."""
+  root = config.appworld_root or appworld.ensure_mini_world()
+  config = dataclasses.replace(config, appworld_root=root)
+  remaining = [t for split in config.splits for t in appworld.read_split(root, split)]
+  out, total = [], ExpertStats()
+  for i, temperature in enumerate(config.temperatures):
+    if not remaining:
+      break
+    attempt = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_t{i}")
+    kept, stats = play(policy_at(temperature), remaining, tokenizer, attempt,
+                       f"self@{temperature:g}", pool)
+    for field in dataclasses.fields(ExpertStats):
+      setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+    accepted = {appworld.scenario_id(task_id_of(t)) for t in kept}
+    remaining = [t for t in remaining if appworld.scenario_id(t) not in accepted]
+    out += kept
+  return out, total
 
 
 def replayed_trajectories(trajectories: Sequence[data_lib.Trajectory], config: ExpertConfig,
