@@ -64,6 +64,8 @@ def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
   assert _code(reuse[0]).strip() == call
   assert expert.official_skill("def solution(apis, requester):\n    pass\n\n"
                                "solution(apis, requester)\n", instruction) is None
+  with_import = expert.official_skill("import math\n\n" + solution, instruction)[1]
+  assert with_import.startswith("import math\ndef send_venmo")
 
 
 def _eval_config(root):

@@ -227,7 +227,10 @@ def official_skill(solution: str, instruction: str,
   new.name = name
   new.args = ast.arguments(posonlyargs=[], args=[ast.arg(p) for p in params.values()],
                            kwonlyargs=[], kw_defaults=[], defaults=[])
-  definition = ast.unparse(ast.fix_missing_locations(new))
+  # The solution file's imports travel with the skill (the agent's block keeps them).
+  imports = [ast.unparse(n) for n in ast.parse(solution).body
+             if isinstance(n, (ast.Import, ast.ImportFrom))]
+  definition = "\n".join([*imports, ast.unparse(ast.fix_missing_locations(new))])
   call = f"{name}({', '.join(repr(v) for _, v in params)})"
   return name, definition, call
 

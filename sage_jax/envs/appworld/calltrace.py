@@ -71,25 +71,30 @@ class CallTracer:
     # Recorded calls in progress, innermost last, each with the calls that returned inside
     # it (they count once the outermost recorded call around them has returned).
     self._stack: list[tuple[_Function, list[_Function]]] = []
-    self.complete = True
 
   def run(self, execute: Callable[[str], str], code: str, *, library: bool = False
           ) -> tuple[str, dict]:
-    """`execute(code)` under the hook: (its output, the block's trace). The trace holds the
-    block's id, whether the hook stayed in place, and `calls()`."""
+    """`execute(code)` under the hook: (its output, the block's trace: its id, whether the
+    hook stayed in place throughout, and `calls()`)."""
     if library:
       block_id = LIBRARY_BLOCK
     else:
       block_id, self._next_block = self._next_block, self._next_block + 1
-    with self.block(block_id, code):
-      output = execute(code)
-    return output, {"block": block_id, "complete": self.complete, "calls": self.calls()}
-
-  def block(self, block_id: Any, code: str) -> "_Block":
+    self._block = block_id
     # AppWorld strips the code before IPython compiles it: lines shift by the blank lines
     # it removed at the start.
-    offset = code[:len(code) - len(code.lstrip())].count("\n")
-    return _Block(self, block_id, offset)
+    self._line_offset = code[:len(code) - len(code.lstrip())].count("\n")
+    self._touched, self._stack = {}, []
+    previous = sys.gettrace()
+    sys.settrace(self._global)
+    try:
+      output = execute(code)
+    finally:
+      hook = sys.gettrace()  # a bound method is a new object on every access
+      complete = (getattr(hook, "__func__", None) is CallTracer._global
+                  and getattr(hook, "__self__", None) is self)
+      sys.settrace(previous)
+    return output, {"block": block_id, "complete": complete, "calls": self.calls()}
 
   def calls(self) -> list[dict]:
     """The functions called during the last block (any block's functions): their defining
@@ -145,25 +150,3 @@ class CallTracer:
           and not const.co_name.startswith("<")):
         self._functions[id(const)] = _Function(const, self._block,
                                                const.co_firstlineno + self._line_offset)
-
-
-class _Block:
-  """The hook installed for one block's execution."""
-
-  def __init__(self, tracer: CallTracer, block_id: Any, line_offset: int):
-    self._tracer, self._id, self._offset = tracer, block_id, line_offset
-
-  def __enter__(self) -> CallTracer:
-    t = self._tracer
-    t._block, t._line_offset, t._touched, t._stack = self._id, self._offset, {}, []
-    t.complete = True
-    self._previous = sys.gettrace()
-    sys.settrace(t._global)
-    return t
-
-  def __exit__(self, *exc_info) -> None:
-    # A bound method is a new object on every access: compare what it wraps.
-    hook = sys.gettrace()
-    self._tracer.complete = getattr(hook, "__func__", None) is CallTracer._global and \
-        getattr(hook, "__self__", None) is self._tracer
-    sys.settrace(self._previous)
