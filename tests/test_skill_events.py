@@ -220,3 +220,39 @@ def test_install_code_round_trip_is_traced_as_library(pool, gold):
   call = f"{SKILL}('Hardware store', '~/documents/hardware_store.txt')\n"
   tracker, result = run_blocks(pool, f"{SCENARIO}_2", [call], code)
   assert tracker.events().used == (SKILL,) and tracker.events().generated == ()
+
+
+_SAME_OUTPUT_SCRIPT = r"""
+import json, os, sys
+from sage_jax.envs.appworld.worker import _outputs_root
+os.environ["APPWORLD_ROOT"] = _outputs_root(sys.argv[1], sys.argv[4])
+from appworld import AppWorld
+from sage_jax.envs.appworld.calltrace import CallTracer
+blocks = json.loads(sys.argv[2])
+outputs = []
+for traced in (False, True):
+  with AppWorld(task_id=sys.argv[3], experiment_name=f"same_{traced}") as world:
+    tracer = CallTracer()
+    run = (lambda code: tracer.run(world.execute, code)[0]) if traced else world.execute
+    outputs.append([run(code) for code in blocks] + [world.evaluate().success])
+sys.__stdout__.write("OUT" + json.dumps(outputs))
+"""
+
+
+def test_tracing_changes_nothing_appworld_returns(mini_root, gold, tmp_path):  # noqa: F811
+  """The same blocks, with and without the hook: identical outputs (tracebacks included)
+  and the same evaluation."""
+  import json
+  import subprocess
+  import sys
+
+  first, _ = gold
+  blocks = ["def f(x):\n    return 1 / x\n\nprint(f(2))\n", "f(0)\n", MISSING.replace(
+      SKILL, "save_note"), first]
+  done = subprocess.run([sys.executable, "-c", _SAME_OUTPUT_SCRIPT, mini_root,
+                         json.dumps(blocks), f"{SCENARIO}_1", str(tmp_path)],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  plain, traced = json.loads(done.stdout.rpartition("OUT")[2])
+  assert plain == traced
+  assert "ZeroDivisionError" in plain[1] and plain[-1] is True
