@@ -5,7 +5,8 @@ Every stage reads its settings from the run config (`sage_jax.run_config`); each
 under the workdir:
 
   <workdir>/config.json              the resolved config
-  <workdir>/expert_trajectories.jsonl  SFT data made from the gold solutions (if not given)
+  <workdir>/expert_trajectories.jsonl  SFT data made from the gold solutions, or sampled from
+                                     the starting policy (expert.source "self"), if not given
   <workdir>/sft/                     SFT checkpoints and metrics
   <workdir>/checkpoints/             RL checkpoints (orbax), config beside them
   <workdir>/metrics.jsonl            RL metrics per step (+ TensorBoard events)
@@ -135,8 +136,14 @@ class Pipeline:
       if not os.path.exists(path):
         expert_cfg = dataclasses.replace(self.run.expert, appworld_root=self.root,
                                          outputs_root=self.pool.outputs_root)
-        trajectories, stats = sft_expert.gold_trajectories(expert_cfg, self.tokenizer,
-                                                           pool=self.pool)
+        if expert_cfg.source == "self":  # self-distillation from the starting policy
+          policy_at = lambda t: rollout.SamplerPolicy(
+              self.driver, dataclasses.replace(self.run.agent, temperature=t))
+          trajectories, stats = sft_expert.self_distilled_trajectories(
+              policy_at, expert_cfg, self.tokenizer, pool=self.pool)
+        else:
+          trajectories, stats = sft_expert.gold_trajectories(expert_cfg, self.tokenizer,
+                                                             pool=self.pool)
         logging.info("expert trajectories: %d kept of %d tasks", stats.kept, stats.tasks)
         if multihost.is_lead():
           sft_data.write_jsonl(path, trajectories)

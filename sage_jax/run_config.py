@@ -191,9 +191,10 @@ def resolve(config: Any, num_devices: int | None = None,
 
 def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -> None:
   rollout, pipeline = run.rollout, run.pipeline
-  if rollout.group_size == 1 and run.advantage.estimator == "grpo" and "rl" in pipeline.stages:
+  estimator = run.advantage.estimator
+  if rollout.group_size == 1 and estimator in ("grpo", "rloo") and "rl" in pipeline.stages:
     raise ConfigError("config.rollout.group_size: 1 leaves no group to normalise over; the "
-                      "std-normalised 'grpo' advantage is 0 for every episode (use >= 2)")
+                      f"{estimator!r} advantage is 0 for every episode (use >= 2)")
   if rollout.effective_chain_length > TASKS_PER_SCENARIO:
     raise ConfigError(f"config.rollout.chain_length: {rollout.chain_length} exceeds the "
                       f"{TASKS_PER_SCENARIO} tasks of an AppWorld scenario")

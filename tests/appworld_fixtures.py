@@ -53,3 +53,72 @@ def appworld_metrics(outputs_root: str, experiment: str, task_ids: list[str]) ->
                         capture_output=True, text=True, check=True,
                         env=dict(os.environ, APPWORLD_ROOT=outputs_root))
   return json.loads(done.stdout.rpartition("METRICS")[2])
+
+
+# --- An official-style dataset: the mini world's data with gold solutions in AppWorld's form --
+
+OFFICIAL_SCENARIOS = ("1d3abf7", "e95e02e", "ead7476")  # an action, an answer, a float value
+OFFICIAL_HEADER = "# Gold solution in AppWorld's official form: the task's values are inside.\n"
+
+
+def official_form(solution: str) -> str:
+  """A mini-world gold solution (procedure + call + complete_task) rewritten the way
+  AppWorld's own data writes them: `def solution(apis, requester):` with the call's values
+  substituted into the procedure's body and its result given to complete_task."""
+  import ast
+  import copy
+
+  tree = ast.parse(solution)
+  fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
+  rest = [n for n in tree.body if n is not fn]
+  call_stmt = next(n for n in rest if isinstance(getattr(n, "value", None), ast.Call)
+                   and getattr(n.value.func, "id", None) == fn.name)
+  values = dict(zip([a.arg for a in fn.args.args], call_stmt.value.args))
+
+  class Inline(ast.NodeTransformer):
+    def visit_Name(self, node):  # noqa: N802 - ast's name
+      return copy.deepcopy(values[node.id]) if node.id in values else node
+
+  body = [Inline().visit(copy.deepcopy(s)) for s in fn.body]
+  if any(isinstance(n, ast.Return) for s in body[:-1] for n in ast.walk(s)):
+    raise ValueError(f"{fn.name} returns early: not convertible")
+  if isinstance(body[-1], ast.Return):
+    last = body.pop()
+    target = call_stmt.targets if isinstance(call_stmt, ast.Assign) else None
+    body.append(ast.Assign(targets=target, value=last.value) if target else ast.Expr(last.value))
+  body += [s for s in rest if s is not call_stmt]
+  new = ast.FunctionDef(name="solution", args=ast.arguments(
+      posonlyargs=[], args=[ast.arg("apis"), ast.arg("requester")], kwonlyargs=[],
+      kw_defaults=[], defaults=[]), body=body, decorator_list=[], returns=None)
+  return OFFICIAL_HEADER + ast.unparse(ast.fix_missing_locations(new)) + "\n"
+
+
+def _copy_tree(src: str, dst: str) -> None:
+  """Copies files without their (read-only) modes."""
+  import shutil
+  for d, _, files in os.walk(src):
+    out = os.path.join(dst, os.path.relpath(d, src))
+    os.makedirs(out, exist_ok=True)
+    for f in files:
+      shutil.copyfile(os.path.join(d, f), os.path.join(out, f))
+
+
+@pytest.fixture(scope="session")
+def official_root(mini_root, tmp_path_factory) -> str:
+  """An APPWORLD_ROOT in AppWorld's format holding OFFICIAL_SCENARIOS (split "train") with
+  official-form gold solutions (solution.py and compiled_solution.py)."""
+  root = str(tmp_path_factory.mktemp("official_appworld"))
+  data = os.path.join(mini_root, "data")
+  for part in ("base_dbs", "api_docs"):
+    _copy_tree(os.path.join(data, part), os.path.join(root, "data", part))
+  task_ids = [t for t in all_task_ids(mini_root) if t.split("_")[0] in OFFICIAL_SCENARIOS]
+  for task_id in task_ids:
+    _copy_tree(task_dir(mini_root, task_id), task_dir(root, task_id))
+    official = official_form(gold_solution(mini_root, task_id))
+    for name in ("solution.py", "compiled_solution.py"):
+      with open(os.path.join(task_dir(root, task_id), "ground_truth", name), "w") as f:
+        f.write(official)
+  os.makedirs(os.path.join(root, "data", "datasets"))
+  with open(os.path.join(root, "data", "datasets", "train.txt"), "w") as f:
+    f.write("\n".join(sorted(task_ids)) + "\n")
+  return root

@@ -68,69 +68,42 @@ def test_analyze_finds_functions_calls_imports():
   assert not broken.syntax_ok and "SyntaxError" in broken.error and broken.functions == ()
 
 
-def test_generated_and_saved_with_helpers():
-  t = skills.SkillTracker()
-  t.observe(SKILL, ok=True)
-  e = t.events()
-  assert e.generated == ("count_songs", "login") and e.saved == e.generated
-  assert e.used == () and e.updated == ()
-  assert set(t.saved_functions()) == {"count_songs", "login"}
-
-
-def test_definition_in_failing_block_is_not_generated():
-  t = skills.SkillTracker()
-  t.observe("def f(x):\n    return x\nf(1)\n", ok=False)
-  e = t.events()
-  assert e.generated == () and e.saved == () and e.failed_definitions == ("f",)
-  t.observe("def f(x):\n    return x + 1\nf(1)\n", ok=True)  # fixed in a later turn
-  e = t.events()
-  assert e.generated == ("f",) and e.failed_definitions == ()
-  assert "x + 1" in t.saved_functions()["f"].source
-
-
-def test_used_direct_transitive_and_through_task_helper():
+def test_mentioned_is_static_reachability_only():
+  """Without the worker's call records nothing counts as run: only the static diagnostic."""
   library = {"count_songs": {"login", "len"}, "login": set(), "unused": set()}
   t = skills.SkillTracker(library)
-  t.observe("answer = count_songs('pop')\n", ok=True)
-  assert t.events().used == ("count_songs", "login")  # login runs inside count_songs
+  t.observe("answer = count_songs('pop')\n", None)
+  e = t.events()
+  assert e.mentioned == ("count_songs", "login")  # login is called inside count_songs
+  assert e.used == () and e.generated == () and e.saved == ()
   t2 = skills.SkillTracker(library)
-  t2.observe("def wrapper(g):\n    return count_songs(g)\n\nwrapper('x')\n", ok=True)
-  e = t2.events()
-  assert e.used == ("count_songs", "login") and e.generated == ("wrapper",)
+  t2.observe("def wrapper(g):\n    return count_songs(g)\n\nwrapper('x')\n", None)
+  assert t2.events().mentioned == ("count_songs", "login")
   t3 = skills.SkillTracker(library)
-  t3.observe("def never_called():\n    return count_songs('x')\n", ok=True)
-  assert t3.events().used == ()  # defined but not reached
+  t3.observe("def never_called():\n    return count_songs('x')\n", None)
+  assert t3.events().mentioned == ()  # defined but not reached
+  t3.observe("f(\n", None)
+  assert t3.events().syntax_errors == 1
+  t4 = skills.SkillTracker(library)
+  t4.observe("def count_songs(g):\n    return 0\n\ncount_songs('a')\n", None)
+  assert t4.events().mentioned == ()  # the task's own version
 
 
-def test_used_even_when_the_call_fails_but_not_on_syntax_error():
-  t = skills.SkillTracker({"f": set()})
-  t.observe("f(\n", ok=False)
-  assert t.events().used == () and t.events().syntax_errors == 1
-  t.observe("f(1)\n", ok=False)
-  assert t.events().used == ("f",)
-
-
-def test_redefinition_is_update_not_use():
-  library = {"count_songs": set()}
-  t = skills.SkillTracker(library)
-  t.observe("def count_songs(g):\n    return 0\n\ncount_songs('a')\n", ok=True)
+def test_events_follow_call_records():
+  """Hand-written records (the worker's are tested in test_skill_events): a definition is
+  matched by block, line and name; an incomplete record credits nothing."""
+  t = skills.SkillTracker({"lib": set()})
+  code_ = "x = 1\n\ndef f():\n    return lib()\n\nf()\n"
+  calls = (skills.Call(0, 3, "f", 1, 0), skills.Call("library", 1, "lib", 1, 0))
+  t.observe(code_, skills.BlockTrace(0, calls, complete=False))
+  assert t.events().used == () and t.events().untraced_blocks == 1
+  t.observe(code_, skills.BlockTrace(1, calls))  # records name block 0's definition
   e = t.events()
-  assert e.updated == ("count_songs",) and e.used == () and e.generated == ()
-  assert e.saved == ("count_songs",)
-  t.observe("count_songs('b')\n", ok=True)  # the task's own version now
-  assert t.events().used == ()
-  t2 = skills.SkillTracker(library)
-  t2.observe("count_songs('a')\n", ok=False)  # use, fails ...
-  t2.observe("def count_songs(g):\n    return 1\n\ncount_songs('a')\n", ok=True)  # ... fix
-  e2 = t2.events()
-  assert e2.used == ("count_songs",) and e2.updated == ("count_songs",)
-
-
-def test_update_in_failing_block_is_not_saved():
-  t = skills.SkillTracker({"f": set()})
-  t.observe("def f():\n    raise ValueError\n\nf()\n", ok=False)
-  e = t.events()
-  assert e.updated == () and e.saved == () and e.failed_definitions == ("f",)
+  assert e.used == ("lib",) and e.generated == ("f",)
+  assert t.saved_functions()["f"].line == 3
+  t2 = skills.SkillTracker()
+  t2.observe(code_, skills.BlockTrace(0, (skills.Call(0, 1, "f", 1, 0),)))  # wrong line
+  assert t2.events().generated == () and t2.events().failed_definitions == ("f",)
 
 
 # --- library and retrieval -------------------------------------------------------------------
@@ -257,14 +230,9 @@ def test_expert_defines_with_docstring_then_reuses():
   a = skills.analyze(c)
   assert a.functions[0].docstring.startswith("Total received from.")
   assert "name: the name." in a.functions[0].docstring
-  t = skills.SkillTracker()
-  t.observe(c, ok=True)
-  assert t.events().generated == ("total_received_from",)
+  assert "total_received_from" in a.top_level_calls
   second = parsing.extract_code(expert.expert_turns(GOLD, ["total_received_from"])[0]).code
   assert "def " not in second and "total_received_from('Ann Lee')" in second
-  t2 = skills.SkillTracker({"total_received_from": set()})
-  t2.observe(second, ok=True)
-  assert t2.events().used == ("total_received_from",) and t2.events().generated == ()
   plain = expert.expert_turns("x = apis.a.b()\napis.supervisor.complete_task()\n")
   assert parsing.extract_code(plain[0]).code.startswith("x = apis.a.b()")
 
@@ -283,6 +251,7 @@ class FakeEpisode:
                               datetime="2023-05-18T12:00:00")
     self.task_completed = False
     self.error = None
+    self.last_trace = None  # no call records: skill events need the real worker
     self.executed = []
 
   async def execute(self, code):
@@ -350,7 +319,7 @@ def test_episode_masks_logprobs_turns_and_events(tok):
     seq += r.new_ids
     assert seq == r.prompt_ids
     seq += ids[t.token_start:t.token_end]
-  assert trace.events.generated == ("f",) and "return 1" in trace.saved["f"].source
+  assert trace.events.generated == () and trace.events.mentioned == ()
   roles = [t.role for t in trace.conversation.turns]
   assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
 
@@ -367,6 +336,11 @@ def test_episode_limits_end_cleanly(tok):
   for limit in (700, 900, 1200):
     trace, _, _ = _run(tok, long, AgentConfig(max_turn_tokens=400, max_episode_tokens=limit))
     assert trace.end_reason == "token_limit" and len(trace.conversation) <= limit
+  prose = ["I will think about this at great length first. " * 40] * 3
+  trace, _, _ = _run(tok, prose, AgentConfig(max_steps=3, max_turn_tokens=30))
+  assert trace.truncated_turns == 3 and trace.no_code_turns == 0  # cut, not code-less
+  trace, _, _ = _run(tok, ["No code here."] * 3, AgentConfig(max_steps=3))
+  assert trace.truncated_turns == 0 and trace.no_code_turns == 3
   tiny = AgentConfig(max_episode_tokens=50)
   trace, _, _ = _run(tok, texts, tiny)
   assert trace.end_reason == "token_limit" and trace.num_steps == 0

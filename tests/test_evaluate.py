@@ -43,7 +43,8 @@ def test_scripted_policy_scores_100_with_reuse_in_every_later_task(pool, mini_ro
   assert report["appworld"]["task_goal_completion"] == 100.0
   assert report["appworld"]["scenario_goal_completion"] == 100.0
   assert overall["num_tasks"] == 9 and overall["num_scenarios"] == 3
-  assert overall["skill_usage_rate"] == 100.0 and overall["success_given_skill_use"] == 100.0
+  assert overall["skill_usage_rate"] == 100.0 and overall["p_success_given_use"] == 100.0
+  assert overall["success_skill_usage_rate"] == 100.0 and overall["w_use_rate"] == 200 / 3
   assert overall["no_code_rate"] == 0.0 and overall["avg_steps"] == 1.0
   records = report["records"]
   assert [r["task_id"] for r in records] == appworld.read_split(mini_root, "dev")
@@ -77,15 +78,15 @@ def test_cross_scenario_retrieval_runs_scenarios_in_order(pool, tmp_path):
 def test_metrics_table_and_disagreement_guard():
   from tests.test_rewards import rec
   records = [rec(0, True, generated=["f"]), rec(1, False, used=["f"]),
-             rec(0, True, task="t_1"), rec(1, True, no_code=1, task="t_2")]
+             rec(0, True, task="t_1", group=1), rec(1, True, no_code=1, task="t_2", group=1)]
   for r, d in zip(records, (1, 1, 2, 2)):
     r.difficulty = d
   records[2].scenario = records[3].scenario = "t"
   m = metrics.evaluation_metrics(records)
   assert m["overall"]["tgc"] == 75.0 and m["overall"]["sgc"] == 50.0
   assert m["overall"]["skill_usage_rate"] == 100.0  # only record 1 saw skills, and used one
-  assert m["overall"]["skill_usage_rate_all_tasks"] == 25.0
-  assert m["overall"]["success_given_skill_use"] == 0.0
+  assert m["overall"]["success_skill_usage_rate"] == 0.0
+  assert m["overall"]["p_success_given_use"] == 0.0
   assert m["overall"]["no_code_rate"] == 25.0
   assert m["by_difficulty"]["2"]["sgc"] == 100.0
   assert "| difficulty 1 | 2 | 50.0 | 0.0 |" in metrics.markdown_table(m)

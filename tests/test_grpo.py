@@ -1,6 +1,7 @@
 """GRPO loss against hand-computed values: clipping sides, clip-higher, dual clip, TIS, KL,
 and every aggregation mode."""
 
+import dataclasses
 import math
 
 import jax
@@ -168,3 +169,77 @@ def test_config_validation():
   with pytest.raises(ValueError, match="loss_aggregation"):
     grpo.GRPOConfig(loss_aggregation="mean")
   assert not grpo.GRPOConfig().use_kl  # the paper's default: no KL
+
+
+# --- GSPO, KL clamp ------------------------------------------------------------------------
+
+def _gspo_batch():
+  """Two sequences packed in one row: A (3 model tokens, advantage 2) and B (2 model tokens,
+  advantage -1), with seq-mean-token-mean weights, and new logprobs for them."""
+  recs = [dict(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], model_logprobs=[0, -1, -1, -1],
+               advantage=2.0),
+          dict(tokens=[1, 2, 3], loss_mask=[0, 1, 1], model_logprobs=[0, -2, -2],
+               advantage=-1.0)]
+  batch, _ = B.make_batch(recs, B.BatchConfig(micro_batch_tokens=8, length_buckets=(8,)),
+                          aggregation="seq-mean-token-mean")
+  micro = jax.tree.map(jnp.asarray, B.micro_batches(batch)[0])
+  assert micro.segment_ids.tolist() == [[1, 1, 1, 2, 2, 0, 0, 0]]  # both in one row
+  # log-ratios: A +0.1, +0.2, -0.15 (mean 0.05); B -0.3, -0.5 (mean -0.4: clipped)
+  delta = np.zeros(micro.old_logprobs.shape, np.float32)
+  delta[0, :5] = [0.1, 0.2, -0.15, -0.3, -0.5]
+  return micro, micro.old_logprobs + jnp.asarray(delta)
+
+
+def test_gspo_sequence_ratio_equals_the_papers_objective():
+  micro, new = _gspo_batch()
+  eps = 0.2
+  config = grpo.GRPOConfig(ratio_level="sequence", clip_eps_low=eps, clip_eps_high=eps)
+  loss, _ = grpo.batch_loss(config, new, micro)
+  s_a, s_b = E(0.05), E(-0.4)
+  # J = 1/G sum_i min(s_i A_i, clip(s_i) A_i); the loss is -J.
+  reference = -(min(s_a * 2, min(max(s_a, 1 - eps), 1 + eps) * 2)
+                + min(s_b * -1, min(max(s_b, 1 - eps), 1 + eps) * -1)) / 2
+  assert float(loss) == pytest.approx(reference, rel=1e-5)
+  # GSPO-token has the same value and, with one advantage per sequence, the same gradient:
+  # d loss / d logp_t = -A_i s_i / (G |y_i|) where unclipped (A), 0 where clipped (B).
+  grads = {}
+  for level in ("sequence", "sequence-token"):
+    c = dataclasses.replace(config, ratio_level=level)
+    value, grads[level] = jax.value_and_grad(
+        lambda lp: grpo.batch_loss(c, lp, micro)[0])(new)
+    assert float(value) == pytest.approx(reference, rel=1e-5)
+  np.testing.assert_allclose(grads["sequence"], grads["sequence-token"], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(grads["sequence"])[0, :5],
+                             [-2 * s_a / 6] * 3 + [0.0, 0.0], atol=1e-6)
+
+
+def test_kl_clamp():
+  ref = [3.0, -1.0, -1.0, -1.0]  # a large log-ratio on token 0
+  config = grpo.GRPOConfig(kl_coef=1.0, kl_clamp=2.0)
+  _, stats = _loss_tokens(config, ref=ref)
+  log_ratio = np.asarray(ref) - np.asarray(NEW)
+  k3 = np.exp(log_ratio) - log_ratio - 1
+  np.testing.assert_allclose(stats["kl"], np.minimum(k3, 2.0), rtol=1e-5)
+  assert k3[0] > 2.0
+  with pytest.raises(ValueError, match="kl_clamp"):
+    grpo.GRPOConfig(kl_clamp=0.0)
+  with pytest.raises(ValueError, match="ratio_level"):
+    grpo.GRPOConfig(ratio_level="segment")
+
+
+# --- Advantage estimators ------------------------------------------------------------------
+
+def test_advantage_estimators_equal_their_formulas():
+  from sage_jax.rl import advantages as A
+  r = np.asarray([1.0, 0.0, 2.0, 2.0])
+  eps = 1e-6
+  pop = A.group_advantages(r, A.AdvantageConfig())
+  np.testing.assert_allclose(pop, (r - r.mean()) / (np.sqrt(((r - r.mean()) ** 2).mean()) + eps))
+  unbiased = A.group_advantages(r, A.AdvantageConfig(std="unbiased"))
+  np.testing.assert_allclose(
+      unbiased, (r - r.mean()) / (np.sqrt(((r - r.mean()) ** 2).sum() / 3) + eps))
+  rloo = A.group_advantages(r, A.AdvantageConfig(estimator="rloo"))
+  np.testing.assert_allclose(rloo, [r[i] - np.delete(r, i).mean() for i in range(4)])
+  assert A.group_advantages([1.0], A.AdvantageConfig(estimator="rloo")).tolist() == [0.0]
+  with pytest.raises(ValueError, match="std"):
+    A.AdvantageConfig(std="sample")

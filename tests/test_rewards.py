@@ -89,6 +89,22 @@ def test_no_code_penalty_any_and_all():
   assert rewards.chain_rewards(chain, custom)[0] == -0.5
 
 
+def test_truncated_turns_have_their_own_choice():
+  chain = [rec(0, True, generated=["f"], steps=2), rec(1, True, used=["f"])]
+  chain[0].truncated_turns = 1  # cut by the token limit before any code
+  assert rewards.chain_rewards(chain, SAGE) == [-1.0, 2.0]  # default: a response without code
+  outcome_only = rewards.RewardConfig(truncated_turns="outcome")
+  assert rewards.chain_rewards(chain, outcome_only) == [2.0, 2.0]
+  chain[0].no_code_turns = 1  # and one turn that ended without code: penalised either way
+  assert rewards.chain_rewards(chain, outcome_only) == [-1.0, 2.0]
+  all_mode = rewards.RewardConfig(no_code_mode="all")
+  assert rewards.chain_rewards(chain, all_mode) == [-1.0, 2.0]  # 1 + 1 of 2 turns
+  assert rewards.chain_rewards(chain, rewards.RewardConfig(
+      no_code_mode="all", truncated_turns="outcome")) == [2.0, 2.0]
+  with pytest.raises(ValueError, match="truncated_turns"):
+    rewards.RewardConfig(truncated_turns="ignore")
+
+
 def test_fraction_outcome_and_weights():
   chain = [rec(0, False, generated=["f"], fraction=0.5), rec(1, True, used=["f"])]
   cfg = rewards.RewardConfig(outcome="fraction", w_gen=0.3, w_use=0.2)

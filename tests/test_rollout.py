@@ -69,6 +69,7 @@ def test_scripted_sequential_rollout_events_and_rewards(pool, mini_root, tok):
       assert first.visible_skills == ()
       for x in later:
         assert x.success and x.events.used == (name,) and x.events.generated == ()
+        assert x.events.mentioned == x.events.used  # run-time and static agree on gold
         assert x.visible_skills == (name,)
         assert x.used_skill_sources == {name: chain.task_ids[0]}
         assert x.num_steps == 1 and x.generated_tokens < first.generated_tokens
@@ -92,7 +93,8 @@ def test_scripted_sequential_rollout_events_and_rewards(pool, mini_root, tok):
         assert all(x.advantage == 0.0 for x in records)
     assert stats.num_groups == 7 and stats.num_constant_groups == 7
   metrics = rollout.rollout_metrics(batch.flat())
-  assert metrics["success"] == 1.0 and metrics["skill_use_rate_later_tasks"] == 1.0
+  assert metrics["tgc"] == metrics["chain_success"] == 100.0
+  assert metrics["skill_usage_rate"] == metrics["success_skill_usage_rate"] == 100.0
   # A failed second task in one rollout: only that rollout loses the bonuses.
   g0 = batch.records[0]
   g0[1][1].success = False

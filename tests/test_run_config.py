@@ -83,6 +83,19 @@ def test_unknown_section_and_seed_type():
     run_config.resolve({**config, "seed": 1.5})
 
 
+def test_new_method_knobs_resolve_and_are_validated():
+  run = _with({"expert.source": "self", "expert.temperatures": [0.2, 0.8],
+               "expert.selection": "task", "advantage.estimator": "rloo",
+               "advantage.std": "unbiased", "grpo.ratio_level": "sequence",
+               "grpo.kl_clamp": 10.0, "reward.truncated_turns": "outcome"})
+  assert run.expert.temperatures == (0.2, 0.8) and run.grpo.ratio_level == "sequence"
+  assert run.advantage.std == "unbiased" and run.reward.truncated_turns == "outcome"
+  with pytest.raises(ValueError, match="source"):
+    _with({"expert.source": "teacher"})
+  with pytest.raises(ValueError, match="rloo"):
+    _with({"advantage.estimator": "rloo", "rollout.group_size": 1})
+
+
 def test_group_size_one_is_fine_without_std_normalisation_or_rl():
   assert _with({"rollout.group_size": 1, "advantage.estimator": "drgrpo"}).rollout.group_size == 1
   assert _with({"rollout.group_size": 1, "pipeline.stages": ["sft"]}).rollout.group_size == 1

@@ -1,6 +1,7 @@
 """The expert-trajectory command: mini-world gold solutions in the skill format, executed by
 the real AppWorld engine, successes kept; trajectories from elsewhere replayed the same way."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -82,6 +83,57 @@ def test_trajectories_from_elsewhere_are_replayed_and_failures_dropped(gold, min
   assert [t.id for t in kept] == [t.id for t in chain]
   for a, b in zip(kept, chain):  # replaying the gold turns reproduces the gold conversation
     assert a.messages == b.messages and a.metadata["source"] == "strong.jsonl"
+
+
+def test_selection_keeps_scenarios_whose_first_two_tasks_succeeded(gold, mini_root, tok, pool):
+  trajectories, _ = gold
+  scenario = trajectories[0].metadata["scenario"]
+  chain = [t for t in trajectories if t.metadata["scenario"] == scenario]
+  assert len(chain) == 3
+  wrong = {"role": "assistant",
+           "content": "```python\napis.supervisor.complete_task(answer='wrong')\n```"}
+  second = dataclasses.replace(chain[1], messages=chain[1].messages[:2] + (wrong,))
+  given = [chain[0], second, chain[2]]
+  for selection, kept_ids in (("scenario", []), ("task", [chain[0].id, chain[2].id])):
+    config = expert.ExpertConfig(appworld_root=mini_root, selection=selection,
+                                 experiment_prefix=f"select_{selection}")
+    kept, stats = expert.replayed_trajectories(given, config, tok, pool=pool)
+    assert [t.id for t in kept] == kept_ids and stats.failed == [second.id]
+    assert stats.not_selected == ([chain[0].id, chain[2].id] if selection == "scenario" else [])
+  with pytest.raises(ValueError, match="selection"):
+    expert.ExpertConfig(selection="chain")
+
+
+def test_self_distillation_rejection_samples_over_temperatures(mini_root, tok, pool):
+  """A policy that fails one scenario's second task at the first temperature: the other
+  scenarios are kept from the first temperature, that one from the second."""
+  from sage_jax.agent import ScriptedPolicy
+  from sage_jax.agent.expert import TextTurnsSession
+
+  dev = appworld.read_split(mini_root, "dev")
+  broken_task = next(t for t in dev if t.endswith("_2"))
+  scripted = ScriptedPolicy(mini_root, tok)
+
+  class Sampled:
+    def __init__(self, temperature):
+      self.temperature = temperature
+
+    def session(self, context):
+      if self.temperature < 0.5 and context.task_id == broken_task:
+        return TextTurnsSession(["```python\napis.supervisor.complete_task(answer='?')\n```"],
+                                tok)
+      return scripted.session(context)
+
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
+                               temperatures=(0.3, 0.7), experiment_prefix="self")
+  kept, stats = expert.self_distilled_trajectories(Sampled, config, tok, pool=pool)
+  broken = appworld.scenario_id(broken_task)
+  assert sorted(t.id for t in kept) == sorted(dev)
+  assert {t.metadata["source"] for t in kept if t.id.startswith(broken)} == {"self@0.7"}
+  assert {t.metadata["source"] for t in kept if not t.id.startswith(broken)} == {"self@0.3"}
+  assert stats.tasks == len(dev) + 3 and stats.failed == [broken_task]
+  with pytest.raises(ValueError, match="temperatures"):
+    expert.ExpertConfig(source="self", temperatures=())
 
 
 def test_command_line_plays_the_gold_solutions_of_a_split(mini_root, tmp_path):

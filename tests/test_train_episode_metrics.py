@@ -34,11 +34,12 @@ def test_episode_metrics_by_position_and_chain():
   assert m["reward/pos1/std"] == pytest.approx(np.std([2.0, 0.0, -1.0]))
   assert m["success"] == m["tgc"] == pytest.approx(3 / 6)
   assert m["success/pos0"] == pytest.approx(2 / 3) and m["success/pos1"] == pytest.approx(1 / 3)
-  assert m["sgc"] == pytest.approx(1 / 3)  # only rollout (0, 0) solved its whole chain
+  assert m["chain_success"] == pytest.approx(1 / 3)  # only rollout (0, 0) solved its chain
+  assert "sgc" not in m  # a per-scenario metric: evaluation reports it
   assert m["steps/mean"] == pytest.approx(2.5)
   assert m["generated_tokens/mean"] == pytest.approx(15.0)
   assert m["skill_generation_rate"] == pytest.approx(2 / 6)
-  assert m["skill_usage_rate"] == pytest.approx(1 / 6)
+  assert m["skill_usage_rate"] == pytest.approx(1 / 3)  # of the 3 second tasks
   assert m["no_code_rate"] == pytest.approx(2 / 6)
   assert m["advantage/zero_frac"] == pytest.approx(2 / 6 + 1 / 6)
 

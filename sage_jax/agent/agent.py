@@ -19,10 +19,11 @@ from sage_jax.agent import parsing, prompts
 from sage_jax.agent.config import AgentConfig
 from sage_jax.agent.library import Skill
 from sage_jax.agent.policy import Policy, TaskContext, TurnRequest
-from sage_jax.agent.skills import FunctionInfo, SkillEvents, SkillTracker
+from sage_jax.agent.skills import BlockTrace, FunctionInfo, SkillEvents, SkillTracker
 from sage_jax.tokenizer import Conversation, Tokenizer
 
 FAILED_PREFIX = "Execution failed."
+TRUNCATED = ("max_new_tokens", "context_full")  # finish reasons of a turn cut by a token limit
 END_REASONS = ("completed", "max_steps", "token_limit", "env_error")
 
 
@@ -67,7 +68,13 @@ class TaskTrace:
 
   @property
   def no_code_turns(self) -> int:
-    return sum(t.code is None for t in self.turns)
+    """Turns that ended on their own without a code block."""
+    return sum(t.code is None and t.finish_reason not in TRUNCATED for t in self.turns)
+
+  @property
+  def truncated_turns(self) -> int:
+    """Turns without a code block because a token limit cut them."""
+    return sum(t.code is None and t.finish_reason in TRUNCATED for t in self.turns)
 
 
 class _Budget:
@@ -92,7 +99,7 @@ class _Budget:
 async def run_task(*, policy: Policy, episode: Any, tokenizer: Tokenizer, config: AgentConfig,
                    skills: Sequence[Skill] | None, scenario: str, seed: int = 0) -> TaskTrace:
   """Runs one task in `episode` (a started `AsyncEpisode`: `.start`, `execute`,
-  `.task_completed`, `.error`). `skills`: the library skills shown (and already installed
+  `.last_trace`, `.task_completed`, `.error`). `skills`: the library skills shown (and already installed
   in the world); None runs the plain code agent without a library."""
   start = episode.start
   use_library = config.use_library and skills is not None
@@ -147,7 +154,9 @@ async def run_task(*, policy: Policy, episode: Any, tokenizer: Tokenizer, config
           env_error = f"{type(e).__name__}: {e}"
           output = f"{FAILED_PREFIX} Traceback:\n{env_error}"
         ok = not output.startswith(FAILED_PREFIX)
-        tracker.observe(code, ok)
+        trace = None if env_error is not None or episode.last_trace is None else (
+            BlockTrace.from_dict(episode.last_trace))
+        tracker.observe(code, trace)
         observation = prompts.observation(output, config.max_observation_chars)
       turns.append(TurnRecord(first, seen, text, code, output, ok, turn.finish_reason))
       if env_error is None and getattr(episode, "error", None):

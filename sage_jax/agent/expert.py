@@ -1,11 +1,20 @@
 """Expert turns in the skill-library format, from AppWorld gold solutions; the scripted policy.
 
-A gold solution of the mini world is a parameterised top-level function (the scenario's
-procedure), then a call with the task's arguments and `complete_task`. The expert rewrites
-it into the agent's format: when the library the task sees has no function of that name, one
-turn defines the function (with a docstring) and calls it (skill generation); when it has,
-the turn only calls the library function (skill use). A solution without top-level functions
-(e.g. official AppWorld solutions written as straight-line code) is replayed as it is.
+Two forms of gold solution are understood:
+
+- The mini world's: a parameterised top-level function (the scenario's procedure), then a
+  call with the task's arguments and `complete_task`.
+- AppWorld's official form: `def solution(apis, requester): ...` with the task's values
+  written inside and `complete_task` at its end, called by AppWorld's own verifier as
+  `solution(apis, requester)`. The expert turns it into a skill (`official_skill`): the
+  values that change between the tasks of the scenario (the sibling solutions of the same
+  structure), or else the values that appear in the task instruction, become parameters;
+  the name comes from the instruction's words shared by the scenario's tasks.
+
+The expert then writes the agent's format: when the library the task sees has no such
+function (or a different one under that name), one turn defines the function (with a
+docstring) and calls it (skill generation, or update); when it has, the turn only calls the
+library function (skill use). A solution without top-level functions is replayed as it is.
 
 `expert_turns` is also what the SFT expert-trajectory builder reuses; `ScriptedPolicy` plays
 the turns through the same agent, rollout and evaluation code as a model.
@@ -14,9 +23,12 @@ the turns through the same agent, rollout and evaluation code as a model.
 from __future__ import annotations
 
 import ast
+import copy
+import json
+import keyword
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -75,17 +87,192 @@ def split_solution(source: str) -> tuple[list[str], str, list[str]]:
   return functions, "\n".join(rest).strip() + "\n", names
 
 
-def expert_turns(solution: str, library_names: Iterable[str] = ()) -> list[str]:
+# --- AppWorld's official form ---------------------------------------------------------------
+
+OFFICIAL_ENTRY = "solution"
+OFFICIAL_ARGS = ("apis", "requester")  # globals of every AppWorld world
+_STOPWORDS = frozenset(
+    "a an the my me i of to in into on for from and or with by at as is are be it its this "
+    "that all any e g eg please".split())
+MAX_NAME_WORDS = 6
+
+
+def official_function(source: str) -> ast.FunctionDef | None:
+  """`def solution(apis, requester)` when `source` is in the official form (the function and
+  nothing that calls it), else None."""
+  try:
+    tree = ast.parse(source)
+  except SyntaxError:
+    return None
+  defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == OFFICIAL_ENTRY]
+  if len(defs) != 1:
+    return None
+  fn = defs[0]
+  args = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+  calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+           and isinstance(n.func, ast.Name)}
+  if not set(args) <= set(OFFICIAL_ARGS) or fn.args.vararg or fn.args.kwarg or (
+      OFFICIAL_ENTRY in calls):
+    return None
+  return fn
+
+
+def _constants(fn: ast.FunctionDef) -> list[ast.Constant]:
+  """String and number literals of the body that may become parameters (not docstrings,
+  not f-string pieces), in a fixed walk order."""
+  skip = {id(v) for n in ast.walk(fn) if isinstance(n, ast.JoinedStr) for v in n.values}
+  body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+  out = []
+  for node in (n for stmt in body for n in ast.walk(stmt)):
+    if (isinstance(node, ast.Constant) and id(node) not in skip
+        and isinstance(node.value, (str, int, float)) and not isinstance(node.value, bool)):
+      out.append(node)
+  return out
+
+
+def _masked(fn: ast.FunctionDef) -> str:
+  """The function's structure with its literals blanked (same for sibling tasks' solutions
+  written from one template)."""
+  fn = copy.deepcopy(fn)
+  for c in _constants(fn):
+    c.value = None
+  return ast.dump(fn)
+
+
+def _in_instruction(value: str | int | float, instruction: str) -> bool:
+  if isinstance(value, str):
+    return len(value.strip()) >= 2 and re.search(
+        rf"(?<!\w){re.escape(value)}(?!\w)", instruction) is not None
+  texts = {str(value), f"{value:g}", f"{value:.2f}"}
+  return (abs(value) >= 2 or value != int(value)) and any(
+      re.search(rf"(?<![\w.]){re.escape(t)}(?![\w]|\.\d)", instruction) for t in texts)
+
+
+def _parameter_name(node: ast.Constant, parents: dict[int, ast.AST], taken: set[str]) -> str:
+  """A name from where the value stands: `f(title=...)`, `x = ...`, `d["title"] == ...`."""
+  parent = parents.get(id(node))
+  name = "value"
+  if isinstance(parent, ast.keyword) and parent.arg:
+    name = parent.arg
+  elif (isinstance(parent, ast.Assign) and len(parent.targets) == 1
+        and isinstance(parent.targets[0], ast.Name)):
+    name = parent.targets[0].id
+  elif isinstance(parent, ast.Compare):
+    other = parent.left
+    if (isinstance(other, ast.Subscript) and isinstance(other.slice, ast.Constant)
+        and isinstance(other.slice.value, str) and other.slice.value.isidentifier()):
+      name = other.slice.value
+  base, i = name, 2
+  while name in taken or keyword.iskeyword(name):
+    name, i = f"{base}_{i}", i + 1
+  taken.add(name)
+  return name
+
+
+def _skill_name(instruction: str, siblings: Iterable[str], values: Iterable) -> str:
+  """Words of the instruction shared by every sibling instruction (the scenario's template),
+  minus the task's values and stopwords, as a snake_case name."""
+  text = instruction
+  for v in values:
+    text = text.replace(str(v), " ")
+  words = lambda t: re.findall(r"[a-z]+", t.lower())
+  shared = set(words(instruction))
+  for other in siblings:
+    shared &= set(words(other))
+  picked: list[str] = []
+  for w in words(text):
+    if w in shared and w not in _STOPWORDS and w not in picked:
+      picked.append(w)
+  return "_".join(picked[:MAX_NAME_WORDS]) or "solve_task"
+
+
+def official_skill(solution: str, instruction: str,
+                   siblings: Iterable[tuple[str, str]] = ()) -> tuple[str, str, str] | None:
+  """(name, definition, call) of an official-form gold solution rewritten as a skill, or
+  None when `solution` is not in that form. `siblings`: (solution, instruction) of the
+  scenario's other tasks."""
+  fn = official_function(solution)
+  if fn is None:
+    return None
+  siblings = list(siblings)
+  constants = _constants(fn)
+  same_shape = [f for s, _ in siblings if (f := official_function(s)) is not None
+                and _masked(f) == _masked(fn)]
+  if same_shape:  # what changes between the scenario's tasks is a parameter
+    varying = {i for f in same_shape for i, (a, b) in
+               enumerate(zip(constants, _constants(f))) if a.value != b.value}
+    chosen = [c for i, c in enumerate(constants) if i in varying]
+  else:
+    chosen = [c for c in constants if _in_instruction(c.value, instruction)]
+  parents = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+  taken = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} | set(OFFICIAL_ARGS)
+  params: dict[tuple[type, object], str] = {}
+  for c in chosen:
+    key = (type(c.value), c.value)
+    if key not in params:
+      params[key] = _parameter_name(c, parents, taken)
+  name = _skill_name(instruction, [i for _, i in siblings], [v for _, v in params])
+  new = copy.deepcopy(fn)
+  chosen_ids = {id(c) for c in chosen}
+  targets = {id(n) for n, old in zip(_constants(new), constants) if id(old) in chosen_ids}
+
+  class Substitute(ast.NodeTransformer):
+    def visit_Constant(self, node):  # noqa: N802 - ast's name
+      if id(node) not in targets:
+        return node
+      return ast.copy_location(ast.Name(params[(type(node.value), node.value)], ast.Load()),
+                               node)
+
+  new = Substitute().visit(new)
+  new.name = name
+  new.args = ast.arguments(posonlyargs=[], args=[ast.arg(p) for p in params.values()],
+                           kwonlyargs=[], kw_defaults=[], defaults=[])
+  # The solution file's imports travel with the skill (the agent's block keeps them).
+  imports = [ast.unparse(n) for n in ast.parse(solution).body
+             if isinstance(n, (ast.Import, ast.ImportFrom))]
+  definition = "\n".join([*imports, ast.unparse(ast.fix_missing_locations(new))])
+  call = f"{name}({', '.join(repr(v) for _, v in params)})"
+  return name, definition, call
+
+
+def _same_function(a: str, b: str) -> bool:
+  """Whether two sources define the same function, docstrings aside."""
+  def shape(source: str) -> str | None:
+    try:
+      fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef))
+    except (SyntaxError, StopIteration):
+      return None
+    if ast.get_docstring(fn) is not None:
+      fn.body = fn.body[1:]
+    return ast.dump(fn)
+  return shape(a) is not None and shape(a) == shape(b)
+
+
+def expert_turns(solution: str, library: Iterable[str] | Mapping[str, str] = (), *,
+                 instruction: str = "", siblings: Iterable[tuple[str, str]] = ()) -> list[str]:
   """The assistant turns (text) that solve a task in the skill format.
 
-  `library_names`: the skills the task sees. Functions of the solution already there are
-  called, the others are defined (with docstrings) and called.
+  `library`: the skills the task sees (names, or names -> code). Functions of the solution
+  already there are called, the others are defined (with docstrings) and called. For an
+  official-form solution, `instruction` and `siblings` ((solution, instruction) of the
+  scenario's other tasks) decide its parameters and name (`official_skill`); a library skill
+  of that name is called only when it is the same function (when its code is given).
   """
+  codes = dict(library) if isinstance(library, Mapping) else {}
+  known = set(library)
+  official = official_skill(solution, instruction, siblings)
+  if official is not None:
+    name, definition, call = official
+    if name in known and (name not in codes or _same_function(codes[name], definition)):
+      return [f"The library skill `{name}` fits this task, so I call it.\n\n"
+              f"```python\n{call}\n```"]
+    definition = with_docstrings(definition).strip()
+    return [f"I write the skill `{name}` for this task and call it with the task's values."
+            f"\n\n```python\n{definition}\n\n\n{call}\n```"]
   functions, call_code, names = split_solution(solution)
   if not functions:
     return [f"```python\n{solution.strip()}\n```"]
-  library = set(library_names)
-  missing = [(f, n) for f, n in zip(functions, names) if n not in library]
+  missing = [(f, n) for f, n in zip(functions, names) if n not in known]
   if not missing:
     listed = ", ".join(f"`{n}`" for n in names)
     return [f"The library skill {listed} fits this task, so I call it.\n\n"
@@ -102,10 +289,22 @@ def read_solution(appworld_root: str, task_id: str) -> str:
     return f.read()
 
 
+def read_instruction(appworld_root: str, task_id: str) -> str:
+  with open(os.path.join(appworld_root, "data", "tasks", task_id, "specs.json")) as f:
+    return json.load(f)["instruction"]
+
+
 def expert_turns_for_task(appworld_root: str, task_id: str,
-                          library_names: Iterable[str] = ()) -> list[str]:
-  """`expert_turns` of a task's gold solution (`<root>/data/tasks/<id>/ground_truth`)."""
-  return expert_turns(read_solution(appworld_root, task_id), library_names)
+                          library: Iterable[str] | Mapping[str, str] = ()) -> list[str]:
+  """`expert_turns` of a task's gold solution (`<root>/data/tasks/<id>/ground_truth`); the
+  scenario's other tasks on disk are its siblings."""
+  scenario = task_id.rsplit("_", 1)[0]
+  tasks = os.path.join(appworld_root, "data", "tasks")
+  siblings = [(read_solution(appworld_root, t), read_instruction(appworld_root, t))
+              for t in sorted(os.listdir(tasks))
+              if t != task_id and t.rsplit("_", 1)[0] == scenario]
+  return expert_turns(read_solution(appworld_root, task_id), library,
+                      instruction=read_instruction(appworld_root, task_id), siblings=siblings)
 
 
 class TextTurnsSession:
@@ -141,5 +340,6 @@ class ScriptedPolicy:
     self._tok = tokenizer
 
   def session(self, context: TaskContext) -> TextTurnsSession:
-    names = [s.name for s in context.skills] if context.use_library else []
-    return TextTurnsSession(expert_turns_for_task(self._root, context.task_id, names), self._tok)
+    library = {s.name: s.code for s in context.skills} if context.use_library else {}
+    return TextTurnsSession(expert_turns_for_task(self._root, context.task_id, library),
+                            self._tok)

@@ -1,20 +1,28 @@
-"""Skill events from the AST of the code an episode actually ran.
+"""Skill events of a task episode, from what its code did when it ran.
 
-Definitions (per task episode; "library skills" are those the task was shown and had
-installed):
+The AppWorld worker records, for every executed block, which top-level functions of the
+task's blocks and of the installed library were called and whether each call returned or
+raised (`envs.appworld.calltrace`; a call that returned inside a call that raised does not
+count as returned). From those records (per task episode; "library skills" are those the
+task was shown and had installed):
 
-- generated: a top-level function, not a library skill, whose defining block ran without
-  error in this task.
-- used: a library skill called by the task's code while it still was the library's version
-  (not redefined earlier in the task or in the same block). A call counts when it is reached
-  from the block's top-level statements, directly or through functions defined in the task
-  or other library skills (so a library skill called by a helper the task defined and called
-  is used, and so are the library skills a used skill calls).
-- updated: a library skill redefined (same name) by a block that ran without error.
-- saved: generated and updated functions, in their last definition that ran without error;
-  the rollout adds them to the library when the task ends.
+- used: a library skill, in its library version, that was called and returned without
+  raising (directly, through functions the task defined, or inside another library skill).
+- generated: a function, not a library skill, defined in the task and called successfully
+  (a call of that definition returned).
+- updated: a library skill redefined in the task and then called successfully.
+- saved: for each generated or updated name, the last definition (in execution order) that
+  was called successfully; the rollout adds it to the library when the task ends.
 
-A block with a syntax error ran nothing and yields no event (and never crashes the agent).
+So a define-only block saves nothing, a block whose skill call returned but whose last line
+failed still saves the skill, and a library skill that raised (even inside `try/except`),
+was never reached (`if False: f()`), or was replaced after failing is not used.
+
+Diagnostics only (no reward reads them): `mentioned`, the library skills the executed code
+names in calls reachable from its top level (static analysis of the text);
+`failed_uses`, library skills called that never returned; `failed_definitions`, names the
+task defined but never ran successfully; `untraced_blocks`, blocks whose call records were
+incomplete (their calls are ignored).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class FunctionInfo:
   docstring: str  # "" when it has none
   calls: frozenset[str]  # plain names called anywhere in its body
   imports: tuple[str, ...] = ()  # top-level imports of its block (they travel with it)
+  line: int = 0  # its first line in the block (decorators included)
 
   @property
   def code(self) -> str:
@@ -93,9 +102,39 @@ def analyze(code: str) -> CodeAnalysis:
       functions.append(FunctionInfo(
           name=node.name, source=source, signature=_signature(node),
           docstring=ast.get_docstring(node) or "",
-          calls=frozenset(_called_names(node.body, skip_defs=False)), imports=imports))
+          calls=frozenset(_called_names(node.body, skip_defs=False)), imports=imports,
+          line=first.lineno))
   return CodeAnalysis(True, None, tuple(functions),
                       frozenset(_called_names(tree.body, skip_defs=True)), imports)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """The calls of one function during one block: `block` is the block that defined it (an
+  agent block's id, or "library"), `line` its first line (decorators included) there."""
+
+  block: int | str
+  line: int
+  name: str
+  returned: int
+  raised: int
+  discarded: int = 0  # returned inside a call that raised
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTrace:
+  """The worker's call records of one executed block."""
+
+  block: int | str
+  calls: tuple[Call, ...] = ()
+  complete: bool = True  # False: the code disturbed the recording; calls are not trusted
+
+  @classmethod
+  def from_dict(cls, d: Mapping) -> "BlockTrace":
+    return cls(d["block"], tuple(Call(**c) for c in d["calls"]), bool(d["complete"]))
+
+
+LIBRARY_BLOCK = "library"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +145,12 @@ class SkillEvents:
   used: tuple[str, ...] = ()
   updated: tuple[str, ...] = ()
   saved: tuple[str, ...] = ()
-  failed_definitions: tuple[str, ...] = ()  # defined only in blocks that failed
+  # diagnostics
+  mentioned: tuple[str, ...] = ()
+  failed_uses: tuple[str, ...] = ()
+  failed_definitions: tuple[str, ...] = ()
   syntax_errors: int = 0  # executed blocks that did not parse
+  untraced_blocks: int = 0
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -119,61 +162,78 @@ class SkillTracker:
   def __init__(self, library: Mapping[str, Iterable[str]] = {}):
     """`library`: name -> names it calls, of every library skill the task can call."""
     self._library = {name: frozenset(calls) for name, calls in library.items()}
-    self._task_functions: dict[str, FunctionInfo] = {}  # every definition seen, latest
-    self._ok: dict[str, FunctionInfo] = {}  # latest definition that ran without error
-    self._redefined: set[str] = set()  # library names redefined so far
+    # (block, line, name) -> (execution order, definition) of every top-level definition
+    self._definitions: dict[tuple, tuple[tuple[int, int], FunctionInfo]] = {}
+    self._ran: set[tuple] = set()  # definitions called successfully
     self._used: set[str] = set()
-    self._failed: set[str] = set()
+    self._library_called: set[str] = set()
+    self._task_functions: dict[str, FunctionInfo] = {}  # latest text definition (static)
+    self._mentioned: set[str] = set()
+    self._blocks = 0
     self._syntax_errors = 0
+    self._untraced = 0
 
-  def observe(self, code: str, ok: bool) -> CodeAnalysis:
-    """Records one executed block; `ok` is whether it ran without error."""
+  def observe(self, code: str, trace: BlockTrace | None) -> CodeAnalysis:
+    """Records one executed block and the worker's call records of it (None when the
+    environment failed under it: nothing ran that can be credited)."""
     analysis = analyze(code)
+    order = self._blocks
+    self._blocks += 1
     if not analysis.syntax_ok:
       self._syntax_errors += 1
       return analysis
-    defined_here = {f.name for f in analysis.functions}
-    # Functions of this block shadow earlier ones from the block's start (good enough: a
-    # call placed before its redefinition in the same block is rare and ambiguous anyway).
+    self._observe_text(analysis)
+    if trace is None:
+      return analysis
     for f in analysis.functions:
-      self._task_functions[f.name] = f
-    shadowed = self._redefined | (defined_here & set(self._library))
-    self._used |= self._reachable_library(analysis.top_level_calls, shadowed)
-    for f in analysis.functions:
-      if ok:
-        self._ok[f.name] = f
-        self._failed.discard(f.name)
-        if f.name in self._library:
-          self._redefined.add(f.name)
-      elif f.name not in self._ok:
-        self._failed.add(f.name)
-    if not ok:
-      # A library name redefined in a failing block may still have been rebound.
-      self._redefined |= defined_here & set(self._library)
+      self._definitions[(trace.block, f.line, f.name)] = ((order, f.line), f)
+    if not trace.complete:
+      self._untraced += 1
+      return analysis
+    for call in trace.calls:
+      if call.block == LIBRARY_BLOCK:
+        if call.name in self._library:
+          self._library_called.add(call.name)
+          if call.returned:
+            self._used.add(call.name)
+      elif call.returned and (call.block, call.line, call.name) in self._definitions:
+        self._ran.add((call.block, call.line, call.name))
     return analysis
 
-  def _reachable_library(self, roots: Iterable[str], shadowed: set[str]) -> set[str]:
-    used, seen, stack = set(), set(), list(roots)
+  def _observe_text(self, analysis: CodeAnalysis) -> None:
+    """Static diagnostics: library skills reachable from the block's top-level calls."""
+    for f in analysis.functions:
+      self._task_functions[f.name] = f  # a task definition shadows the library's
+    seen, stack = set(), list(analysis.top_level_calls)
     while stack:
       name = stack.pop()
       if name in seen:
         continue
       seen.add(name)
-      if name in self._task_functions and (name not in self._library or name in shadowed):
+      if name in self._task_functions:
         stack.extend(self._task_functions[name].calls)
       elif name in self._library:
-        used.add(name)
+        self._mentioned.add(name)
         stack.extend(self._library[name])
-    return used
-
-  def events(self) -> SkillEvents:
-    generated = sorted(n for n in self._ok if n not in self._library)
-    updated = sorted(n for n in self._ok if n in self._library)
-    return SkillEvents(
-        generated=tuple(generated), used=tuple(sorted(self._used)), updated=tuple(updated),
-        saved=tuple(sorted(generated + updated)), failed_definitions=tuple(sorted(self._failed)),
-        syntax_errors=self._syntax_errors)
 
   def saved_functions(self) -> dict[str, FunctionInfo]:
-    """The definitions to save: each generated or updated function's last good version."""
-    return dict(self._ok)
+    """The definitions to save: each generated or updated name's last definition that was
+    called successfully."""
+    latest: dict[str, tuple[tuple[int, int], FunctionInfo]] = {}
+    for key in self._ran:
+      order, f = self._definitions[key]
+      if f.name not in latest or order > latest[f.name][0]:
+        latest[f.name] = (order, f)
+    return {name: f for name, (_, f) in sorted(latest.items())}
+
+  def events(self) -> SkillEvents:
+    saved = sorted(self.saved_functions())
+    defined = {f.name for _, f in self._definitions.values()} | set(self._task_functions)
+    return SkillEvents(
+        generated=tuple(n for n in saved if n not in self._library),
+        used=tuple(sorted(self._used)),
+        updated=tuple(n for n in saved if n in self._library),
+        saved=tuple(saved), mentioned=tuple(sorted(self._mentioned)),
+        failed_uses=tuple(sorted(self._library_called - self._used)),
+        failed_definitions=tuple(sorted(defined - set(saved))),
+        syntax_errors=self._syntax_errors, untraced_blocks=self._untraced)

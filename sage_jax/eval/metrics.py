@@ -1,13 +1,5 @@
-"""Evaluation metrics over task episode records, and their markdown table.
-
-TGC: share of tasks whose tests all pass. SGC: share of scenarios all of whose tasks pass.
-Steps: assistant turns per task. Generated tokens: model tokens per task. Skill usage rate:
-share of tasks that saw at least one library skill and used one (`skill_usage_rate_all_tasks`:
-share of all tasks that used one). Success given skill use:
-TGC over the tasks that used a library skill. No-code rate: share of tasks with a response
-without code. All rates in percent. Per difficulty: the same over the tasks of that AppWorld
-difficulty (SGC over scenarios whose tasks all have it).
-"""
+"""Evaluation metrics over task episode records (`rl.metrics`, per scenario), per
+difficulty (SGC over scenarios whose tasks all have it), and their markdown table."""
 
 from __future__ import annotations
 
@@ -19,39 +11,12 @@ import sys
 from collections.abc import Sequence
 
 from sage_jax.rl.episode import EpisodeRecord
-
-
-def _pct(num: float, den: float) -> float | None:
-  return 100.0 * num / den if den else None
-
-
-def _mean(values: Sequence[float]) -> float | None:
-  return sum(values) / len(values) if values else None
+from sage_jax.rl.metrics import task_metrics
 
 
 def summarize(records: Sequence[EpisodeRecord]) -> dict:
-  scenarios = collections.defaultdict(list)
-  for r in records:
-    scenarios[r.scenario].append(r.success)
-  with_library = [r for r in records if r.visible_skills]
-  users = [r for r in records if r.used_skill]
-  return {
-      "num_tasks": len(records),
-      "num_scenarios": len(scenarios),
-      "tgc": _pct(sum(r.success for r in records), len(records)),
-      "sgc": _pct(sum(all(v) for v in scenarios.values()), len(scenarios)),
-      "avg_steps": _mean([r.num_steps for r in records]),
-      "avg_generated_tokens": _mean([r.generated_tokens for r in records]),
-      "skill_usage_rate": _pct(sum(r.used_skill for r in with_library), len(with_library)),
-      "skill_usage_rate_all_tasks": _pct(len(users), len(records)),
-      "success_given_skill_use": _pct(sum(r.success for r in users), len(users)),
-      "no_code_rate": _pct(sum(r.no_code for r in records), len(records)),
-      "avg_fraction_passed": _mean([r.fraction_passed for r in records]),
-      "skills_generated": sum(len(r.events.generated) for r in records),
-      "skills_updated": sum(len(r.events.updated) for r in records),
-      "env_errors": sum(bool(r.errors) for r in records),
-      "end_reasons": dict(collections.Counter(r.end_reason for r in records)),
-  }
+  return {**task_metrics(records, unit="scenario"),
+          "end_reasons": dict(collections.Counter(r.end_reason for r in records))}
 
 
 def evaluation_metrics(records: Sequence[EpisodeRecord]) -> dict:
@@ -69,7 +34,8 @@ def evaluation_metrics(records: Sequence[EpisodeRecord]) -> dict:
 _COLUMNS = (("tasks", "num_tasks", "{:d}"), ("TGC", "tgc", "{:.1f}"), ("SGC", "sgc", "{:.1f}"),
             ("steps", "avg_steps", "{:.2f}"), ("gen. tokens", "avg_generated_tokens", "{:.0f}"),
             ("skill use %", "skill_usage_rate", "{:.1f}"),
-            ("success given skill use %", "success_given_skill_use", "{:.1f}"),
+            ("success skill use %", "success_skill_usage_rate", "{:.1f}"),
+            ("P(success | use) %", "p_success_given_use", "{:.1f}"),
             ("no-code %", "no_code_rate", "{:.1f}"))
 
 

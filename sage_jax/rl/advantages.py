@@ -1,9 +1,19 @@
 """Group-relative advantages per chain position.
 
 A group is the G rollouts of one chain. For each (group, chain position) the G rewards are
-normalised among themselves: GRPO A = (r - mean) / (std + epsilon) (population std), or
-Dr.GRPO A = r - mean (no std division). A (group, position) whose rewards are all equal gives
-zero advantages (it carries no learning signal) and is counted in the statistics.
+normalised among themselves:
+
+- GRPO: A_i = (r_i - mean) / (std + epsilon), std the population std (ddof 0, the GRPO
+  paper's formula) or the unbiased one (ddof 1, as tunix and verl compute it);
+- Dr.GRPO: A_i = r_i - mean (no std division);
+- RLOO: A_i = r_i - mean_{j != i} r_j (leave-one-out baseline; = G / (G - 1) (r_i - mean)).
+
+A (group, position) whose rewards are all equal gives zero advantages (it carries no learning
+signal) and is counted in the statistics.
+
+Episodes on which the environment failed (`EpisodeRecord.env_failed`) are left out of their
+set's normalisation and get advantage 0; the update leaves them out of the loss
+(`train.rl_loop.grpo_update`).
 """
 
 from __future__ import annotations
@@ -16,19 +26,25 @@ import numpy as np
 
 from sage_jax.rl.episode import EpisodeRecord
 
-ESTIMATORS = ("grpo", "drgrpo")
+ESTIMATORS = ("grpo", "drgrpo", "rloo")
+STDS = ("population", "unbiased")
 
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-  """estimator: "grpo" (mean and std) or "drgrpo" (mean only). epsilon: added to the std."""
+  """estimator: "grpo" (mean and std), "drgrpo" (mean only) or "rloo" (leave-one-out mean).
+  std: GRPO's std, "population" (ddof 0) or "unbiased" (ddof 1). epsilon: added to the
+  std."""
 
   estimator: str = "grpo"
+  std: str = "population"
   epsilon: float = 1e-6
 
   def __post_init__(self):
     if self.estimator not in ESTIMATORS:
       raise ValueError(f"estimator={self.estimator!r}; expected one of {ESTIMATORS}")
+    if self.std not in STDS:
+      raise ValueError(f"std={self.std!r}; expected one of {STDS}")
     if self.epsilon < 0:
       raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
 
@@ -37,6 +53,7 @@ class AdvantageConfig:
 class AdvantageStats:
   num_groups: int  # (group, chain position) sets normalised together
   num_constant_groups: int  # of which all rewards were equal (zero advantage)
+  num_env_failures: int  # episodes left out because the environment failed under them
   reward_mean: float
   reward_std: float
   reward_mean_by_position: tuple[float, ...]
@@ -56,14 +73,21 @@ def group_advantages(rewards: Sequence[float], config: AdvantageConfig) -> np.nd
   centred = r - r.mean()
   if config.estimator == "drgrpo":
     return centred
-  return centred / (r.std() + config.epsilon)
+  if config.estimator == "rloo":
+    return centred * (r.size / (r.size - 1))  # r_i - (sum - r_i) / (G - 1)
+  return centred / (r.std(ddof=1 if config.std == "unbiased" else 0) + config.epsilon)
 
 
 def assign_advantages(records: Sequence[EpisodeRecord],
                       config: AdvantageConfig = AdvantageConfig()) -> AdvantageStats:
   """Sets `.advantage` of every record from its (group, chain position) peers."""
   sets = collections.defaultdict(list)
+  failed = 0
   for record in records:
+    if getattr(record, "env_failed", False):
+      record.advantage = 0.0
+      failed += 1
+      continue
     sets[(record.group, record.chain_position)].append(record)
   constant = 0
   for members in sets.values():
@@ -77,7 +101,7 @@ def assign_advantages(records: Sequence[EpisodeRecord],
   by_position = tuple(float(np.mean([r.reward for r in records if r.chain_position == p]))
                       for p in positions)
   return AdvantageStats(
-      num_groups=len(sets), num_constant_groups=constant,
+      num_groups=len(sets), num_constant_groups=constant, num_env_failures=failed,
       reward_mean=float(rewards.mean()) if rewards.size else 0.0,
       reward_std=float(rewards.std()) if rewards.size else 0.0,
       reward_mean_by_position=by_position)

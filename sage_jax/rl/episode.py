@@ -43,7 +43,7 @@ class EpisodeRecord:
   visible_skills: tuple[str, ...]  # library skills shown and installed
   num_steps: int  # assistant turns
   generated_tokens: int
-  no_code_turns: int
+  no_code_turns: int  # turns that ended without a code block
   end_reason: str  # completed | max_steps | token_limit | env_error
   # AppWorld evaluation
   success: bool
@@ -52,6 +52,7 @@ class EpisodeRecord:
   task_completed: bool  # the agent called complete_task
   errors: list[str] = dataclasses.field(default_factory=list)
   difficulty: int | None = None
+  truncated_turns: int = 0  # turns without a code block because a token limit cut them
   # filled by rewards / advantages
   reward: float = 0.0
   advantage: float = 0.0
@@ -67,8 +68,18 @@ class EpisodeRecord:
     return bool(self.events.used)
 
   @property
+  def env_failed(self) -> bool:
+    """The environment failed under the episode (worker crash, pool timeout, a refused
+    request): its outcome says nothing about the policy, so it is not trained on."""
+    return bool(self.errors)
+
+  @property
   def no_code(self) -> bool:
     return self.no_code_turns > 0
+
+  @property
+  def truncated(self) -> bool:
+    return self.truncated_turns > 0
 
   @classmethod
   def from_trace(cls, trace: TaskTrace, result: Any, *, chain_position: int, group: int,
@@ -93,7 +104,8 @@ class EpisodeRecord:
         fraction_passed=float(result.fraction_passed) if result is not None else 0.0,
         num_tests=evaluation.num_tests if evaluation is not None else 0,
         task_completed=bool(getattr(result, "task_completed", False)),
-        errors=list(dict.fromkeys(errors)), difficulty=difficulty)
+        errors=list(dict.fromkeys(errors)), difficulty=difficulty,
+        truncated_turns=trace.truncated_turns)
 
   def summary(self) -> dict:
     """JSON-friendly fields (no per-token arrays)."""

@@ -3,9 +3,16 @@
 Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_old:
 
   pg   = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))   (clip-higher: eps_high > eps_low)
+  ratio_level "token" (GRPO): r_t = exp(logp_t - old_t)
+              "sequence" (GSPO): r = exp(mean_t (logp_t - old_t)) over the sequence's masked
+                tokens, the same on each of them (its loss, with seq-mean-token-mean
+                weights, is GSPO's per-sequence objective)
+              "sequence-token" (GSPO-token): r_t = sg(r) * pi_theta(t) / sg(pi_theta(t)): the
+                sequence ratio's value, each token's own gradient
   dual clip (A < 0 only): pg = min(pg, -A * c), c = dual_clip_c > 1
   truncated importance weight (optional): pg *= min(pi_old / pi_sampler, tis_cap), no gradient
-  KL to a frozen reference (optional, k3): kl = exp(ref - logp) - (ref - logp) - 1
+  KL to a frozen reference (optional, k3): kl = exp(ref - logp) - (ref - logp) - 1,
+    optionally clamped to [-kl_clamp, kl_clamp] (verl clamps k3 to [-10, 10])
   loss_t = pg + kl_coef * kl - entropy_coef * entropy
 
 The batch loss is sum_t weight_t * loss_t with weights from `rl.batch.loss_weights` (token-mean,
@@ -29,6 +36,7 @@ from sage_jax.rl.batch import AGGREGATIONS, Aggregation, TrainBatch
 from sage_jax.train.logprobs import token_logprobs
 
 KLEstimator = Literal["k1", "k2", "k3"]
+RATIO_LEVELS = ("token", "sequence", "sequence-token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +53,10 @@ class GRPOConfig:
     budget in tokens.
   kl_coef: weight of the KL penalty to the frozen reference (0 = off, no reference forward).
   kl_estimator: k3 (Schulman's unbiased, non-negative estimator; default), k1 or k2.
+  kl_clamp: clamp each token's KL estimate to [-kl_clamp, kl_clamp]; None = off.
+  ratio_level: "token" (GRPO), "sequence" (GSPO) or "sequence-token" (GSPO-token); see the
+    module docstring. GSPO's paper uses seq-mean-token-mean and much tighter clip ranges
+    (e.g. 3e-4 / 4e-4).
   entropy_coef: entropy bonus weight (0 = off; entropy is still reported).
   tis_cap: truncated importance sampling against the sampler's logprobs: tokens are
     weighted by min(pi_old / pi_sampler, tis_cap); None = off.
@@ -64,6 +76,8 @@ class GRPOConfig:
   norm_constant: float | None = None
   kl_coef: float = 0.0
   kl_estimator: KLEstimator = "k3"
+  kl_clamp: float | None = None
+  ratio_level: str = "token"
   entropy_coef: float = 0.0
   tis_cap: float | None = None
   num_mini_batches: int = 1
@@ -87,6 +101,10 @@ class GRPOConfig:
       raise ValueError("kl_coef and entropy_coef must be >= 0")
     if self.kl_estimator not in ("k1", "k2", "k3"):
       raise ValueError(f"kl_estimator={self.kl_estimator!r}; expected k1, k2 or k3")
+    if self.kl_clamp is not None and self.kl_clamp <= 0:
+      raise ValueError(f"kl_clamp={self.kl_clamp} must be > 0 (or None)")
+    if self.ratio_level not in RATIO_LEVELS:
+      raise ValueError(f"ratio_level={self.ratio_level!r}; expected one of {RATIO_LEVELS}")
     if self.tis_cap is not None and self.tis_cap <= 0:
       raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (or None)")
     if self.num_mini_batches < 1:
@@ -111,6 +129,17 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
   raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
+def sequence_mean(values: jax.Array, mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  """Each position's sequence mean of `values` over the sequence's masked positions, for
+  rows [R, T] of packed sequences (segment ids 1.., 0 = padding)."""
+  rows, length = values.shape
+  ids = (jnp.arange(rows)[:, None] * (length + 1) + segment_ids).reshape(-1)
+  n = rows * (length + 1)
+  sums = jax.ops.segment_sum((values * mask).reshape(-1), ids, num_segments=n)
+  counts = jax.ops.segment_sum(mask.reshape(-1), ids, num_segments=n)
+  return (sums / jnp.maximum(counts, 1.0))[ids].reshape(rows, length)
+
+
 def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
                    entropy: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Per-position loss (0 off the mask) and per-position statistics (sums over the mask give
@@ -118,6 +147,11 @@ def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
   mask = batch.loss_mask
   adv = batch.advantages
   log_ratio = jnp.where(mask > 0, logprobs - batch.old_logprobs, 0.0)
+  if config.ratio_level == "sequence":
+    log_ratio = sequence_mean(log_ratio, mask, batch.segment_ids)
+  elif config.ratio_level == "sequence-token":
+    log_ratio = (jax.lax.stop_gradient(sequence_mean(log_ratio, mask, batch.segment_ids))
+                 + logprobs - jax.lax.stop_gradient(logprobs))
   ratio = jnp.exp(log_ratio)
   low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
   pg_unclipped = -adv * ratio
@@ -146,6 +180,8 @@ def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
   loss = pg
   if config.use_kl:
     kl = kl_penalty(logprobs, batch.ref_logprobs, config.kl_estimator)
+    if config.kl_clamp is not None:
+      kl = jnp.clip(kl, -config.kl_clamp, config.kl_clamp)
     loss = loss + config.kl_coef * kl
     stats["kl"] = kl
   if entropy is not None:

@@ -11,13 +11,20 @@ passed.
              saved (skill-generation reward; for K = 2: task 1 gets it when task 2 succeeded
              and used a skill generated in task 1),
     + w_use  if k > 0 and task k succeeded and used a library skill (skill-usage reward).
+  "used" and "saved" are the run-time events of `agent.skills`: a library skill counts as used
+  only when a call of it returned, so swallowed exceptions, dead branches and skills replaced
+  after failing earn no bonus.
   For K > 2 this is the natural generalisation: a task is credited once (not per later
   user) for a skill version it wrote that a later successful task used; credit goes to the
   task that saved the version that ran, so a task that updated a skill earns it, and every
   task after the first can earn the usage reward.
 - No-code penalty: an episode with a response without code gets r_k = no_code_penalty
   (default -1.0) instead of the above. no_code_mode "any" (default): any turn without code
-  triggers it; "all": only when no turn had code.
+  triggers it; "all": only when no turn had code. Turns cut by a token limit before any code
+  (`truncated_turns`) are counted apart; truncated_turns "no_code" (default) counts them as
+  responses without code: the paper penalises a response that holds no code, and a cut
+  response holds none (not penalising it would let a policy escape the penalty by running
+  out of tokens); "outcome" leaves them to the outcome reward alone.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ OUTCOMES = ("success", "fraction")
 class RewardConfig:
   """variant: "outcome", "chain" or "sage". outcome: "success" or "fraction" (of tests
   passed). w_gen / w_use: SAGE's skill-generation and skill-usage weights. chain_bonus: the
-  chain-based bonus. no_code_penalty / no_code_mode: see the module docstring."""
+  chain-based bonus. no_code_penalty / no_code_mode / truncated_turns: see the module
+  docstring."""
 
   variant: str = "sage"
   outcome: str = "success"
@@ -44,6 +52,7 @@ class RewardConfig:
   chain_bonus: float = 1.0
   no_code_penalty: float = -1.0
   no_code_mode: str = "any"
+  truncated_turns: str = "no_code"
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -52,6 +61,9 @@ class RewardConfig:
       raise ValueError(f"outcome={self.outcome!r}; expected one of {OUTCOMES}")
     if self.no_code_mode not in ("any", "all"):
       raise ValueError(f"no_code_mode={self.no_code_mode!r}; expected 'any' or 'all'")
+    if self.truncated_turns not in ("no_code", "outcome"):
+      raise ValueError(f"truncated_turns={self.truncated_turns!r}; expected 'no_code' or "
+                       "'outcome'")
 
 
 def outcome(record: EpisodeRecord, config: RewardConfig) -> float:
@@ -61,9 +73,12 @@ def outcome(record: EpisodeRecord, config: RewardConfig) -> float:
 
 
 def no_code(record: EpisodeRecord, config: RewardConfig) -> bool:
+  """Whether the no-code penalty applies to the episode."""
+  turns = record.no_code_turns + (record.truncated_turns
+                                  if config.truncated_turns == "no_code" else 0)
   if config.no_code_mode == "all":
-    return record.num_steps > 0 and record.no_code_turns == record.num_steps
-  return record.no_code_turns > 0
+    return record.num_steps > 0 and turns == record.num_steps
+  return turns > 0
 
 
 def generation_credited(chain: Sequence[EpisodeRecord], k: int) -> bool:

@@ -33,6 +33,7 @@ from sage_jax.agent.policy import Policy, PolicyTurn, TaskContext, TurnRequest
 from sage_jax.agent.retrieval import Retriever
 from sage_jax.envs.appworld import dataset
 from sage_jax.rl import advantages as advantages_lib
+from sage_jax.rl import metrics as metrics_lib
 from sage_jax.rl import rewards as rewards_lib
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.tokenizer import Tokenizer
@@ -339,18 +340,12 @@ class SamplerPolicy:
 
 
 def rollout_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
-  """Means over a batch's episodes (for logging)."""
+  """A batch's `rl.metrics.task_metrics` (per rollout chain: `chain_success`, not SGC), its
+  mean reward and skills saved per episode; undefined rates are left out (for logging)."""
   if not records:
     return {}
-  mean = lambda xs: float(np.mean(list(xs)))
-  later = [r for r in records if r.chain_position > 0]
-  return {
-      "success": mean(r.success for r in records),
-      "reward": mean(r.reward for r in records),
-      "steps": mean(r.num_steps for r in records),
-      "generated_tokens": mean(r.generated_tokens for r in records),
-      "no_code_rate": mean(r.no_code for r in records),
-      "skill_use_rate_later_tasks": mean(r.used_skill for r in later) if later else 0.0,
-      "skills_saved": mean(len(r.events.saved) for r in records),
-      "env_errors": float(sum(bool(r.errors) for r in records)),
-  }
+  out = {k: float(v) for k, v in metrics_lib.task_metrics(records, unit="chain").items()
+         if v is not None}
+  out["reward"] = float(np.mean([r.reward for r in records]))
+  out["skills_saved"] = float(np.mean([len(r.events.saved) for r in records]))
+  return out

@@ -15,6 +15,14 @@ replayed the same way: grouped into scenario chains by task id (`metadata.task_i
 `id`), their assistant turns played back in order against the real engine; the observations
 are the engine's own. Without `--verify` they are only validated and copied.
 
+Self-distillation (`ExpertConfig.source = "self"`, the paper's ablation): the trajectories
+come from the starting policy itself, rejection-sampled over temperatures: every scenario is
+played at `temperatures[0]`; the scenarios that yield no selected trajectory are played
+again at the next temperature, and so on (`self_distilled_trajectories`).
+
+Selection (`ExpertConfig.selection`): "scenario" (default, the paper's rule) keeps a
+scenario's trajectories only when its first `scenario_tasks` (2) tasks succeeded, so that
+every kept chain shows a skill written and then reused; "task" keeps every successful task.
 Either way a trajectory is kept only if AppWorld says the task succeeded, and it is written
 from the token-level conversation (`sft.data.messages_from_ids`), checked to tokenise back to
 exactly the same ids and loss mask.
@@ -29,7 +37,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from absl import app, flags
@@ -44,13 +52,20 @@ from sage_jax.sft import data as data_lib
 from sage_jax.tokenizer import Tokenizer
 
 
+SELECTIONS = ("scenario", "task")
+SOURCES = ("gold", "self")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertConfig:
   """appworld_root: the data root (None: the mini world, built on first use). splits: task
   splits whose gold solutions are played. num_workers: AppWorld worker processes.
   use_library: the Skill Library Agent (False: the plain code agent). outputs_root: where
   AppWorld writes episode outputs (None: a temporary directory). experiment_prefix: AppWorld
-  experiment names."""
+  experiment names. selection: "scenario" (keep a scenario's successful tasks when its first
+  `scenario_tasks` tasks succeeded; the paper's rule) or "task" (every successful task).
+  source: "gold" (the gold solutions, scripted) or "self" (self-distillation: the starting
+  policy, rejection-sampled over `temperatures`, in order)."""
 
   appworld_root: str | None = None
   splits: tuple[str, ...] = ("train",)
@@ -58,6 +73,21 @@ class ExpertConfig:
   use_library: bool = True
   outputs_root: str | None = None
   experiment_prefix: str = "expert"
+  selection: str = "scenario"
+  scenario_tasks: int = 2
+  source: str = "gold"
+  temperatures: tuple[float, ...] = (0.3, 0.7, 1.0)
+
+  def __post_init__(self):
+    if self.source not in SOURCES:
+      raise ValueError(f"source={self.source!r}; expected one of {SOURCES}")
+    if not self.temperatures or any(t < 0 for t in self.temperatures):
+      raise ValueError(f"temperatures={self.temperatures} must be a non-empty list of "
+                       "values >= 0")
+    if self.selection not in SELECTIONS:
+      raise ValueError(f"selection={self.selection!r}; expected one of {SELECTIONS}")
+    if self.scenario_tasks < 1:
+      raise ValueError(f"scenario_tasks={self.scenario_tasks} must be >= 1")
 
 
 @dataclasses.dataclass
@@ -66,6 +96,7 @@ class ExpertStats:
   succeeded: int = 0
   kept: int = 0
   failed: list[str] = dataclasses.field(default_factory=list)
+  not_selected: list[str] = dataclasses.field(default_factory=list)  # succeeded, scenario not
   untokenisable: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -112,8 +143,8 @@ def play(policy: Any, task_ids: Sequence[str], tokenizer: Tokenizer, config: Exp
          source: str, pool: appworld.EnvPool | None = None
          ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
   """Runs `policy` on the tasks (scenario chains, one library per chain) in the real engine
-  (`pool`, or a pool started for the call); returns the successful trajectories in chain
-  order."""
+  (`pool`, or a pool started for the call); returns the successful trajectories that
+  `config.selection` keeps, in chain order."""
   root = config.appworld_root or appworld.ensure_mini_world()
   if pool is None:
     pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
@@ -129,17 +160,24 @@ def play(policy: Any, task_ids: Sequence[str], tokenizer: Tokenizer, config: Exp
   batch = asyncio.run(rollout.run_groups(ctx, chains, rollout_config))
   stats = ExpertStats()
   out = []
-  for record in batch.flat():
-    stats.tasks += 1
-    if not record.success:
-      stats.failed.append(record.task_id)
-      continue
-    stats.succeeded += 1
-    trajectory = record_to_trajectory(record, tokenizer, source)
-    if trajectory is None:
-      stats.untokenisable.append(record.task_id)
-      continue
-    out.append(trajectory)
+  for group in batch.records:
+    chain = group[0]
+    selected = config.selection == "task" or all(
+        r.success for r in chain[:config.scenario_tasks])
+    for record in chain:
+      stats.tasks += 1
+      if not record.success:
+        stats.failed.append(record.task_id)
+        continue
+      stats.succeeded += 1
+      if not selected:
+        stats.not_selected.append(record.task_id)
+        continue
+      trajectory = record_to_trajectory(record, tokenizer, source)
+      if trajectory is None:
+        stats.untokenisable.append(record.task_id)
+        continue
+      out.append(trajectory)
   stats.kept = len(out)
   return out, stats
 
@@ -152,6 +190,31 @@ def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
   config = dataclasses.replace(config, appworld_root=root)
   task_ids = [t for split in config.splits for t in appworld.read_split(root, split)]
   return play(ScriptedPolicy(root, tokenizer), task_ids, tokenizer, config, "gold", pool)
+
+
+def self_distilled_trajectories(policy_at: Callable[[float], Any], config: ExpertConfig,
+                                tokenizer: Tokenizer, pool: appworld.EnvPool | None = None
+                                ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
+  """Rejection sampling from the starting policy (`policy_at(temperature)`): the split's
+  scenarios are played at each of `config.temperatures` in turn, each scenario until a play
+  of it yields selected trajectories, which are kept (source "self@<temperature>"). The
+  stats count every play."""
+  root = config.appworld_root or appworld.ensure_mini_world()
+  config = dataclasses.replace(config, appworld_root=root)
+  remaining = [t for split in config.splits for t in appworld.read_split(root, split)]
+  out, total = [], ExpertStats()
+  for i, temperature in enumerate(config.temperatures):
+    if not remaining:
+      break
+    attempt = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_t{i}")
+    kept, stats = play(policy_at(temperature), remaining, tokenizer, attempt,
+                       f"self@{temperature:g}", pool)
+    for field in dataclasses.fields(ExpertStats):
+      setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+    accepted = {appworld.scenario_id(task_id_of(t)) for t in kept}
+    remaining = [t for t in remaining if appworld.scenario_id(t) not in accepted]
+    out += kept
+  return out, total
 
 
 def replayed_trajectories(trajectories: Sequence[data_lib.Trajectory], config: ExpertConfig,
@@ -179,6 +242,9 @@ def _define_flags() -> None:
                     "only validate and copy them).")
   flags.DEFINE_integer("num_workers", 2, "AppWorld worker processes.")
   flags.DEFINE_bool("use_library", True, "Skill Library Agent (else the plain code agent).")
+  flags.DEFINE_enum("selection", "scenario", list(SELECTIONS),
+                    "scenario: keep a scenario when its first two tasks succeeded (the "
+                    "paper's rule); task: keep every successful task.")
   flags.mark_flag_as_required("out")
 
 
@@ -188,7 +254,8 @@ def main(argv) -> None:
   logging.getLogger("httpx").setLevel(logging.WARNING)
   tokenizer = Tokenizer()
   config = ExpertConfig(appworld_root=f.appworld_root, splits=tuple(f.splits),
-                        num_workers=f.num_workers, use_library=f.use_library)
+                        num_workers=f.num_workers, use_library=f.use_library,
+                        selection=f.selection)
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
   if f.gold:

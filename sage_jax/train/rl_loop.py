@@ -101,10 +101,12 @@ def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
   """Batch statistics of episodes (whatever fields they carry; see the module doc).
 
   reward/mean|std and per chain position reward/pos<k>/mean|std; success (share of tasks
-  whose tests all pass, i.e. the batch TGC) and sgc (share of rollout chains, or scenarios
-  without chain ids, whose tasks all pass); steps, generated tokens; skill generation
-  rate (episodes that defined a new skill), skill usage rate (episodes that used a library
-  skill), no-code rate; advantage statistics.
+  whose tests all pass, i.e. the batch TGC) and chain_success (share of rollout chains, or
+  scenarios without chain ids, whose tasks all pass: SGC is a per-scenario evaluation
+  metric); steps, generated tokens; skill generation rate (episodes that defined a new
+  skill), skill usage rate (among episodes after the first of their chain, the only ones
+  with a library: those that used a library skill), no-code rate; advantage statistics.
+  Fractions in [0, 1]; `rl.metrics` holds the paper's metrics of AppWorld episodes.
   """
   out: dict[str, float] = {"episodes": float(len(episodes))}
   if not episodes:
@@ -133,7 +135,7 @@ def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
       chains = collections.defaultdict(list)
       for k, s in zip(keys, success):
         chains[k].append(bool(s))
-      out["sgc"] = float(np.mean([all(v) for v in chains.values()]))
+      out["chain_success"] = float(np.mean([all(v) for v in chains.values()]))
     if all(p is not None for p in positions):
       by_pos = collections.defaultdict(list)
       for s, p in zip(success, positions):
@@ -152,8 +154,10 @@ def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
   if all(e is not None and hasattr(e, "generated") for e in events):
     out["skill_generation_rate"] = float(np.mean([bool(e.generated) for e in events]))
   used = get("used_skill")
-  if all(u is not None for u in used):
-    out["skill_usage_rate"] = float(np.mean([bool(u) for u in used]))
+  if all(u is not None for u in used) and all(p is not None for p in positions):
+    later = [bool(u) for u, p in zip(used, positions) if p > 0]
+    if later:
+      out["skill_usage_rate"] = float(np.mean(later))
   no_code = get("no_code")
   if all(n is not None for n in no_code):
     out["no_code_rate"] = float(np.mean([bool(n) for n in no_code]))
@@ -185,7 +189,13 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
                 batch_config: batch_lib.BatchConfig, *, seed: int = 0,
                 reference_params: nnx.State | None = None) -> dict[str, float]:
   """`grpo_config.num_mini_batches` optimiser updates on `episodes` (with advantages set);
-  returns the update metrics (means over mini-batches) and batch layout statistics."""
+  returns the update metrics (means over mini-batches) and batch layout statistics.
+  Episodes on which the environment failed (`env_failed`) are left out of the loss; when no
+  process has any other episode, there is no update."""
+  episodes = [e for e in episodes if not _field(e, "env_failed")]
+  trainable = np.asarray(multihost.allgather(np.asarray([len(episodes)], np.int64))).sum()
+  if trainable == 0:
+    return {"updates": 0.0, "batch/positions": 0.0, "batch/real_positions": 0.0}
   parts = batch_lib.split_mini_batches(
       episodes, grpo_config.num_mini_batches,
       np.random.default_rng(seed) if grpo_config.shuffle_mini_batches else None)
@@ -229,7 +239,7 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
   share of them (a chain's G rollouts stay on one host, with their rewards and advantages)
   through the Sequential Rollout (`rl.rollout`) with the context's policy, sampling seeds
   `step_seed(rollout_config.seed, s)`. Returns this process's episode records and the
-  metrics of every process's episodes."""
+  metrics of every process's episodes (`rl.metrics`, under "rollout/")."""
   import random
 
   from sage_jax.rl import advantages as advantages_lib
@@ -247,7 +257,8 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
     batch = rollout_lib.collect(ctx, chains[share], config, reward_config, advantage_config,
                                 first_group=share.start)
     episodes = batch.flat()
-    values = dict(rollout_lib.rollout_metrics(gather_episodes(episodes)))
+    values = {f"rollout/{k}": v
+              for k, v in rollout_lib.rollout_metrics(gather_episodes(episodes)).items()}
     stats = batch.advantage_stats
     values["constant_groups"] = float(sum(multihost.allgather_objects(
         stats.num_constant_groups if stats is not None else 0)))

@@ -71,6 +71,9 @@ class Episode:
     self.num_steps = 0
     self.task_completed = False
     self.error: str | None = None  # set once an environment fault has ended the episode
+    # The worker's call records of the last executed block (`calltrace`); None when the
+    # environment failed under it.
+    self.last_trace: dict | None = None
     self.evaluation: Evaluation | None = None
     self.result: EpisodeResult | None = None
     self._pool = pool
@@ -327,6 +330,7 @@ class EnvPool:
 
   def _run_command(self, worker, episode: Episode, command: _Command):
     if command.op == "execute":
+      episode.last_trace = None
       if episode.error is None:
         answer = self._call(worker, episode, {"op": "execute", **command.payload})
         if answer is not None:
@@ -334,6 +338,7 @@ class EnvPool:
             raise EpisodeError(answer["error"])
           episode.num_steps = answer["num_steps"]
           episode.task_completed = answer["task_completed"]
+          episode.last_trace = answer["trace"]
           return answer["output"]
       return fault_observation(episode.error)
     if command.op == "evaluate":

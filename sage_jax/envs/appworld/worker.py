@@ -20,6 +20,7 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
+from sage_jax.envs.appworld import calltrace
 from sage_jax.envs.appworld import data_root
 
 FAILED_PREFIX = "Execution failed."
@@ -60,6 +61,7 @@ class Session:
   def __init__(self, settings: dict[str, Any]):
     self.settings = settings
     self.world = None
+    self.tracer: calltrace.CallTracer | None = None  # the live world's call records
     # Asking AppWorld whether the task is completed costs an API request (~7 ms); only
     # code that mentions complete_task (directly or in a function it defined) can do it.
     self.may_complete = False
@@ -73,12 +75,14 @@ class Session:
                      max_interactions=s["max_interactions"],
                      timeout_seconds=s["timeout_seconds"], random_seed=s["random_seed"])
     self.world = world
+    self.tracer = calltrace.CallTracer()
     self.may_complete = False
     library_output = library_ok = None
     if library_code:
       self.may_complete = COMPLETE_TASK in library_code
       # Runs like agent code (same guards, timeout and logs) but is not an agent step.
-      library_output = truncate(world.execute(library_code), s["max_output_chars"])
+      output, _ = self.tracer.run(world.execute, library_code, library=True)
+      library_output = truncate(output, s["max_output_chars"])
       library_ok = not library_output.startswith(FAILED_PREFIX)
       world.num_interactions -= 1
     descriptions = world.requester.request("api_docs", "show_app_descriptions", track=False)
@@ -101,11 +105,11 @@ class Session:
 
   def execute(self, code: str) -> dict:
     world = self._live_world()
-    output = world.execute(code)
+    output, trace = self.tracer.run(world.execute, code)
     self.may_complete = self.may_complete or COMPLETE_TASK in code
     return {"output": truncate(output, self.settings["max_output_chars"]),
             "task_completed": self.may_complete and bool(world.task_completed()),
-            "num_steps": world.num_interactions}
+            "num_steps": world.num_interactions, "trace": trace}
 
   def evaluate(self) -> dict:
     tracker = self._live_world().evaluate(suppress_errors=True)

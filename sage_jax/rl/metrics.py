@@ -1,0 +1,88 @@
+"""The paper's metrics over task episode records: one definition for training and evaluation.
+
+All rates are percentages (None when their denominator is empty):
+
+- tgc: tasks whose tests all pass (Task Goal Completion).
+- sgc (unit "scenario", evaluation): scenarios all of whose tasks pass (Scenario Goal
+  Completion). In training a rollout walks a chain of K tasks, not a whole scenario, so the
+  same share over rollout chains is reported as `chain_success` (unit "chain"), not as SGC.
+- avg_steps, avg_generated_tokens: assistant turns and model tokens per task.
+- skill_usage_rate: among tasks that had library skills, those that used one (ran a library
+  skill successfully; `agent.skills`).
+- success_skill_usage_rate: among tasks that had library skills, those that used one and
+  succeeded.
+- p_success_given_use: among tasks that used a library skill, those that succeeded.
+- w_use_rate / w_gen_rate: tasks for which SAGE's skill-usage / skill-generation bonus fires
+  (`rl.rewards`: a later-position task that succeeded using a library skill; a task whose
+  saved skill a later successful task of its chain used), whatever the reward variant.
+- no_code_rate, truncation_rate: tasks with a turn that ended without code / a turn cut by a
+  token limit before any code; also per chain position (`.../pos<k>`).
+- env_failure_rate: tasks on which the environment failed (left out of training).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from sage_jax.rl.episode import EpisodeRecord
+from sage_jax.rl.rewards import generation_credited
+
+UNITS = ("scenario", "chain")
+
+
+def _pct(num: float, den: float) -> float | None:
+  return 100.0 * num / den if den else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+  return sum(values) / len(values) if values else None
+
+
+def _chains(records: Sequence[EpisodeRecord]) -> list[list[EpisodeRecord]]:
+  """Each rollout's walk (group, rollout), in chain order."""
+  chains = collections.defaultdict(list)
+  for r in records:
+    chains[(r.group, r.rollout)].append(r)
+  return [sorted(c, key=lambda r: r.chain_position) for c in chains.values()]
+
+
+def task_metrics(records: Sequence[EpisodeRecord], *, unit: str = "scenario") -> dict:
+  """The metrics above over `records`; `unit`: "scenario" (reports sgc) or "chain" (reports
+  chain_success)."""
+  if unit not in UNITS:
+    raise ValueError(f"unit={unit!r}; expected one of {UNITS}")
+  chains = _chains(records)
+  completion = collections.defaultdict(list)
+  for r in records:
+    completion[r.scenario if unit == "scenario" else (r.group, r.rollout)].append(r.success)
+  with_library = [r for r in records if r.visible_skills]
+  users = [r for r in records if r.used_skill]
+  w_gen = sum(generation_credited(c, k) for c in chains for k in range(len(c)))
+  out = {
+      "num_tasks": len(records),
+      f"num_{unit}s": len(completion),
+      "tgc": _pct(sum(r.success for r in records), len(records)),
+      "sgc" if unit == "scenario" else "chain_success":
+          _pct(sum(all(v) for v in completion.values()), len(completion)),
+      "avg_steps": _mean([r.num_steps for r in records]),
+      "avg_generated_tokens": _mean([r.generated_tokens for r in records]),
+      "skill_usage_rate": _pct(sum(r.used_skill for r in with_library), len(with_library)),
+      "success_skill_usage_rate": _pct(sum(r.used_skill and r.success for r in with_library),
+                                       len(with_library)),
+      "p_success_given_use": _pct(sum(r.success for r in users), len(users)),
+      "w_use_rate": _pct(sum(r.chain_position > 0 and r.success and r.used_skill
+                             for r in records), len(records)),
+      "w_gen_rate": _pct(w_gen, len(records)),
+      "no_code_rate": _pct(sum(r.no_code for r in records), len(records)),
+      "truncation_rate": _pct(sum(r.truncated for r in records), len(records)),
+      "env_failure_rate": _pct(sum(r.env_failed for r in records), len(records)),
+      "avg_fraction_passed": _mean([r.fraction_passed for r in records]),
+      "skills_generated": sum(len(r.events.generated) for r in records),
+      "skills_updated": sum(len(r.events.updated) for r in records),
+  }
+  for k in sorted({r.chain_position for r in records}):
+    at = [r for r in records if r.chain_position == k]
+    out[f"no_code_rate/pos{k}"] = _pct(sum(r.no_code for r in at), len(at))
+    out[f"truncation_rate/pos{k}"] = _pct(sum(r.truncated for r in at), len(at))
+  return out

@@ -1,0 +1,36 @@
+"""The paper's metrics (`rl.metrics`) on hand-built records: every rate against its
+definition."""
+
+import pytest
+
+from sage_jax.rl import metrics
+from tests.test_rewards import rec
+
+
+def test_task_metrics_definitions():
+  # Rollout 0: task 1 writes f, task 2 uses it and succeeds (both bonuses fire).
+  # Rollout 1: task 1 succeeds, task 2 uses f but fails; one of its turns was cut.
+  # Rollout 2: task 1 ends without code, task 2's environment failed.
+  r = [rec(0, True, generated=["f"], rollout=0), rec(1, True, used=["f"], rollout=0),
+       rec(0, True, generated=["f"], rollout=1), rec(1, False, used=["f"], rollout=1),
+       rec(0, False, no_code=1, rollout=2), rec(1, False, rollout=2)]
+  r[3].truncated_turns = 1
+  r[5].errors = ["worker exited"]
+  r[5].visible_skills = ("f",)
+  m = metrics.task_metrics(r, unit="chain")
+  assert m["num_tasks"] == 6 and m["num_chains"] == 3 and "sgc" not in m
+  assert m["tgc"] == pytest.approx(300 / 6) and m["chain_success"] == pytest.approx(100 / 3)
+  # Tasks with library skills: r1, r3, r5; used: r1, r3; used and succeeded: r1.
+  assert m["skill_usage_rate"] == pytest.approx(200 / 3)
+  assert m["success_skill_usage_rate"] == pytest.approx(100 / 3)
+  assert m["p_success_given_use"] == 50.0
+  assert m["w_use_rate"] == m["w_gen_rate"] == pytest.approx(100 / 6)  # r1 and r0
+  assert m["no_code_rate"] == m["truncation_rate"] == pytest.approx(100 / 6)
+  assert m["no_code_rate/pos0"] == pytest.approx(100 / 3) and m["no_code_rate/pos1"] == 0.0
+  assert m["truncation_rate/pos1"] == pytest.approx(100 / 3)
+  assert m["env_failure_rate"] == pytest.approx(100 / 6)
+  by_scenario = metrics.task_metrics(r)  # all six tasks are of scenario "s"
+  assert by_scenario["num_scenarios"] == 1 and by_scenario["sgc"] == 0.0
+  assert metrics.task_metrics([], unit="chain")["tgc"] is None
+  with pytest.raises(ValueError, match="unit"):
+    metrics.task_metrics(r, unit="group")

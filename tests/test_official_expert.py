@@ -1,0 +1,95 @@
+"""The scripted expert on gold solutions in AppWorld's official form
+(`def solution(apis, requester)` with the task's values inside), on an official-style dataset
+built from the mini world: the solutions pass as AppWorld runs them, the expert turns them
+into parameterised skills, scores TGC = SGC = 100 (AppWorld's evaluator agrees) and yields
+SFT data for every task."""
+
+import ast
+
+import ml_collections
+import pytest
+
+from sage_jax.agent import expert, parsing
+from sage_jax.envs import appworld
+from sage_jax.eval import runner as evaluate
+from sage_jax.sft import expert as sft_expert
+from sage_jax.tokenizer import Tokenizer
+from tests.appworld_fixtures import gold_solution
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import official_root  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import pool_config
+
+
+@pytest.fixture(scope="module")
+def pool(official_root, tmp_path_factory):  # noqa: F811
+  outputs = str(tmp_path_factory.mktemp("official_outputs"))
+  config = pool_config(official_root, outputs, timeout_seconds=20, call_timeout_s=90.0)
+  with appworld.EnvPool(config) as pool:
+    yield pool
+
+
+def _code(turn: str) -> str:
+  return parsing.extract_code(turn).code
+
+
+def test_official_solutions_pass_as_appworld_runs_them(pool, official_root):  # noqa: F811
+  task_ids = appworld.read_split(official_root, "train")
+  assert len(task_ids) == 9
+  for task_id in task_ids:
+    source = gold_solution(official_root, task_id)
+    assert source.count("def ") == 1 and "def solution(apis, requester):" in source
+    with pool.episode(task_id, "official_gold") as ep:
+      ep.execute(source + "\nsolution(apis, requester)\n").result()
+    assert ep.result.success, task_id
+
+
+def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
+  task_id = "ead7476_1"  # Send $45.00 to Daniel Okafor on Venmo with the description '...'.
+  solution = gold_solution(official_root, task_id)
+  instruction = expert.read_instruction(official_root, task_id)
+  for siblings in ([], [(gold_solution(official_root, t), expert.read_instruction(
+      official_root, t)) for t in ("ead7476_2", "ead7476_3")]):
+    name, definition, call = expert.official_skill(solution, instruction, siblings)
+    fn = ast.parse(definition).body[0]
+    assert [a.arg for a in fn.args.args] == ["query", "amount", "description"]
+    assert call == f"{name}('Daniel Okafor', 45.0, 'Pottery class')"
+    assert "Daniel Okafor" not in definition and "Pottery class" not in definition
+  assert name == "send_venmo_description"
+  # A library skill of that name that is a different function is redefined, not called.
+  turns = expert.expert_turns(solution, {name: f"def {name}(query):\n    return 1\n"},
+                              instruction=instruction, siblings=siblings)
+  assert f"def {name}(query, amount, description):" in _code(turns[0])
+  reuse = expert.expert_turns(solution, {name: definition}, instruction=instruction,
+                              siblings=siblings)
+  assert _code(reuse[0]).strip() == call
+  assert expert.official_skill("def solution(apis, requester):\n    pass\n\n"
+                               "solution(apis, requester)\n", instruction) is None
+  with_import = expert.official_skill("import math\n\n" + solution, instruction)[1]
+  assert with_import.startswith("import math\ndef send_venmo")
+
+
+def _eval_config(root):
+  c = ml_collections.ConfigDict()
+  c.eval = dict(split="train", data=root, policy="scripted", experiment="eval_official",
+                appworld_check=True)
+  c.agent = dict(max_steps=4)
+  c.retrieval = dict(strategy="same_scenario")
+  c.pool = dict()
+  c.model = dict(spec="", preset="tiny")
+  c.engine = dict()
+  return c
+
+
+def test_scripted_expert_scores_100_and_reuses_its_skills(pool, official_root, tmp_path):  # noqa: F811
+  report = evaluate.evaluate(_eval_config(official_root), str(tmp_path), pool=pool)
+  overall = report["metrics"]["overall"]
+  assert overall["tgc"] == 100.0 and overall["sgc"] == 100.0
+  assert report["appworld"]["task_goal_completion"] == 100.0
+  assert report["appworld"]["scenario_goal_completion"] == 100.0
+  for r in report["records"]:
+    first = r["chain_position"] == 0
+    assert bool(r["events"]["generated"]) == first and bool(r["events"]["used"]) != first
+  tok = Tokenizer()
+  trajectories, stats = sft_expert.gold_trajectories(
+      sft_expert.ExpertConfig(appworld_root=official_root, splits=("train",)), tok, pool=pool)
+  assert stats.tasks == stats.succeeded == stats.kept == 9 and len(trajectories) == 9

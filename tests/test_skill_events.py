@@ -1,0 +1,258 @@
+"""Skill events observed at run time in the real AppWorld worker, and the SAGE rewards on them:
+honest skill use and generation earn the bonuses; gaming attempts (swallowed exceptions,
+dead branches, a failed call then a hand-written solution, a redefinition after a failure)
+earn none."""
+
+import asyncio
+import dataclasses
+import textwrap
+
+import pytest
+
+from sage_jax.agent import AgentConfig, Retriever, expert, parsing
+from sage_jax.agent.library import SkillLibrary, install_code
+from sage_jax.agent.skills import BlockTrace, SkillTracker, analyze
+from sage_jax.envs import appworld
+from sage_jax.rl import rewards, rollout
+from sage_jax.sft.expert import ReplayPolicy
+from sage_jax.tokenizer import Tokenizer
+from tests.appworld_fixtures import gold_solution
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import pool_config
+
+SCENARIO = "1d3abf7"  # save_note_to_file(title, file_path)
+SKILL = "save_note_to_file"
+MISSING = f"{SKILL}('No such note', '~/documents/nothing.txt')\n"  # raises StopIteration
+
+
+def block(text: str) -> str:
+  return textwrap.dedent(text).strip() + "\n"
+
+
+def fenced(code: str) -> str:
+  return f"```python\n{code.strip()}\n```"
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def pool(mini_root, tmp_path_factory):  # noqa: F811
+  outputs = str(tmp_path_factory.mktemp("skill_event_outputs"))
+  with appworld.EnvPool(pool_config(mini_root, outputs)) as pool:
+    yield pool
+
+
+@pytest.fixture(scope="module")
+def gold(mini_root):  # noqa: F811
+  """Task 1's skill-format turn (defines and calls the skill) and task 2's gold solution."""
+  first = expert.expert_turns(gold_solution(mini_root, f"{SCENARIO}_1"))[0]
+  return parsing.extract_code(first).code, gold_solution(mini_root, f"{SCENARIO}_2")
+
+
+def run_blocks(pool, task_id, blocks, library_code=None):
+  """Executes `blocks` in one episode; returns the tracker fed with the worker's traces."""
+  library = {f.name: f.calls for f in analyze(library_code or "").functions}
+  tracker = SkillTracker(library)
+
+  async def go():
+    async with pool.episode(task_id, "events", library_code=library_code) as ep:
+      assert ep.start.library_ok in (None, True), ep.start.library_output
+      for code in blocks:
+        await ep.execute(code)
+        tracker.observe(code, BlockTrace.from_dict(ep.last_trace))
+    return ep.result
+
+  return tracker, asyncio.run(go())
+
+
+# --- events, one episode each ----------------------------------------------------------------
+
+def test_generated_needs_a_successful_call(pool, gold):
+  first, _ = gold
+  definition = first[:first.index(f"\n\n\n{SKILL}(")]
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [definition])  # define only
+  e = tracker.events()
+  assert e.generated == () and e.saved == () and e.failed_definitions == (SKILL,)
+  # Defined and called, but the block's last line fails: the skill worked, it is saved.
+  tracker, result = run_blocks(pool, f"{SCENARIO}_1", [first + "1 / 0\n"])
+  e = tracker.events()
+  assert e.generated == (SKILL,) and e.saved == (SKILL,) and result.success
+  assert tracker.saved_functions()[SKILL].source.startswith(f"def {SKILL}(")
+
+
+def test_last_successful_version_is_saved(pool):
+  blocks = [block("""
+      def f(x):
+          return x + 1
+
+      f(1)
+      """), block("""
+      def f(x):
+          raise ValueError(x)
+
+      def f(x):  # redefined in the same block: this is the version that runs
+          return x + 3
+
+      f(1)
+      """), block("""
+      def f(x):
+          raise ValueError(x)
+
+      f(1)
+      """)]
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", blocks)
+  e = tracker.events()
+  assert e.generated == ("f",) and e.saved == ("f",) and e.failed_definitions == ()
+  assert "x + 3" in tracker.saved_functions()["f"].source
+
+
+def test_library_use_direct_nested_and_through_task_function(pool):
+  library = block("""
+      def inner(x):
+          return x * 2
+
+      def outer(x):
+          return inner(x) + 1
+
+      def spare():
+          return 0
+      """)
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", ["outer(1)\n"], library)
+  assert tracker.events().used == ("inner", "outer")
+  helper = block("""
+      import functools
+
+      @functools.lru_cache(maxsize=None)
+      def helper(x):
+          return inner(x)
+
+      helper(2)
+      """)
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", ["\n\n" + helper], library)
+  e = tracker.events()
+  assert e.used == ("inner",) and e.generated == ("helper",)  # decorated, shifted lines
+
+
+def test_gaming_attempts_are_not_use(pool, gold):
+  first, _ = gold
+  library = first[:first.index(f"\n\n\n{SKILL}(")] + "\n"
+  swallowed = block(f"""
+      try:
+          {MISSING}
+      except Exception:
+          pass
+      """)
+  dead = block(f"""
+      if False:
+          {SKILL}('Hardware store', '~/documents/hardware_store.txt')
+      """)
+  # A task function that ran the skill and then raised, swallowed: the skill's return is
+  # discarded with it.
+  wrapped = block(f"""
+      def wrapper():
+          {SKILL}('Hardware store', '~/documents/wrapped.txt')
+          raise RuntimeError('changed my mind')
+
+      try:
+          wrapper()
+      except RuntimeError:
+          pass
+      """)
+  for blocks, failed in (([swallowed], (SKILL,)), ([dead], ()), ([MISSING], (SKILL,)),
+                         ([wrapped], (SKILL,))):
+    tracker, _ = run_blocks(pool, f"{SCENARIO}_2", blocks, library)
+    e = tracker.events()
+    assert e.used == () and e.failed_uses == failed and e.mentioned == (SKILL,), blocks
+    assert e.generated == ()
+  # Redefined after failing, then run: an update of the skill, not a use.
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_2", [MISSING, first], library)
+  e = tracker.events()
+  assert e.used == () and e.updated == (SKILL,) and e.saved == (SKILL,)
+
+
+# --- rewards on whole chains -----------------------------------------------------------------
+
+def test_rewards_pay_only_for_skills_that_ran(pool, gold, mini_root, tok):  # noqa: F811
+  first, task2 = gold
+  by_hand = task2.replace(SKILL, "copy_note_by_hand")
+  cases = {  # task 2's turns -> expected (rewards, used) of the chain
+      "use": ([fenced(f"{SKILL}('Hardware store', '~/documents/hardware_store.txt')\n"
+                      "apis.supervisor.complete_task()")], [2.0, 2.0], (SKILL,)),
+      "swallowed": ([fenced(f"try:\n    {MISSING}except Exception:\n    pass\n\n{by_hand}")],
+                    [1.0, 1.0], ()),
+      "dead_branch": ([fenced(f"if False:\n    {MISSING}\n{by_hand}")], [1.0, 1.0], ()),
+      "raised_then_by_hand": ([fenced(MISSING), fenced(by_hand)], [1.0, 1.0], ()),
+      "redefined_after_failure": ([fenced(MISSING), fenced(task2)], [1.0, 1.0], ()),
+  }
+  agent = AgentConfig()
+  base = rollout.RolloutContext(None, pool, tok, agent, Retriever(), mini_root)
+  chain = rollout.Chain(SCENARIO, (f"{SCENARIO}_1", f"{SCENARIO}_2"))
+
+  async def run_all():
+    jobs = []
+    for g, (turns, _, _) in enumerate(cases.values()):
+      policy = ReplayPolicy({chain.task_ids[0]: [fenced(first)], chain.task_ids[1]: turns}, tok)
+      ctx = dataclasses.replace(base, policy=policy)
+      jobs.append(rollout.run_chain(ctx, chain, group=g, rollout=0, experiment=f"reward{g}",
+                                    library=SkillLibrary()))
+    return await asyncio.gather(*jobs)
+
+  results = asyncio.run(run_all())
+  for (name, (_, expected, used)), records in zip(cases.items(), results):
+    assert all(r.success for r in records), name
+    assert records[1].events.used == used, name
+    assert rewards.chain_rewards(records, rewards.RewardConfig()) == expected, name
+  redefined = results[list(cases).index("redefined_after_failure")][1]
+  assert redefined.events.updated == (SKILL,) and redefined.used_skill_sources == {}
+
+
+def test_install_code_round_trip_is_traced_as_library(pool, gold):
+  """Library skills installed the way rollouts install them are recognised as the library."""
+  first, _ = gold
+  library = SkillLibrary()
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [first])
+  library.save(tracker.saved_functions(), scenario=SCENARIO, task_id=f"{SCENARIO}_1",
+               instruction="")
+  code = install_code(library.skills(SCENARIO))
+  call = f"{SKILL}('Hardware store', '~/documents/hardware_store.txt')\n"
+  tracker, result = run_blocks(pool, f"{SCENARIO}_2", [call], code)
+  assert tracker.events().used == (SKILL,) and tracker.events().generated == ()
+
+
+_SAME_OUTPUT_SCRIPT = r"""
+import json, os, sys
+from sage_jax.envs.appworld.worker import _outputs_root
+os.environ["APPWORLD_ROOT"] = _outputs_root(sys.argv[1], sys.argv[4])
+from appworld import AppWorld
+from sage_jax.envs.appworld.calltrace import CallTracer
+blocks = json.loads(sys.argv[2])
+outputs = []
+for traced in (False, True):
+  with AppWorld(task_id=sys.argv[3], experiment_name=f"same_{traced}") as world:
+    tracer = CallTracer()
+    run = (lambda code: tracer.run(world.execute, code)[0]) if traced else world.execute
+    outputs.append([run(code) for code in blocks] + [world.evaluate().success])
+sys.__stdout__.write("OUT" + json.dumps(outputs))
+"""
+
+
+def test_tracing_changes_nothing_appworld_returns(mini_root, gold, tmp_path):  # noqa: F811
+  """The same blocks, with and without the hook: identical outputs (tracebacks included)
+  and the same evaluation."""
+  import json
+  import subprocess
+  import sys
+
+  first, _ = gold
+  blocks = ["def f(x):\n    return 1 / x\n\nprint(f(2))\n", "f(0)\n", MISSING.replace(
+      SKILL, "save_note"), first]
+  done = subprocess.run([sys.executable, "-c", _SAME_OUTPUT_SCRIPT, mini_root,
+                         json.dumps(blocks), f"{SCENARIO}_1", str(tmp_path)],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  plain, traced = json.loads(done.stdout.rpartition("OUT")[2])
+  assert plain == traced
+  assert "ZeroDivisionError" in plain[1] and plain[-1] is True
