@@ -11,6 +11,13 @@ step `<step>`. Orbax writes each checkpoint into a temporary directory and renam
 every array is on disk (the atomic finalisation); a run killed mid-save leaves only a
 temporary directory, which restore ignores and the next start removes.
 
+Each finished step also gets `<step>/files.json`, the size of every file orbax wrote,
+recorded once the step is finalised. A restore checks a step against it first, so that a
+truncated or missing file is named (`CheckpointError`) before orbax reads anything; a
+step that fails to read anyway is reported the same way. `restore_newest_intact` moves a
+damaged step aside to `damaged/<step>` (never deletes it) and falls back to the newest step
+that reads.
+
 `PreemptionGuard` turns SIGTERM (and SIGINT) into a flag the loops poll after each step:
 they save a checkpoint, wait for it, and return.
 """
@@ -22,6 +29,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any, Literal, Mapping
 
@@ -32,6 +40,16 @@ from orbax.checkpoint import checkpoint_managers as cm
 from sage_jax.train.state import TrainState
 
 CONFIG_FILE = "config.json"
+FILES_RECORD = "files.json"  # inside each step: relative path -> size in bytes
+DAMAGED_DIR = "damaged"  # damaged steps are moved here, not deleted
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint step cannot be read; the message names the step and the file."""
+
+  def __init__(self, step: int, path: str, problem: str):
+    super().__init__(f"checkpoint step {step} cannot be read: {path}: {problem}")
+    self.step, self.path, self.problem = step, path, problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +103,22 @@ def _write_json_atomic(path: str, value: Any) -> None:
   os.replace(tmp, path)
 
 
+def _drop_closed_loop_callbacks() -> None:
+  """After a failed read, tensorstore still calls back into orbax's closed event loop; each
+  such "Event loop is closed" RuntimeError is dropped instead of printed as a traceback."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_closed_loop", False):
+    return
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.drops_closed_loop = True
+  sys.unraisablehook = hook
+
+
 class Checkpointer:
   """Saves and restores TrainStates with orbax's CheckpointManager (see the module doc)."""
 
@@ -130,6 +164,41 @@ class Checkpointer:
         best = (step, value)
     return None if best is None else best[0]
 
+  def step_directory(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _record_files(self) -> None:
+    """Writes files.json into every finalised step that lacks one (process 0 only)."""
+    if jax.process_index() != 0:
+      return
+    for step in self._manager.all_steps():
+      root = self.step_directory(step)
+      record = os.path.join(root, FILES_RECORD)
+      if os.path.isdir(root) and not os.path.exists(record):
+        sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+                 for d, _, files in os.walk(root) for f in files}
+        _write_json_atomic(record, sizes)
+
+  def check_step(self, step: int) -> None:
+    """Raises CheckpointError naming the first file of `step` that is missing or whose size
+    differs from the record (a step written before records existed is not checked)."""
+    root = self.step_directory(step)
+    try:
+      with open(os.path.join(root, FILES_RECORD)) as f:
+        sizes = json.load(f)
+    except FileNotFoundError:
+      return
+    except (OSError, ValueError) as e:
+      raise CheckpointError(step, os.path.join(root, FILES_RECORD), f"unreadable ({e})") from e
+    for relative, size in sorted(sizes.items()):
+      path = os.path.join(root, relative)
+      if not os.path.exists(path):
+        raise CheckpointError(step, path, "missing")
+      actual = os.path.getsize(path)
+      if actual != size:
+        raise CheckpointError(step, path, f"{actual} bytes, {size} when it was written"
+                              + (" (truncated)" if actual < size else ""))
+
   def should_save(self, step: int) -> bool:
     return step % self.config.save_every == 0
 
@@ -144,6 +213,9 @@ class Checkpointer:
     """
     if step in self._manager.all_steps():
       return False
+    # The previous save is long done by now (save_every steps ago): record its files.
+    self._manager.wait_until_finished()
+    self._record_files()
     meta = dict(to_jsonable(meta or {}))
     metrics = {k: float(v) for k, v in (metrics or {}).items()}
     meta["metrics"] = metrics
@@ -164,13 +236,55 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    self.check_step(step)
+    # A failed read leaves orbax's pending reads to be logged as "Future exception was never
+    # retrieved", dozens of traces that would bury the one error below.
+    asyncio_log = logging.getLogger("asyncio")
+    level = asyncio_log.level
+    asyncio_log.setLevel(logging.CRITICAL)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+      _drop_closed_loop_callbacks()
+      first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise CheckpointError(step, self.step_directory(step), first_line[:500]) from e
+    finally:
+      asyncio_log.setLevel(level)
     return restored.state, dict(restored.meta)
+
+  def restore_newest_intact(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
+    """Restores the newest step that reads; damaged newer steps are moved to damaged/<step>
+    and the fallback is logged in one line. None when there is no checkpoint at all; raises
+    CheckpointError when no step reads."""
+    damaged: list[str] = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(abstract_state, step)
+      except CheckpointError as e:
+        damaged.append(f"{e}; moved to {self._move_aside(step)}")
+        continue
+      if damaged:
+        logging.warning("%s; resuming from step %d instead.", "; ".join(damaged), step)
+      return state, meta
+    if damaged:
+      raise CheckpointError(-1, self.directory, "no step reads: " + "; ".join(damaged))
+    return None
+
+  def _move_aside(self, step: int) -> str:
+    aside = os.path.join(self.directory, DAMAGED_DIR, str(step))
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(aside), exist_ok=True)
+      if os.path.exists(aside):
+        aside = f"{aside}.{int(os.path.getmtime(aside))}"
+      os.rename(self.step_directory(step), aside)
+    self._manager.reload()
+    return aside
 
   def wait(self) -> None:
     """Blocks until every started save is finalised."""
     self._manager.wait_until_finished()
+    self._record_files()
 
   def reached_preemption(self, step: int) -> bool:
     """Orbax's multi-host preemption signal (all hosts agree on the step)."""
@@ -180,7 +294,7 @@ class Checkpointer:
       return False
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
 
 
