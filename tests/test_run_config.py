@@ -5,6 +5,8 @@ it builds anything (tests/test_demo.py checks the same through the command line)
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +98,18 @@ def test_remat_and_attention_block_reach_the_model():
   for preset in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b"):
     spec = run_config.resolve(_config("sage", preset)).model
     assert (spec.remat, spec.attention_block) == ("full", 1024)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("--config.rollotu.group_size=4", "unknown config section 'config.rollotu' "
+                                      "(Did you mean \"rollout\" instead of \"rollotu\"?)"),
+    ("--config.rollout.group_sise=4", "unknown config key 'config.rollout.group_sise' "
+                                      "(Did you mean \"group_size\" instead of \"group_sise\"?)"),
+    ("--config.rollout.nothing_like_it=4", "unknown config key 'config.rollout.nothing_like_it'")])
+def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_path):
+  done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                         f"--workdir={tmp_path}", override], capture_output=True, text=True,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        timeout=120)
+  assert done.returncode != 0
+  assert done.stderr.strip() == f"{override}: {named}."
