@@ -264,3 +264,10 @@ def test_data_inside_what_agent_code_reads_is_refused(tmp_path):
   with pytest.raises(sandbox.SandboxError, match="lies inside"):
     sandbox.check_secret_not_readable([str(tmp_path / "venv")], str(tmp_path / "venv" / "data"))
   sandbox.check_secret_not_readable([str(tmp_path / "venv")], str(tmp_path / "venv2"))
+
+
+def test_without_landlock_confinement_refuses_and_says_how_to_opt_out(monkeypatch):
+  monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
+  assert sandbox.protections() == []
+  with pytest.raises(sandbox.SandboxError, match="sandbox='off'.*read every task's answers"):
+    sandbox.confine([], [])

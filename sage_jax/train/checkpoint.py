@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Any, Literal, Mapping
 
 import jax
@@ -103,19 +104,33 @@ def _write_json_atomic(path: str, value: Any) -> None:
   os.replace(tmp, path)
 
 
-def _drop_closed_loop_callbacks() -> None:
-  """After a failed read, tensorstore still calls back into orbax's closed event loop; each
-  such "Event loop is closed" RuntimeError is dropped instead of printed as a traceback."""
+class _OrbaxLeftovers(logging.Filter):
+  """Drops asyncio's "... exception was never retrieved" reports of orbax's reads."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ("was never retrieved" in message and "orbax" in message)
+
+
+def _quiet_orbax_leftovers() -> None:
+  """A failed read leaves orbax's other reads behind, and they report themselves as they
+  finish or are collected, during and long after the read: dozens of tracebacks that bury
+  the CheckpointError (unretrieved task exceptions, unawaited coroutines, callbacks into
+  its closed event loop: "Event loop is closed"). Those, and only those, are dropped from
+  the first restore on."""
   previous = sys.unraisablehook
-  if getattr(previous, "drops_closed_loop", False):
+  if getattr(previous, "drops_orbax_leftovers", False):
     return
+  logging.getLogger("asyncio").addFilter(_OrbaxLeftovers())
+  warnings.filterwarnings("ignore", message=r"coroutine '_read_array\w*' was never awaited")
 
   def hook(unraisable):
-    error = unraisable.exc_value
-    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+    error, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+    closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    if not (closed_loop or (code is not None and "orbax" in code.co_filename)):
       previous(unraisable)
 
-  hook.drops_closed_loop = True
+  hook.drops_orbax_leftovers = True
   sys.unraisablehook = hook
 
 
@@ -237,46 +252,43 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     self.check_step(step)
-    # A failed read leaves orbax's pending reads to be logged as "Future exception was never
-    # retrieved", dozens of traces that would bury the one error below.
-    asyncio_log = logging.getLogger("asyncio")
-    level = asyncio_log.level
-    asyncio_log.setLevel(logging.CRITICAL)
+    _quiet_orbax_leftovers()
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
-      _drop_closed_loop_callbacks()
       first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise CheckpointError(step, self.step_directory(step), first_line[:500]) from e
-    finally:
-      asyncio_log.setLevel(level)
     return restored.state, dict(restored.meta)
 
   def restore_newest_intact(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
-    """Restores the newest step that reads; damaged newer steps are moved to damaged/<step>
-    and the fallback is logged in one line. None when there is no checkpoint at all; raises
-    CheckpointError when no step reads."""
-    damaged: list[str] = []
+    """Restores the newest step that reads; the damaged newer ones are then moved to
+    damaged/<step> and the fallback is logged in one line. None when there is no checkpoint;
+    CheckpointError, with nothing moved, when no step reads (e.g. a config that no longer
+    fits the checkpoints)."""
+    damaged: list[CheckpointError] = []
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
         state, meta = self.restore(abstract_state, step)
       except CheckpointError as e:
-        damaged.append(f"{e}; moved to {self._move_aside(step)}")
+        damaged.append(e)
         continue
       if damaged:
-        logging.warning("%s; resuming from step %d instead.", "; ".join(damaged), step)
+        moved = "; ".join(f"{e}; moved to {self._move_aside(e.step)}" for e in damaged)
+        logging.warning("%s; resuming from step %d instead.", moved, step)
       return state, meta
     if damaged:
-      raise CheckpointError(-1, self.directory, "no step reads: " + "; ".join(damaged))
+      raise CheckpointError(damaged[-1].step, self.directory,
+                            "no step reads: " + "; ".join(map(str, damaged)))
     return None
 
   def _move_aside(self, step: int) -> str:
     aside = os.path.join(self.directory, DAMAGED_DIR, str(step))
     if jax.process_index() == 0:
       os.makedirs(os.path.dirname(aside), exist_ok=True)
-      if os.path.exists(aside):
-        aside = f"{aside}.{int(os.path.getmtime(aside))}"
+      base, n = aside, 1
+      while os.path.exists(aside):  # that step was damaged before
+        aside, n = f"{base}.{n}", n + 1
       os.rename(self.step_directory(step), aside)
     self._manager.reload()
     return aside
