@@ -169,6 +169,16 @@ def test_writes_outside_the_experiment_directory_fail(pool, mini_root, tmp_path)
   assert not any(os.path.exists(p) for p in outside)
 
 
+def test_processes_forked_by_agent_code_end_with_the_episode(pool, mini_root):  # noqa: F811
+  code = ("o = __import__('pos' + 'ix')\npid = getattr(o, 'fo' + 'rk')()\n"
+          "if pid == 0:\n    o.setsid()  # a session of its own, out of the process group\n"
+          "    while True:\n        pass\nprint('PID', pid)")
+  with pool.episode(all_task_ids(mini_root)[0], "left_behind") as ep:
+    pid = int(ep.execute(code).result().split()[1])
+    assert os.path.exists(f"/proc/{pid}")
+  assert not os.path.exists(f"/proc/{pid}")
+
+
 def test_steps_count_every_execution_once(pool, mini_root):  # noqa: F811
   task_id = all_task_ids(mini_root)[0]
   with pool.episode(task_id, "steps") as ep:

@@ -15,6 +15,7 @@ forks (imports stay warm):
   Its memory, which held the answers, dies with it, so no later episode fork inherits them.
 """
 
+import ctypes
 import fcntl
 import json
 import os
@@ -27,6 +28,10 @@ from typing import Any, Callable
 
 import sage_jax
 from sage_jax.envs.appworld import sandbox
+
+
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class EpisodeEnded(Exception):
@@ -96,6 +101,7 @@ class EpisodeProcess:
       try:
         parent.close()
         os.setpgid(0, 0)  # its own group: the worker kills whatever it forks, too
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # and dies with the worker
         _restrict_inherited_fds(keep=child.fileno())
         os.chdir(write_dir)
         if confine:
@@ -135,6 +141,39 @@ class EpisodeProcess:
         pass
       self._status = os.waitpid(self.pid, 0)[1]
       self._conn.close()
+      kill_orphans()
+
+
+def become_subreaper() -> None:
+  """Makes processes that agent code forked and left behind (even in a session of their
+  own) children of this worker when their parent dies, so that kill_orphans finds them."""
+  if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def kill_orphans() -> None:
+  """Kills and reaps every child left to this process (it has none of its own between
+  episodes), until no new one appears."""
+  while children := [pid for pid in _children_of(os.getpid())]:
+    for pid in children:
+      try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+      except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _children_of(parent: int) -> list[int]:
+  found = []
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/stat") as f:
+          if int(f.read().rpartition(")")[2].split()[1]) == parent:
+            found.append(int(name))
+      except (OSError, ValueError, IndexError):
+        pass  # gone meanwhile
+  return found
 
 
 def run_in_fork(function: Callable[[], Any]) -> Any:

@@ -251,6 +251,7 @@ def _init(settings: dict[str, Any]) -> Worker:
   data = settings["appworld_root"]
   data_root.check(data, DB_VERSION, get_all_apps())
   os.environ["APPWORLD_ROOT"] = _outputs_root(data, settings["outputs_root"])
+  episode_process.become_subreaper()
   if settings["sandbox"] != "off":
     if sandbox.landlock_abi() < 1:
       raise sandbox.SandboxError(sandbox.UNAVAILABLE)
