@@ -1,6 +1,11 @@
-"""A worker process: runs AppWorld in its main thread, at most one live world at a time.
+"""A worker process: serves one episode at a time, each in a process forked from it.
 
   python -m sage_jax.envs.appworld.worker [--server]
+
+The worker itself never runs agent code and never loads a task's ground truth: each
+episode's world lives in an episode process (confined by the sandbox, see
+episode_process.py) and each evaluation in a fork of its own. Worlds run in those
+processes' main threads, so AppWorld's SIGALRM timeout works.
 
 The parent (process.py) sends JSON requests, length-prefixed, on stdin and reads the
 answers on the original stdout; AppWorld's own prints go to stderr. With --server the
@@ -9,6 +14,7 @@ stdin only tells the worker when its parent is gone. The only module of the pool
 imports appworld: it is never imported by the trainer process.
 """
 
+import gc
 import http.server
 import json
 import logging
@@ -262,7 +268,11 @@ def _init(settings: dict[str, Any]) -> Worker:
   task_id = sorted(os.listdir(os.path.join(data, "data", "tasks")))[0]
   with AppWorld(task_id=task_id, experiment_name=f"{WARMUP_EXPERIMENT}_{os.getpid()}",
                 load_ground_truth=False) as world:
+    world.execute("apis.supervisor.show_profile()")
     shutil.rmtree(world.base_output_directory, ignore_errors=True)
+  # Forks share this process's memory until they write to it; the collector would write to
+  # every object it scans.
+  gc.freeze()
   return Worker(settings, data, get_all_apps())
 
 
