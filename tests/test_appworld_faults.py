@@ -1,6 +1,7 @@
 """Agent code that misbehaves: a clear observation or an error result, and the pool goes on."""
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -281,3 +282,15 @@ def test_without_landlock_confinement_refuses_and_says_how_to_opt_out(monkeypatc
   assert sandbox.protections() == []
   with pytest.raises(sandbox.SandboxError, match="sandbox='off'.*read every task's answers"):
     sandbox.confine([], [])
+
+
+def test_sandbox_off_is_the_documented_weaker_mode(mini_root, tmp_path, caplog):  # noqa: F811
+  task_id = all_task_ids(mini_root)[0]
+  solution = os.path.join(mini_root, "data", "tasks", task_id, "ground_truth", "solution.py")
+  config = pool_config(mini_root, str(tmp_path), num_workers=1, sandbox="off")
+  with caplog.at_level(logging.INFO), appworld.EnvPool(config) as pool:
+    with pool.episode(task_id, "unconfined") as ep:
+      observation = ep.execute(f"import pathlib\nprint(len(pathlib.Path({solution!r})"
+                               ".read_text()))").result()
+  assert observation.strip() == str(len(gold_solution(mini_root, task_id)))
+  assert any("NOT AT ALL" in r.getMessage() for r in caplog.records)
