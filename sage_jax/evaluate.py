@@ -13,7 +13,7 @@ import logging
 from absl import app, flags
 from ml_collections import config_flags
 
-from sage_jax import multihost
+from sage_jax import multihost, run_config
 from sage_jax.eval import metrics as metrics_lib
 from sage_jax.eval.runner import evaluate
 
@@ -43,4 +43,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=run_config.parse_flags)

@@ -9,10 +9,12 @@ unknown key, a wrong type or an inconsistent combination, before anything is com
 from __future__ import annotations
 
 import dataclasses
+import sys
 import zlib
 from typing import Any
 
 import ml_collections
+from absl import flags
 
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.checkpoint.loader import ModelSpec
@@ -218,3 +220,26 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
       raise ConfigError(f"config.engine.num_slots: {run.engine.num_slots} slots do not split "
                         f"over the sampler's data axis ({slots_split} = a host's devices / "
                         f"sampler_mesh.tensor)")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, for `app.run(main, flags_parser=parse_flags)`: a `--config.<path>`
+  override that names no section or key of the config file exits with one line naming it,
+  instead of ml_collections' bare KeyError."""
+  try:
+    return flags.FLAGS(argv)
+  except (KeyError, AttributeError) as e:
+    message = e  # ml_collections wraps the KeyError in an AttributeError for keys
+    while isinstance(message, BaseException):
+      message = message.args[0] if message.args else ""
+    message = str(message)
+    for override in (a for a in argv if a.startswith("--config.")):
+      parts = override.partition("=")[0].removeprefix("--").split(".")
+      bad = next((i for i, part in enumerate(parts[1:], 1)
+                  if message.startswith(f"'{part}'") or message == part), None)
+      if bad is not None:
+        what = "section" if bad == 1 else "key"
+        hint = message.partition("\n")[2].strip()
+        sys.exit(f"{override}: unknown config {what} {'.'.join(parts[:bad + 1])!r}"
+                 + (f" ({hint})" if hint else "") + ".")
+    raise

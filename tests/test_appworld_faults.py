@@ -1,21 +1,31 @@
 """Agent code that misbehaves: a clear observation or an error result, and the pool goes on."""
 
 import asyncio
+import logging
+import os
 import random
+import signal
+import threading
+import time
 
 import pytest
 
 from sage_jax.envs import appworld
+from sage_jax.envs.appworld import sandbox
 from tests.appworld_fixtures import all_task_ids
 from tests.appworld_fixtures import gold_solution
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
 
 # Spins in C (builtin sum over a range never checks for signals), where AppWorld's SIGALRM
-# cannot interrupt it: only the pool's per-call timeout ends it.
+# cannot interrupt it: the worker kills the episode process at its own deadline.
 C_LEVEL_HANG = "print(sum(range(10**13)))"
+# Switches AppWorld's timeout off by a name its guard does not see, then loops.
+DISGUISED_ALARM_OFF = ("s = __import__('sig' + 'nal')\ngetattr(s, 'al' + 'arm')(0)\n"
+                       "while True:\n    pass")
+STOPPED = "was stopped with its process. This episode has ended."
 
-# code -> what the observation says (None: the worker dies and the episode ends in error)
+# code -> what the observation says. Every one is the agent's doing: none kills the worker.
 FAULTS = {
   "infinite_loop": ("while True:\n    pass", "timed out after"),
   "import_subprocess": ("import subprocess\nsubprocess.run(['ls'])", "subprocess"),
@@ -26,17 +36,40 @@ FAULTS = {
                   "MemoryError"),
   "os_exit": ("import os\nos._exit(1)", "os._exit"),
   "exception": ("raise ValueError('agent bug')", "ValueError: agent bug"),
-  "abort": ("import os\nos.abort()", None),
-  "c_level_hang": (C_LEVEL_HANG, None),
+  "abort": ("import os\nos.abort()", "ended its own process (killed by SIGABRT)"),
+  "c_level_hang": (C_LEVEL_HANG, STOPPED),
+  "disguised_alarm_off": (DISGUISED_ALARM_OFF, STOPPED),
+  # AppWorld patches subprocess to no-ops; posix.execv is the real system call.
+  "disguised_exec": ("getattr(__import__('pos' + 'ix'), 'exe' + 'cv')('/bin/true', ['true'])",
+                     "PermissionError"),
+  # AppWorld patches os.system to a no-op; posix.system is the real one. Exit status 127:
+  # the shell itself could not be executed.
+  "disguised_os_system": ("print(getattr(__import__('pos' + 'ix'), 'sys' + 'tem')('true'))",
+                          "32512"),
+  "raise_memory_limit": ("r = __import__('reso' + 'urce')\n"
+                         "r.setrlimit(r.RLIMIT_AS, (r.RLIM_INFINITY, r.RLIM_INFINITY))",
+                         "not allowed to raise maximum limit"),
+  "tcp_connect": ("__import__('soc' + 'ket').create_connection(('127.0.0.1', 9), timeout=1)",
+                  "PermissionError"),
+  # posix.* are the real system calls behind AppWorld's patched os.* names.
+  "kill_the_worker": ("o = __import__('pos' + 'ix')\ngetattr(o, 'ki' + 'll')(o.getppid(), 9)",
+                      "PermissionError"),
+  "fork_and_kill_the_worker": (
+    "o = __import__('pos' + 'ix')\nparent = o.getppid()\n"
+    "if getattr(o, 'fo' + 'rk')() == 0:\n    getattr(o, 'ki' + 'll')(parent, 9)\n"
+    "    getattr(o, '_ex' + 'it')(0)\nprint('forked')", "forked"),
 }
+# The kernel features the escapes above meet (sandbox.py).
+needs_signal_scoping = pytest.mark.skipif(sandbox.landlock_abi() < 6,
+                                          reason="Landlock signal scoping needs ABI >= 6")
 
 
 @pytest.fixture(scope="module")
 def pool(mini_root, tmp_path_factory):  # noqa: F811
   outputs = str(tmp_path_factory.mktemp("fault_outputs"))
   # Shorter limits than elsewhere, so that the loop and hang faults resolve in seconds.
-  config = pool_config(mini_root, outputs, timeout_seconds=5, call_timeout_s=15.0,
-                       keep_outputs=False)
+  config = pool_config(mini_root, outputs, timeout_seconds=5, kill_grace_s=2.0,
+                       call_timeout_s=15.0, keep_outputs=False)
   with appworld.EnvPool(config) as pool:
     yield pool
 
@@ -47,46 +80,178 @@ def _check_gold_still_passes(pool, root, task_id, experiment):
   assert ep.result.success, ep.result
 
 
+@needs_signal_scoping
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_fault_gives_observation_or_error_result(pool, mini_root, fault):  # noqa: F811
+def test_fault_gives_observation_and_the_next_episode_is_served(pool, mini_root, fault):  # noqa: F811
   code, expected = FAULTS[fault]
   task_id = all_task_ids(mini_root)[0]
-  with pool.episode(task_id, f"fault_{fault}") as ep:
+  restarts = pool.worker_restarts
+  name = fault.replace("memory", "mem")  # see test_experiment_names_must_not_say_memory
+  with pool.episode(task_id, f"fault_{name}") as ep:
     observation = ep.execute(code).result()
     assert len(observation) <= pool.config.max_output_chars + 100
-    if expected is None:
-      assert ep.error and "EnvironmentError" in observation
+    assert expected in observation, observation[:300]
+    if expected == STOPPED or "ended its own process" in expected:
       assert ep.execute("print(1)").result() == observation  # the episode has ended
-    else:
-      assert expected in observation, observation[:300]
-      assert ep.error is None
   result = ep.result
   assert result is not None and result in pool.results
-  assert (result.error is not None) == (expected is None)
-  assert not result.success
-  _check_gold_still_passes(pool, mini_root, all_task_ids(mini_root)[1], f"after_{fault}")
+  assert result.error is None and result.evaluation is not None  # the agent's failure
+  assert not result.success and result.num_steps == 1
+  assert pool.worker_restarts == restarts  # no agent code got the worker killed
+  _check_gold_still_passes(pool, mini_root, all_task_ids(mini_root)[1], f"after_{name}")
+
+
+def test_experiment_names_must_not_say_memory(pool, mini_root):  # noqa: F811
+  with pytest.raises(ValueError, match="contains 'memory'"):
+    pool.begin(all_task_ids(mini_root)[0], "memory_bomb")
+
+
+def test_hard_timeout_stops_the_code_near_appworlds_limit(pool, mini_root):  # noqa: F811
+  start = time.monotonic()
+  with pool.episode(all_task_ids(mini_root)[0], "alarm_deadline") as ep:
+    observation = ep.execute(DISGUISED_ALARM_OFF).result()
+  elapsed = time.monotonic() - start
+  config = pool.config
+  assert STOPPED in observation
+  # Well before the pool's own call_timeout_s, which would have cost the worker.
+  assert config.timeout_seconds + config.kill_grace_s <= elapsed < config.call_timeout_s
+
+
+def test_answers_are_out_of_reach_of_agent_code(pool, mini_root):  # noqa: F811
+  own, other = all_task_ids(mini_root)[0], appworld.read_split(mini_root, "test")[-1]
+  tasks = os.path.join(mini_root, "data", "tasks")
+  code = (
+    "import pathlib\n"
+    f"tasks = pathlib.Path({tasks!r})\n"
+    "print('GLOB', sorted(str(p) for p in tasks.glob('*/ground_truth/*')))\n"
+    f"for relative in ['{own}/ground_truth/solution.py', '{own}/ground_truth/answer.json',\n"
+    f"                 '{other}/ground_truth/private_data.json', '{other}/specs.json']:\n"
+    "    try:\n"
+    "        print('READ', relative, len((tasks / relative).read_text()))\n"
+    "    except OSError as e:\n"
+    "        print('DENIED', relative, type(e).__name__)\n"
+    "io = __import__('_i' + 'o')\n"
+    "try:\n"
+    f"    io.FileIO({os.path.join(tasks, own, 'ground_truth', 'solution.py')!r}).read()\n"
+    "except OSError as e:\n"
+    "    print('DENIED FileIO', type(e).__name__)\n")
+  with pool.episode(own, "read_answers") as ep:
+    observation = ep.execute(code).result()
+  assert "GLOB []" in observation, observation
+  for relative in (f"{own}/ground_truth/solution.py", f"{own}/ground_truth/answer.json",
+                   f"{other}/ground_truth/private_data.json", f"{other}/specs.json"):
+    assert f"DENIED {relative} PermissionError" in observation, observation
+  assert "DENIED FileIO PermissionError" in observation
+  assert "READ" not in observation
+  _check_gold_still_passes(pool, mini_root, own, "after_read_answers")
+
+
+def test_writes_outside_the_experiment_directory_fail(pool, mini_root, tmp_path):  # noqa: F811
+  task_id = all_task_ids(mini_root)[0]
+  experiments = os.path.join(pool.outputs_root, "experiments", "outputs")
+  inside = os.path.join(experiments, "writes", "tasks", task_id, "inside.txt")
+  outside = [str(tmp_path / "escape.txt"), os.path.join(mini_root, "escape.txt"),
+             os.path.join(experiments, "other_experiment.txt"),
+             os.path.join(experiments, "writes", "tasks", "other_task.txt")]
+  code = (
+    "import pathlib\nio = __import__('_i' + 'o')\n"
+    f"for path in {outside!r}:\n"
+    "    pathlib.Path(path).write_text('x')  # AppWorld's guard makes this a no-op\n"
+    "    try:\n"
+    "        io.FileIO(path, 'w').write(b'x')\n"
+    "        print('WROTE', path)\n"
+    "    except OSError as e:\n"
+    "        print('DENIED', type(e).__name__)\n"
+    f"io.FileIO({inside!r}, 'w').write(b'x')\n")
+  with pool.episode(task_id, "writes") as ep:
+    observation = ep.execute(code).result()
+    assert os.path.exists(inside), observation  # its own directory is writable
+  assert observation.count("DENIED PermissionError") == len(outside), observation
+  assert not any(os.path.exists(p) for p in outside)
+
+
+def test_processes_forked_by_agent_code_end_with_the_episode(pool, mini_root):  # noqa: F811
+  code = ("o = __import__('pos' + 'ix')\npid = getattr(o, 'fo' + 'rk')()\n"
+          "if pid == 0:\n    o.setsid()  # a session of its own, out of the process group\n"
+          "    while True:\n        pass\nprint('PID', pid)")
+  with pool.episode(all_task_ids(mini_root)[0], "left_behind") as ep:
+    pid = int(ep.execute(code).result().split()[1])
+    assert os.path.exists(f"/proc/{pid}")
+  assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_steps_count_every_execution_once(pool, mini_root):  # noqa: F811
+  task_id = all_task_ids(mini_root)[0]
+  with pool.episode(task_id, "steps") as ep:
+    for code in ("import subprocess", "raise ValueError('x')", FAULTS["infinite_loop"][0],
+                 "print(1)"):  # blocked, failed, timed out, ran
+      ep.execute(code).result()
+    assert ep.num_steps == 4
+    assert STOPPED in ep.execute(C_LEVEL_HANG).result()  # killed: a step too
+    ep.execute("print(1)").result()  # answered by the ended episode: nothing ran
+  assert ep.result.num_steps == 5
+
+
+def _children(pid: int) -> list[tuple[int, bytes]]:
+  """(pid, command line) of the processes whose parent is `pid`."""
+  found = []
+  for name in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{name}/stat") as f:
+        parent = int(f.read().rpartition(")")[2].split()[1])
+      with open(f"/proc/{name}/cmdline", "rb") as f:
+        command = f.read()
+    except (OSError, ValueError):
+      continue
+    if parent == pid:
+      found.append((int(name), command))
+  return found
+
+
+def _kill_busy_workers_soon(delay_s: float) -> threading.Timer:
+  """Kills, from outside, each pool worker that is running an episode (has a child)."""
+  def kill():
+    for pid, command in _children(os.getpid()):
+      if b"sage_jax.envs.appworld.worker" in command and _children(pid):
+        os.kill(pid, signal.SIGKILL)
+
+  timer = threading.Timer(delay_s, kill)
+  timer.start()
+  return timer
+
+
+def test_a_worker_killed_from_outside_is_an_environment_error(pool, mini_root):  # noqa: F811
+  restarts = pool.worker_restarts
+  with pool.episode(all_task_ids(mini_root)[0], "killed_from_outside") as ep:
+    _kill_busy_workers_soon(1.0)
+    observation = ep.execute(FAULTS["infinite_loop"][0]).result()
+  assert "EnvironmentError" in observation and ep.error
+  assert ep.result.error and ep.result.evaluation is None and ep.result.num_steps == 1
+  assert pool.worker_restarts > restarts
+  _check_gold_still_passes(pool, mini_root, all_task_ids(mini_root)[1], "after_outside_kill")
 
 
 @pytest.mark.slow
 def test_hundred_episodes_with_random_faults_give_hundred_records(pool, mini_root):  # noqa: F811
   rng = random.Random(0)
   task_ids = all_task_ids(mini_root)
-  cheap = ["import_subprocess", "os_system", "open_file", "os_exit", "exception",
-           "infinite_loop"]
   plan = []
   for i in range(100):
     task_id = task_ids[i % len(task_ids)]
     roll = rng.random()
-    if roll < 0.05:
-      plan.append((task_id, FAULTS["abort"][0]))
-    elif roll < 0.3:
-      plan.append((task_id, FAULTS[rng.choice(cheap)][0]))
+    if roll < 0.03:
+      plan.append((task_id, "kill_workers"))  # an environment fault, from outside
+    elif roll < 0.35:
+      plan.append((task_id, FAULTS[rng.choice(sorted(FAULTS))][0]))
     else:
       plan.append((task_id, gold_solution(mini_root, task_id)))
   before = len(pool.results)
 
   async def one(i, task_id, code):
     async with pool.episode(task_id, f"random_{i}") as ep:
+      if code == "kill_workers":
+        _kill_busy_workers_soon(1.0)
+        code = FAULTS["infinite_loop"][0]
       await ep.execute(code)
       await ep.evaluate()
     return ep.result
@@ -97,6 +262,35 @@ def test_hundred_episodes_with_random_faults_give_hundred_records(pool, mini_roo
   results = asyncio.run(run())
   assert len(results) == 100 and all(r is not None for r in results)
   assert len(pool.results) - before == 100
-  golds = [r for r, (t, c) in zip(results, plan) if c == gold_solution(mini_root, t)]
-  assert all(r.success for r in golds), [r for r in golds if not r.success]
   assert any(r.error for r in results)
+  faults = [r for r, (t, c) in zip(results, plan) if c != gold_solution(mini_root, t)]
+  assert not any(r.success for r in faults)
+  # A gold episode fails only when a worker was killed under it, from outside.
+  golds = [r for r, (t, c) in zip(results, plan) if c == gold_solution(mini_root, t)]
+  assert all(r.success for r in golds if r.error is None)
+  assert sum(r.error is not None for r in golds) <= 2 * sum(c == "kill_workers" for _, c in plan)
+
+
+def test_data_inside_what_agent_code_reads_is_refused(tmp_path):
+  with pytest.raises(sandbox.SandboxError, match="lies inside"):
+    sandbox.check_secret_not_readable([str(tmp_path / "venv")], str(tmp_path / "venv" / "data"))
+  sandbox.check_secret_not_readable([str(tmp_path / "venv")], str(tmp_path / "venv2"))
+
+
+def test_without_landlock_confinement_refuses_and_says_how_to_opt_out(monkeypatch):
+  monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
+  assert sandbox.protections() == []
+  with pytest.raises(sandbox.SandboxError, match="sandbox='off'.*read every task's answers"):
+    sandbox.confine([], [])
+
+
+def test_sandbox_off_is_the_documented_weaker_mode(mini_root, tmp_path, caplog):  # noqa: F811
+  task_id = all_task_ids(mini_root)[0]
+  solution = os.path.join(mini_root, "data", "tasks", task_id, "ground_truth", "solution.py")
+  config = pool_config(mini_root, str(tmp_path), num_workers=1, sandbox="off")
+  with caplog.at_level(logging.INFO), appworld.EnvPool(config) as pool:
+    with pool.episode(task_id, "unconfined") as ep:
+      observation = ep.execute(f"import pathlib\nprint(len(pathlib.Path({solution!r})"
+                               ".read_text()))").result()
+  assert observation.strip() == str(len(gold_solution(mini_root, task_id)))
+  assert any("NOT AT ALL" in r.getMessage() for r in caplog.records)

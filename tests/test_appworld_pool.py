@@ -170,3 +170,26 @@ def test_server_mode_and_no_state_shared_between_episodes(mini_root, tmp_path): 
       assert "NameError" in ep.execute("leaked_skill()").result()
       ep.execute(gold_solution(mini_root, task_id)).result()
   assert ep.result.success
+
+
+def test_every_task_is_checked_before_any_episode(mini_root, tmp_path):  # noqa: F811
+  copy = tmp_path / "copy"
+  shutil.copytree(mini_root, copy)
+  cache = tmp_path / "checks"
+  config = pool_config(str(copy), str(tmp_path / "out"), num_workers=1,
+                       data_check_cache=str(cache))
+  broken, later = appworld.read_split(mini_root, "test")[-1], appworld.read_split(mini_root,
+                                                                                 "train")[0]
+  os.remove(copy / "data" / "tasks" / broken / "dbs" / "venmo.jsonl")
+  with pytest.raises(appworld.AppWorldDataError, match=f"{broken} \\(dbs/venmo.jsonl\\)"):
+    appworld.EnvPool(config).start()
+  assert not cache.exists()  # a root that failed is not remembered
+  (copy / "data" / "tasks" / broken / "dbs" / "venmo.jsonl").write_text("")
+  with appworld.EnvPool(config) as pool:
+    assert len(os.listdir(cache)) == 1  # remembered under the root's fingerprint
+    # Gone after the check: the episode cannot start, and says it is the environment's fault.
+    os.remove(copy / "data" / "tasks" / later / "ground_truth" / "answer.json")
+    with pytest.raises(appworld.EpisodeError, match="environment fault.*answer.json"):
+      pool.begin(later, "after_check").result()
+  with pytest.raises(appworld.AppWorldDataError, match=f"{later} \\(ground_truth/answer.json"):
+    appworld.EnvPool(config).start()  # the fingerprint changed: checked again

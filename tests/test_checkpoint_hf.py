@@ -143,3 +143,13 @@ def test_export_is_atomic(src, monkeypatch):
   with pytest.raises(OSError):
     hf.save_hf(model, str(out))
   assert sorted(os.listdir(out)) == before  # the previous export is untouched
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_header"])
+def test_damaged_safetensors_names_the_file(src, damage):
+  d = src / "sharded"
+  victim = d / sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[1]
+  data = victim.read_bytes()
+  victim.write_bytes(data[:len(data) // 2] if damage == "truncate" else b"\xff" * 8 + data[8:])
+  with pytest.raises(hf.CheckpointError, match=f"{victim}: not a readable safetensors file"):
+    hf.load_hf(str(d))

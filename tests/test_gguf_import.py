@@ -225,3 +225,14 @@ def test_cli_writes_a_checkpoint_transformers_loads(coder_gguf, ours, tmp_path):
     loss = model(text, labels=text).loss.item()
   assert tok.decode(generated[0, prompt["input_ids"].shape[1]:]) == " Paris"
   assert loss < 1.5
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.98, 0.01])
+def test_truncated_file_names_the_file_and_the_problem(tmp_path, keep):
+  path = _write_gguf(str(tmp_path / "whole.gguf"))
+  data = open(path, "rb").read()
+  cut = tmp_path / "cut.gguf"
+  cut.write_bytes(data[:int(len(data) * keep)])
+  with pytest.raises(gguf_import.GGUFError, match=f"{cut}: .*truncated"):
+    _, tensors = gguf_import.read_gguf(cut)
+    list(tensors)

@@ -5,6 +5,8 @@ it builds anything (tests/test_demo.py checks the same through the command line)
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -126,3 +128,18 @@ def test_component_seeds_derive_from_the_run_seed():
   assert all(zero[k] != one[k] for k in zero)  # every component moves with the run seed
   assert len(set(zero.values())) == len(zero)  # and no two components share a stream
   assert seeds(1, rollout=7) == {**one, "rollout": 7}  # a component seed set on its own stays
+
+
+@pytest.mark.parametrize("override, named", [
+    ("--config.rollotu.group_size=4", "unknown config section 'config.rollotu' "
+                                      "(Did you mean \"rollout\" instead of \"rollotu\"?)"),
+    ("--config.rollout.group_sise=4", "unknown config key 'config.rollout.group_sise' "
+                                      "(Did you mean \"group_size\" instead of \"group_sise\"?)"),
+    ("--config.rollout.nothing_like_it=4", "unknown config key 'config.rollout.nothing_like_it'")])
+def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_path):
+  done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                         f"--workdir={tmp_path}", override], capture_output=True, text=True,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        timeout=120)
+  assert done.returncode != 0
+  assert done.stderr.strip() == f"{override}: {named}."

@@ -1,7 +1,10 @@
 """Resume: 6 RL steps straight vs 3 steps + SIGTERM + resume + 3 steps give identical params,
-metrics and logs (same data order and RNG)."""
+metrics and logs (same data order and RNG); a damaged newest step falls back to the newest
+intact one, with the same result."""
 
+import logging
 import os
+import shutil
 import signal
 
 import jax
@@ -26,14 +29,15 @@ BATCH = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets
 OPTIM = OptimizerConfig(learning_rate=3e-3, warmup_steps=2, schedule="cosine", decay_steps=6)
 
 
-def _run(directory, total_steps=6, init_seed=0, on_step=None):
+def _run(directory, total_steps=6, init_seed=0, on_step=None, save_every=100):
   model = init_model(get_preset("tiny").replace(vocab_size=VOCAB), seed=init_seed)
   engine = Engine(model, EngineConfig(num_slots=8, max_len=16, prefill_buckets=(4,),
                                       min_attend=16, steps_per_call=4, max_top_k=4),
                   eos_ids=[VOCAB - 1])
   task = SyntheticTask(engine, TASK)
   trainer = rl_loop.grpo_trainer(model, GRPO, OPTIM)
-  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), save_every=100),
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory),
+                                                 save_every=save_every),
                             run_config={"task": TASK, "grpo": GRPO})
   result = rl_loop.run_rl(
       trainer, rollout=task.rollout, score=task.score, sync_params=engine.update_params,
@@ -116,3 +120,62 @@ def test_killed_process_resumes_to_the_same_params(tmp_path):
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight.state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert [r["step"] for r in read_jsonl(str(workdir))] == [1, 2, 3, 4, 5, 6]
+
+
+def _truncate_largest_data_file(step_dir):
+  files = sorted((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"),
+                 key=lambda p: p.stat().st_size)
+  os.truncate(files[-1], files[-1].stat().st_size // 2)
+  return files[-1]
+
+
+def _remove_manifest(step_dir):
+  manifest = step_dir / "state" / "manifest.ocdbt"
+  manifest.unlink()
+  return manifest
+
+
+def _remove_manifest_and_record(step_dir):
+  (step_dir / ckpt.FILES_RECORD).unlink()  # as a step written before records existed
+  return _remove_manifest(step_dir)
+
+
+@pytest.fixture(scope="module")
+def straight_with_steps(tmp_path_factory):
+  """An uninterrupted 6-step run that kept steps 2, 4 and 6."""
+  directory = tmp_path_factory.mktemp("straight_saved")
+  result, trainer = _run(directory, save_every=2)
+  return directory, result, trainer
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", [_truncate_largest_data_file, _remove_manifest,
+                                    _remove_manifest_and_record])
+def test_damaged_newest_step_falls_back_to_newest_intact(tmp_path, straight_with_steps, damage,
+                                                         caplog):
+  source, straight, trainer_a = straight_with_steps
+  directory = tmp_path / "run"
+  shutil.copytree(source, directory)
+  damaged_file = damage(directory / "6")
+  with pytest.raises(ckpt.CheckpointError) as error:
+    saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory)))
+    try:
+      saver.restore(trainer_a.abstract_state(), 6)
+    finally:
+      saver.close()
+  assert error.value.step == 6 and "checkpoint step 6" in str(error.value)
+  # Named to the file where the record tells which one; to the step otherwise.
+  assert str(damaged_file if damage is not _remove_manifest_and_record
+             else directory / "6") in str(error.value)
+
+  with caplog.at_level(logging.INFO):
+    resumed, trainer_b = _run(directory, init_seed=99, save_every=2)
+  assert (resumed.start_step, resumed.end_step) == (4, 6)
+  fallback = [r.getMessage() for r in caplog.records if "instead" in r.getMessage()]
+  assert len(fallback) == 1 and "resuming from step 4 instead" in fallback[0]
+  assert "\n" not in fallback[0] and str(error.value) in fallback[0]
+  assert not any("never retrieved" in r.getMessage() or "Event loop is closed" in r.getMessage()
+                 for r in caplog.records)
+  assert (directory / ckpt.DAMAGED_DIR / "6").is_dir()  # moved aside, not deleted
+  for a, b in zip(jax.tree.leaves(trainer_a.state), jax.tree.leaves(trainer_b.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -180,7 +180,24 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], Iterator[tuple[s
   of the iterator, in file order.
   """
   path = os.fspath(path)
-  return _read(gguf.GGUFReader(path), path)
+  return _read(_open_reader(path), path)
+
+
+def _open_reader(path: str):
+  """gguf's reader, failing with GGUFError naming the file when it is truncated or damaged
+  (gguf itself says e.g. "not enough values to unpack", or nothing until a tensor is read)."""
+  size = os.path.getsize(path)
+  try:
+    reader = gguf.GGUFReader(path)
+  except Exception as e:  # noqa: BLE001 - gguf raises whatever its parsing hits
+    raise GGUFError(f"{path}: not a readable GGUF file ({size} bytes; truncated or damaged): "
+                    f"{type(e).__name__}: {e}") from e
+  for tensor in reader.tensors:
+    end = int(tensor.data_offset) + int(tensor.n_bytes)
+    if end > size:
+      raise GGUFError(f"{path}: truncated: tensor {tensor.name!r} ends at byte {end}, the file "
+                      f"has {size}")
+  return reader
 
 
 def _check_tokenizer(reader, path: str) -> None:
@@ -208,7 +225,7 @@ def export_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
   looks complete.
   """
   gguf_path, out_dir = os.fspath(gguf_path), os.fspath(out_dir).rstrip("/")
-  reader = gguf.GGUFReader(gguf_path)  # Parsing the metadata takes ~10 s: once.
+  reader = _open_reader(gguf_path)  # Parsing the metadata takes ~10 s: once.
   _check_tokenizer(reader, gguf_path)
   config, tensors = _read(reader, gguf_path)
   cfg = Qwen2Config.from_hf(config)

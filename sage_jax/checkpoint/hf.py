@@ -109,6 +109,15 @@ def _flat_paths(state: nnx.State) -> dict[str, nnx.Variable]:
 # --- Import --------------------------------------------------------------------------------
 
 
+def _open_safetensors(path: str):
+  """safe_open, failing with CheckpointError naming the file when it is truncated or damaged."""
+  try:
+    return safe_open(path, framework="numpy")
+  except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+    raise CheckpointError(f"{path}: not a readable safetensors file "
+                          f"({os.path.getsize(path)} bytes): {e}") from e
+
+
 def _weight_files(model_dir: str) -> dict[str, str]:
   """HF tensor name -> file path, checking that every referenced shard exists."""
   index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -122,7 +131,7 @@ def _weight_files(model_dir: str) -> dict[str, str]:
       raise CheckpointError(f"{index} references missing shard file(s): {missing}")
     return files
   if os.path.exists(single):
-    with safe_open(single, framework="numpy") as f:
+    with _open_safetensors(single) as f:
       return {name: single for name in f.keys()}
   raise CheckpointError(f"{model_dir}: neither model.safetensors nor "
                         "model.safetensors.index.json found")
@@ -135,7 +144,7 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
   for name, path in files.items():
     by_file.setdefault(path, []).append(name)
   for path, names in sorted(by_file.items()):
-    with safe_open(path, framework="numpy") as f:
+    with _open_safetensors(path) as f:
       present = set(f.keys())
       for name in sorted(names):
         if name not in present:

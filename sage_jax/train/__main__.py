@@ -12,7 +12,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from sage_jax import multihost, pipeline
+from sage_jax import multihost, pipeline, run_config
 
 
 # XLA:CPU's default schedule starts independent work early, which keeps every layer's
@@ -46,4 +46,4 @@ if __name__ == "__main__":
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, exports).")
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  app.run(main, flags_parser=run_config.parse_flags)

@@ -11,6 +11,13 @@ step `<step>`. Orbax writes each checkpoint into a temporary directory and renam
 every array is on disk (the atomic finalisation); a run killed mid-save leaves only a
 temporary directory, which restore ignores and the next start removes.
 
+Each finished step also gets `<step>/files.json`, the size of every file orbax wrote,
+recorded once the step is finalised. A restore checks a step against it first, so that a
+truncated or missing file is named (`CheckpointError`) before orbax reads anything; a
+step that fails to read anyway is reported the same way. `restore_newest_intact` moves a
+damaged step aside to `damaged/<step>` (never deletes it) and falls back to the newest step
+that reads.
+
 `PreemptionGuard` turns SIGTERM (and SIGINT) into a flag the loops poll after each step:
 they save a checkpoint, wait for it, and return.
 """
@@ -22,7 +29,9 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
+import warnings
 from typing import Any, Literal, Mapping
 
 import jax
@@ -32,6 +41,16 @@ from orbax.checkpoint import checkpoint_managers as cm
 from sage_jax.train.state import TrainState
 
 CONFIG_FILE = "config.json"
+FILES_RECORD = "files.json"  # inside each step: relative path -> size in bytes
+DAMAGED_DIR = "damaged"  # damaged steps are moved here, not deleted
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint step cannot be read; the message names the step and the file."""
+
+  def __init__(self, step: int, path: str, problem: str):
+    super().__init__(f"checkpoint step {step} cannot be read: {path}: {problem}")
+    self.step, self.path, self.problem = step, path, problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +104,36 @@ def _write_json_atomic(path: str, value: Any) -> None:
   os.replace(tmp, path)
 
 
+class _OrbaxLeftovers(logging.Filter):
+  """Drops asyncio's "... exception was never retrieved" reports of orbax's reads."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ("was never retrieved" in message and "orbax" in message)
+
+
+def _quiet_orbax_leftovers() -> None:
+  """A failed read leaves orbax's other reads behind, and they report themselves as they
+  finish or are collected, during and long after the read: dozens of tracebacks that bury
+  the CheckpointError (unretrieved task exceptions, unawaited coroutines, callbacks into
+  its closed event loop: "Event loop is closed"). Those, and only those, are dropped from
+  the first restore on."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_orbax_leftovers", False):
+    return
+  logging.getLogger("asyncio").addFilter(_OrbaxLeftovers())
+  warnings.filterwarnings("ignore", message=r"coroutine '_read_array\w*' was never awaited")
+
+  def hook(unraisable):
+    error, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+    closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    if not (closed_loop or (code is not None and "orbax" in code.co_filename)):
+      previous(unraisable)
+
+  hook.drops_orbax_leftovers = True
+  sys.unraisablehook = hook
+
+
 class Checkpointer:
   """Saves and restores TrainStates with orbax's CheckpointManager (see the module doc)."""
 
@@ -130,6 +179,41 @@ class Checkpointer:
         best = (step, value)
     return None if best is None else best[0]
 
+  def step_directory(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _record_files(self) -> None:
+    """Writes files.json into every finalised step that lacks one (process 0 only)."""
+    if jax.process_index() != 0:
+      return
+    for step in self._manager.all_steps():
+      root = self.step_directory(step)
+      record = os.path.join(root, FILES_RECORD)
+      if os.path.isdir(root) and not os.path.exists(record):
+        sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+                 for d, _, files in os.walk(root) for f in files}
+        _write_json_atomic(record, sizes)
+
+  def check_step(self, step: int) -> None:
+    """Raises CheckpointError naming the first file of `step` that is missing or whose size
+    differs from the record (a step written before records existed is not checked)."""
+    root = self.step_directory(step)
+    try:
+      with open(os.path.join(root, FILES_RECORD)) as f:
+        sizes = json.load(f)
+    except FileNotFoundError:
+      return
+    except (OSError, ValueError) as e:
+      raise CheckpointError(step, os.path.join(root, FILES_RECORD), f"unreadable ({e})") from e
+    for relative, size in sorted(sizes.items()):
+      path = os.path.join(root, relative)
+      if not os.path.exists(path):
+        raise CheckpointError(step, path, "missing")
+      actual = os.path.getsize(path)
+      if actual != size:
+        raise CheckpointError(step, path, f"{actual} bytes, {size} when it was written"
+                              + (" (truncated)" if actual < size else ""))
+
   def should_save(self, step: int) -> bool:
     return step % self.config.save_every == 0
 
@@ -144,6 +228,9 @@ class Checkpointer:
     """
     if step in self._manager.all_steps():
       return False
+    # The previous save is long done by now (save_every steps ago): record its files.
+    self._manager.wait_until_finished()
+    self._record_files()
     meta = dict(to_jsonable(meta or {}))
     metrics = {k: float(v) for k, v in (metrics or {}).items()}
     meta["metrics"] = metrics
@@ -164,13 +251,52 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    self.check_step(step)
+    _quiet_orbax_leftovers()
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+      first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise CheckpointError(step, self.step_directory(step), first_line[:500]) from e
     return restored.state, dict(restored.meta)
+
+  def restore_newest_intact(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
+    """Restores the newest step that reads; the damaged newer ones are then moved to
+    damaged/<step> and the fallback is logged in one line. None when there is no checkpoint;
+    CheckpointError, with nothing moved, when no step reads (e.g. a config that no longer
+    fits the checkpoints)."""
+    damaged: list[CheckpointError] = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(abstract_state, step)
+      except CheckpointError as e:
+        damaged.append(e)
+        continue
+      if damaged:
+        moved = "; ".join(f"{e}; moved to {self._move_aside(e.step)}" for e in damaged)
+        logging.warning("%s; resuming from step %d instead.", moved, step)
+      return state, meta
+    if damaged:
+      raise CheckpointError(damaged[-1].step, self.directory,
+                            "no step reads: " + "; ".join(map(str, damaged)))
+    return None
+
+  def _move_aside(self, step: int) -> str:
+    aside = os.path.join(self.directory, DAMAGED_DIR, str(step))
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(aside), exist_ok=True)
+      base, n = aside, 1
+      while os.path.exists(aside):  # that step was damaged before
+        aside, n = f"{base}.{n}", n + 1
+      os.rename(self.step_directory(step), aside)
+    self._manager.reload()
+    return aside
 
   def wait(self) -> None:
     """Blocks until every started save is finalised."""
     self._manager.wait_until_finished()
+    self._record_files()
 
   def reached_preemption(self, step: int) -> bool:
     """Orbax's multi-host preemption signal (all hosts agree on the step)."""
@@ -180,7 +306,7 @@ class Checkpointer:
       return False
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
 
 

@@ -47,13 +47,14 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def restore_latest(trainer: Trainer, checkpointer: Checkpointer | None) -> int:
-  """Loads the latest checkpoint into `trainer` (if resuming is on and there is one);
-  returns the step to continue from."""
+  """Loads the newest intact checkpoint into `trainer` (if resuming is on and there is one;
+  damaged newer steps are moved aside); returns the step to continue from."""
   if checkpointer is None or not checkpointer.config.resume:
     return 0
-  if checkpointer.latest_step() is None:
+  restored = checkpointer.restore_newest_intact(trainer.abstract_state())
+  if restored is None:
     return 0
-  state, meta = checkpointer.restore(trainer.abstract_state())
+  state, meta = restored
   trainer.state = state
   logging.info("resumed from %s at step %d", checkpointer.directory, meta["step"])
   return int(meta["step"])

@@ -13,6 +13,9 @@ class EnvPoolConfig:
   num_workers: int = 4
   # AppWorld data root (holds data/); None means $APPWORLD_ROOT.
   appworld_root: str | None = None
+  # Where the pool remembers data roots whose every task it found complete (one empty file
+  # per fingerprint of the root's task directories); None checks the root at every start.
+  data_check_cache: str | None = "~/.cache/sage_jax/data_checks"
   # Where AppWorld writes experiment outputs (DB diffs, logs): <outputs_root>/experiments.
   # None gives the pool a temporary directory of its own, removed when it closes; runs set
   # it to their workdir. The data root is only written to when named here.
@@ -32,6 +35,16 @@ class EnvPoolConfig:
   random_seed: int = 100
   # Observations longer than this are cut (a 50 MB print must not reach the model).
   max_output_chars: int = 20_000
+  # How the process that runs agent code is confined (sandbox.py): "landlock" (the kernel
+  # lets it read only the system and its own task's public files, write only beneath its
+  # experiment directory, run no program, open no TCP connection and signal nothing outside;
+  # the pool refuses to start where Landlock is missing) or "off" (AppWorld's own Python-level
+  # guards only: agent code can then read every task's answers).
+  sandbox: str = "landlock"
+  # Agent code still running this long after AppWorld's timeout_seconds (e.g. because it
+  # switched the alarm off, or spins in C) is killed with its episode process by the worker,
+  # and its episode ends there.
+  kill_grace_s: float = 5.0
   # Serve each worker over HTTP on 127.0.0.1 instead of a pipe.
   use_servers: bool = False
   # Directory for the workers' stderr logs; None discards them.
@@ -42,10 +55,15 @@ class EnvPoolConfig:
       raise ValueError(f"num_workers must be >= 1, got {self.num_workers}.")
     if self.timeout_seconds < 1:
       raise ValueError(f"timeout_seconds must be >= 1, got {self.timeout_seconds}.")
-    if self.call_timeout_s <= self.timeout_seconds:
+    if self.sandbox not in ("landlock", "off"):
+      raise ValueError(f"sandbox must be 'landlock' or 'off', got {self.sandbox!r}.")
+    if self.kill_grace_s <= 0:
+      raise ValueError(f"kill_grace_s must be > 0, got {self.kill_grace_s}.")
+    if self.call_timeout_s <= self.timeout_seconds + self.kill_grace_s:
       raise ValueError(
         f"call_timeout_s ({self.call_timeout_s}) must exceed AppWorld's timeout_seconds "
-        f"({self.timeout_seconds}), so that AppWorld's own timeout fires first.")
+        f"({self.timeout_seconds}) + kill_grace_s ({self.kill_grace_s}), so that the "
+        "worker's own limits fire first.")
     if self.start_timeout_s <= 0:
       raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}.")
     if self.memory_limit_mb is not None and self.memory_limit_mb < 512:

@@ -22,6 +22,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import queue
 import shutil
 import tempfile
@@ -31,6 +32,7 @@ from typing import Any
 from sage_jax.envs.appworld import config as config_lib
 from sage_jax.envs.appworld import data_root
 from sage_jax.envs.appworld import process
+from sage_jax.envs.appworld import sandbox
 from sage_jax.envs.appworld.results import EpisodeResult
 from sage_jax.envs.appworld.results import EpisodeStart
 from sage_jax.envs.appworld.results import Evaluation
@@ -40,6 +42,13 @@ def fault_observation(error: str) -> str:
   """What the agent reads when the environment itself failed under its code."""
   return (f"Execution failed. Traceback:\nEnvironmentError: {error}\n"
           "The environment was restarted and this episode has ended.")
+
+
+def _check_no_memory(what: str, path: str) -> None:
+  """AppWorld's evaluator takes any DB path containing "memory" for an in-memory DB."""
+  if "memory" in path:
+    raise ValueError(f"The {what} contains 'memory', which AppWorld reads as an in-memory "
+                     f"database when it evaluates the saved world: {path}")
 
 
 class EpisodeError(RuntimeError):
@@ -170,10 +179,14 @@ class EnvPool:
   # --- lifecycle --------------------------------------------------------------------------
 
   def start(self) -> "EnvPool":
-    """Spawns the workers (in parallel); raises AppWorldDataError for a bad data root."""
-    self.config.data_root()  # fail fast when no root is configured at all
+    """Checks every task's files, spawns the workers (in parallel); raises
+    AppWorldDataError for a bad data root, SandboxError where agent code cannot be confined."""
+    cache = self.config.data_check_cache
+    data_root.check_tasks(self.config.data_root(), cache and os.path.expanduser(cache))
     if self.config.outputs_root is None:
       self._scratch = tempfile.mkdtemp(prefix="sage_jax_appworld_")
+    _check_no_memory("outputs_root", self._scratch or os.path.abspath(self.config.outputs_root))
+    if self._scratch is not None:
       atexit.register(self._remove_scratch)
       self.config = dataclasses.replace(self.config, outputs_root=self._scratch)
     ready = [concurrent.futures.Future() for _ in range(self.config.num_workers)]
@@ -185,8 +198,12 @@ class EnvPool:
     errors = [f.exception() for f in ready]
     if any(errors):
       self.close()
-      fatal = next((e for e in errors if isinstance(e, data_root.AppWorldDataError)), None)
+      fatal = next((e for e in errors
+                    if isinstance(e, (data_root.AppWorldDataError, sandbox.SandboxError))), None)
       raise fatal or next(e for e in errors if e)
+    protections = ready[0].result()
+    logging.info("AppWorld agent code runs confined: %s.", "; ".join(protections)
+                 if protections else "NOT AT ALL (sandbox='off'; it can read the answers)")
     return self
 
   def close(self) -> None:
@@ -234,6 +251,7 @@ class EnvPool:
     """
     if self._closed or not self._threads:
       raise RuntimeError("The pool is not running: use `with EnvPool(config) as pool`.")
+    _check_no_memory(f"experiment name {experiment!r}", experiment)
     key = (experiment, task_id)
     with self._lock:
       if key in self._live:
@@ -270,7 +288,7 @@ class EnvPool:
     except Exception as e:  # noqa: BLE001 - reported to start()
       ready.set_exception(e)
       return
-    ready.set_result(None)
+    ready.set_result(worker.protections)
     try:
       while (job := self._jobs.get()) is not None:
         if not job.future.set_running_or_notify_cancel():
@@ -333,10 +351,11 @@ class EnvPool:
       episode.last_trace = None
       if episode.error is None:
         answer = self._call(worker, episode, {"op": "execute", **command.payload})
+        # One way to count steps (see EpisodeResult.num_steps): whatever ran or faulted.
+        episode.num_steps += answer is None or answer.get("executed", True)
         if answer is not None:
           if not answer["ok"]:
             raise EpisodeError(answer["error"])
-          episode.num_steps = answer["num_steps"]
           episode.task_completed = answer["task_completed"]
           episode.last_trace = answer["trace"]
           return answer["output"]

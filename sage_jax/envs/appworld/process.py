@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 import sage_jax
 from sage_jax.envs.appworld import config as config_lib
 from sage_jax.envs.appworld import data_root
+from sage_jax.envs.appworld import sandbox
 
 _LOG_TAIL_CHARS = 2000
 
@@ -66,7 +67,9 @@ class WorkerProcess:
     hello = self._receive(config.start_timeout_s, "starting")
     if not hello["ok"]:
       self.kill()
-      raise data_root.AppWorldDataError(hello["fatal"])
+      raise (sandbox.SandboxError if hello["sandbox"] else data_root.AppWorldDataError)(
+        hello["fatal"])
+    self.protections: list[str] = hello["protections"]
     if config.use_servers:
       port = self._receive(config.start_timeout_s, "starting its server")["port"]
       self._url = f"http://127.0.0.1:{port}/"

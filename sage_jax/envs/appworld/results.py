@@ -41,7 +41,11 @@ class EpisodeResult:
   task_id: str
   experiment: str
   evaluation: Evaluation | None  # None when the episode ended on an environment fault
-  num_steps: int  # agent executions (the library install is not one)
+  # Interaction steps: every execute() the episode sent to its worker while live counts once,
+  # whatever came of it (ran, failed, blocked by AppWorld's guards, timed out, killed, or
+  # ended the episode on a fault). The library install is not one; executions answered
+  # after the episode ended are not either.
+  num_steps: int
   task_completed: bool  # the agent called apis.supervisor.complete_task
   error: str | None = None  # the environment fault that ended the episode, if any
 

@@ -1,6 +1,11 @@
-"""A worker process: runs AppWorld in its main thread, at most one live world at a time.
+"""A worker process: serves one episode at a time, each in a process forked from it.
 
   python -m sage_jax.envs.appworld.worker [--server]
+
+The worker itself never runs agent code and never loads a task's ground truth: each
+episode's world lives in an episode process (confined by the sandbox, see
+episode_process.py) and each evaluation in a fork of its own. Worlds run in those
+processes' main threads, so AppWorld's SIGALRM timeout works.
 
 The parent (process.py) sends JSON requests, length-prefixed, on stdin and reads the
 answers on the original stdout; AppWorld's own prints go to stderr. With --server the
@@ -9,6 +14,7 @@ stdin only tells the worker when its parent is gone. The only module of the pool
 imports appworld: it is never imported by the trainer process.
 """
 
+import gc
 import http.server
 import json
 import logging
@@ -22,6 +28,8 @@ from typing import Any
 
 from sage_jax.envs.appworld import calltrace
 from sage_jax.envs.appworld import data_root
+from sage_jax.envs.appworld import episode_process
+from sage_jax.envs.appworld import sandbox
 
 FAILED_PREFIX = "Execution failed."
 COMPLETE_TASK = "complete_task"
@@ -56,7 +64,7 @@ def _outputs_root(data: str, outputs: str | None) -> str:
 
 
 class Session:
-  """One worker's AppWorld: starts, steps, evaluates and closes worlds."""
+  """One episode's world, inside its episode process (see episode_process.py)."""
 
   def __init__(self, settings: dict[str, Any]):
     self.settings = settings
@@ -66,25 +74,17 @@ class Session:
     # code that mentions complete_task (directly or in a function it defined) can do it.
     self.may_complete = False
 
-  def start(self, task_id: str, experiment: str, library_code: str | None) -> dict:
+  def start(self, task_id: str, experiment: str) -> dict:
+    """Opens the world without its ground truth: this process runs agent code."""
     from appworld import AppWorld
 
-    self.close()
     s = self.settings
     world = AppWorld(task_id=task_id, experiment_name=experiment,
                      max_interactions=s["max_interactions"],
-                     timeout_seconds=s["timeout_seconds"], random_seed=s["random_seed"])
+                     timeout_seconds=s["timeout_seconds"], random_seed=s["random_seed"],
+                     load_ground_truth=False)
     self.world = world
     self.tracer = calltrace.CallTracer()
-    self.may_complete = False
-    library_output = library_ok = None
-    if library_code:
-      self.may_complete = COMPLETE_TASK in library_code
-      # Runs like agent code (same guards, timeout and logs) but is not an agent step.
-      output, _ = self.tracer.run(world.execute, library_code, library=True)
-      library_output = truncate(output, s["max_output_chars"])
-      library_ok = not library_output.startswith(FAILED_PREFIX)
-      world.num_interactions -= 1
     descriptions = world.requester.request("api_docs", "show_app_descriptions", track=False)
     supervisor = world.task.supervisor
     return {
@@ -94,37 +94,149 @@ class Session:
                      ("first_name", "last_name", "email", "phone_number")},
       "app_descriptions": {d["name"]: d["description"] for d in descriptions},
       "datetime": world.task.datetime.isoformat(),
-      "library_output": library_output,
-      "library_ok": library_ok,
     }
 
-  def _live_world(self):
-    if self.world is None:
-      raise RuntimeError("No live world: start an episode first.")
-    return self.world
+  def install(self, library_code: str) -> dict:
+    """Runs a skill library like agent code (same guards, timeout and logs), not as a step."""
+    self.may_complete = COMPLETE_TASK in library_code
+    output, _ = self.tracer.run(self.world.execute, library_code, library=True)
+    output = truncate(output, self.settings["max_output_chars"])
+    self.world.num_interactions -= 1
+    return {"library_output": output, "library_ok": not output.startswith(FAILED_PREFIX)}
 
   def execute(self, code: str) -> dict:
-    world = self._live_world()
-    output, trace = self.tracer.run(world.execute, code)
+    output, trace = self.tracer.run(self.world.execute, code)
     self.may_complete = self.may_complete or COMPLETE_TASK in code
     return {"output": truncate(output, self.settings["max_output_chars"]),
-            "task_completed": self.may_complete and bool(world.task_completed()),
-            "num_steps": world.num_interactions, "trace": trace}
+            "task_completed": self.may_complete and bool(self.world.task_completed()),
+            "trace": trace}
+
+  def serve(self, channel: Connection) -> None:
+    """Answers the worker's requests until it closes the channel."""
+    while True:
+      try:
+        request = json.loads(channel.recv_bytes())
+      except EOFError:
+        return
+      op = request.pop("op")
+      try:
+        answer = {"ok": True, **{"start": self.start, "install": self.install,
+                                 "execute": self.execute}[op](**request)}
+      except Exception as e:  # noqa: BLE001 - AppWorld's refusals go back to the pool
+        answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+      channel.send_bytes(json.dumps(answer).encode())
+
+
+def _evaluate(task_id: str, experiment: str) -> dict:
+  """AppWorld's evaluation of the state the episode saved; runs in an evaluation process."""
+  from appworld.evaluator import evaluate_task
+
+  # No report on disk: the episode process can read its experiment directory.
+  tracker = evaluate_task(task_id=task_id, experiment_name=experiment, suppress_errors=True,
+                          save_report=False)
+  return {"success": bool(tracker.success), "num_passed": tracker.pass_count,
+          "num_failed": tracker.num_tests - tracker.pass_count,
+          "failed_requirements": [f["requirement"] for f in tracker.failures]}
+
+
+class Worker:
+  """Serves the pool's requests: one episode process at a time, evaluations in forks."""
+
+  def __init__(self, settings: dict[str, Any], data: str, apps: list[str]):
+    self.settings = settings
+    self.data = data
+    self.apps = apps
+    self.episode: episode_process.EpisodeProcess | None = None
+    self.task_id = self.experiment = self.output_directory = None
+    self.ended: str | None = None  # the observation of every execution once it has ended
+    self.task_completed = False
+
+  def _end_episode_process(self) -> None:
+    if self.episode is not None:
+      self.episode.kill()
+      self.episode = None
+
+  def _agent_call(self, request: dict) -> dict | None:
+    """A request that runs agent code, under a deadline this process keeps; None once the
+    episode has ended (self.ended says why)."""
+    s = self.settings
+    try:
+      answer = self.episode.call(request, s["timeout_seconds"] + s["kill_grace_s"])
+    except episode_process.EpisodeEnded as e:
+      self._end_episode_process()
+      why = (f"Execution timed out after {s['timeout_seconds']} seconds; the code was still "
+             f"running {s['kill_grace_s']:g} s later and was stopped with its process"
+             if e.timed_out else f"The code ended its own process ({e})")
+      self.ended = f"{FAILED_PREFIX} Traceback:\n{why}. This episode has ended."
+      return None
+    if not answer["ok"]:
+      raise RuntimeError(answer["error"])
+    return answer
+
+  def start(self, task_id: str, experiment: str, library_code: str | None) -> dict:
+    from appworld.common.path_store import path_store
+
+    self.close()
+    missing = data_root.task_problems(self.data, task_id, self.apps)
+    if os.path.isdir(os.path.join(self.data, "data", "tasks", task_id)) and missing:
+      raise data_root.AppWorldDataError(
+        f"the data of task {task_id} is incomplete (an environment fault, not the agent's): "
+        f"missing or unreadable {missing}")
+    self.task_id, self.experiment, self.ended, self.task_completed = (
+      task_id, experiment, None, False)
+    self.output_directory = os.path.join(path_store.experiment_outputs, experiment, "tasks",
+                                         task_id)
+    read = [p for p in episode_process.episode_read_paths(self.data, task_id)
+            if os.path.exists(p)]
+    self.episode = episode_process.EpisodeProcess(
+      Session(self.settings).serve, read_paths=episode_process.sandbox_read_paths() + read,
+      write_dir=self.output_directory, confine=self.settings["sandbox"] != "off")
+    try:
+      answer = self.episode.call({"op": "start", "task_id": task_id,
+                                  "experiment": experiment}, None)
+    except episode_process.EpisodeEnded as e:
+      raise RuntimeError(f"the episode process could not open the world: {e}") from e
+    if not answer.pop("ok"):
+      raise RuntimeError(answer["error"])
+    answer |= {"library_output": None, "library_ok": None}
+    if library_code:
+      installed = self._agent_call({"op": "install", "library_code": library_code})
+      if installed is None:
+        answer |= {"library_output": self.ended, "library_ok": False}
+      else:
+        answer |= {"library_output": installed["library_output"],
+                   "library_ok": installed["library_ok"]}
+    return answer
+
+  def _require_episode(self) -> None:
+    if self.task_id is None:
+      raise RuntimeError("No live world: start an episode first.")
+
+  def execute(self, code: str) -> dict:
+    self._require_episode()
+    if self.ended is not None:  # nothing runs any more: not a step
+      return {"output": self.ended, "task_completed": self.task_completed, "executed": False,
+              "trace": None}
+    answer = self._agent_call({"op": "execute", "code": code})
+    if answer is None:  # the code ended its episode: no call records came back
+      return {"output": self.ended, "task_completed": self.task_completed, "executed": True,
+              "trace": None}
+    self.task_completed = answer["task_completed"]
+    return {"output": answer["output"], "task_completed": self.task_completed,
+            "executed": True, "trace": answer["trace"]}
 
   def evaluate(self) -> dict:
-    tracker = self._live_world().evaluate(suppress_errors=True)
-    return {"success": bool(tracker.success), "num_passed": tracker.pass_count,
-            "num_failed": tracker.num_tests - tracker.pass_count,
-            "failed_requirements": [f["requirement"] for f in tracker.failures]}
+    self._require_episode()
+    task_id, experiment = self.task_id, self.experiment
+    return episode_process.run_in_fork(lambda: _evaluate(task_id, experiment))
 
   def close(self) -> dict:
-    if self.world is not None:
-      world, self.world = self.world, None
-      world.close()
-      if not self.settings["keep_outputs"]:
-        shutil.rmtree(world.output_directory, ignore_errors=True)
-    # Agent code can leave memory behind in the shell namespace (IPython keeps it between
-    # worlds); past half the limit the pool replaces this process.
+    self._end_episode_process()
+    if self.output_directory is not None and not self.settings["keep_outputs"]:
+      shutil.rmtree(self.output_directory, ignore_errors=True)
+    self.task_id = self.experiment = self.output_directory = None
+    # Evaluations run in forks and episodes in their own processes; this one should not
+    # grow, but if it does, past half the limit the pool replaces it.
     limit = self.settings["memory_limit_mb"]
     return {"recycle": bool(limit) and _address_space_mb() > RECYCLE_FRACTION * limit}
 
@@ -139,27 +251,40 @@ class Session:
       return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def _init(settings: dict[str, Any]) -> Session:
-  """Applies the memory limit, points AppWorld at the data, checks it, warms imports."""
+def _init(settings: dict[str, Any]) -> Worker:
+  """Applies the memory limit, points AppWorld at the data, checks it and the sandbox,
+  warms imports. Ground truth is never loaded here: episode processes fork from this one."""
   if settings["memory_limit_mb"]:
     limit = settings["memory_limit_mb"] * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
   logging.getLogger("httpx").setLevel(logging.WARNING)
   from appworld import AppWorld
+  from appworld import evaluator  # noqa: F401 - warm import for the evaluation forks
   from appworld.apps import get_all_apps
   from appworld.common.constants import DB_VERSION
   data = settings["appworld_root"]
   data_root.check(data, DB_VERSION, get_all_apps())
   os.environ["APPWORLD_ROOT"] = _outputs_root(data, settings["outputs_root"])
+  episode_process.become_subreaper()
+  if settings["sandbox"] != "off":
+    if sandbox.landlock_abi() < 1:
+      raise sandbox.SandboxError(sandbox.UNAVAILABLE)
+    for secret in (data, os.environ["APPWORLD_ROOT"]):
+      sandbox.check_secret_not_readable(episode_process.sandbox_read_paths(), secret)
   # The first world of a process pays for lazy imports (~seconds): pay it now, not in the
   # first episode.
   task_id = sorted(os.listdir(os.path.join(data, "data", "tasks")))[0]
-  with AppWorld(task_id=task_id, experiment_name=f"{WARMUP_EXPERIMENT}_{os.getpid()}") as world:
+  with AppWorld(task_id=task_id, experiment_name=f"{WARMUP_EXPERIMENT}_{os.getpid()}",
+                load_ground_truth=False) as world:
+    world.execute("apis.supervisor.show_profile()")
     shutil.rmtree(world.base_output_directory, ignore_errors=True)
-  return Session(settings)
+  # Forks share this process's memory until they write to it; the collector would write to
+  # every object it scans.
+  gc.freeze()
+  return Worker(settings, data, get_all_apps())
 
 
-def _serve_pipe(session: Session, reader: Connection, writer: Connection) -> None:
+def _serve_pipe(session: Worker, reader: Connection, writer: Connection) -> None:
   while True:
     try:
       request = json.loads(reader.recv_bytes())
@@ -168,7 +293,7 @@ def _serve_pipe(session: Session, reader: Connection, writer: Connection) -> Non
     writer.send_bytes(json.dumps(session.handle(request)).encode())
 
 
-def _serve_http(session: Session, reader: Connection, writer: Connection) -> None:
+def _serve_http(session: Worker, reader: Connection, writer: Connection) -> None:
   """HTTP on 127.0.0.1, one request at a time in this (main) thread."""
 
   class Handler(http.server.BaseHTTPRequestHandler):
@@ -200,10 +325,13 @@ def main() -> None:
   settings = json.loads(reader.recv_bytes())
   try:
     session = _init(settings)
-  except data_root.AppWorldDataError as e:
-    writer.send_bytes(json.dumps({"ok": False, "fatal": str(e)}).encode())
+  except (data_root.AppWorldDataError, sandbox.SandboxError) as e:
+    writer.send_bytes(json.dumps({"ok": False, "fatal": str(e),
+                                  "sandbox": isinstance(e, sandbox.SandboxError)}).encode())
     return
-  writer.send_bytes(json.dumps({"ok": True, "pid": os.getpid()}).encode())
+  protections = sandbox.protections() if settings["sandbox"] != "off" else []
+  writer.send_bytes(json.dumps({"ok": True, "pid": os.getpid(),
+                                "protections": protections}).encode())
   if "--server" in sys.argv[1:]:
     _serve_http(session, reader, writer)
   else:

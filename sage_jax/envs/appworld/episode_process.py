@@ -1,0 +1,206 @@
+"""The worker's forks: one confined process per episode, one unconfined per evaluation.
+
+The worker process itself never runs agent code and never loads a task's ground truth; it
+forks (imports stay warm):
+
+- an *episode process* per episode, which opens the world without its ground truth, is
+  confined by the sandbox (it reads the system, its own task's specs and DBs and the base
+  DBs and API docs; it writes beneath its experiment directory only) and runs the agent's
+  code. Its time limit is kept by the worker, outside its reach: code that is still running
+  `grace_s` after AppWorld's own timeout (because it switched the alarm off, or spins in C)
+  is killed with its process, and the episode ends there. Every file descriptor but its
+  channel to the worker is closed, so it cannot answer the pool in the worker's name.
+- an *evaluation process* per evaluation, which reads the world's state that the episode
+  process saved after its last execution and scores it with AppWorld's own evaluator.
+  Its memory, which held the answers, dies with it, so no later episode fork inherits them.
+"""
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import socket
+import stat
+import sys
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import sage_jax
+from sage_jax.envs.appworld import sandbox
+
+
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class EpisodeEnded(Exception):
+  """The episode process is gone: killed at its deadline (timed_out), or its code ended it."""
+
+  def __init__(self, message: str, timed_out: bool = False):
+    super().__init__(message)
+    self.timed_out = timed_out
+
+
+def _describe_exit(status: int) -> str:
+  if os.WIFSIGNALED(status):
+    return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+  return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+def _restrict_inherited_fds(keep: int) -> None:
+  """Leaves the fork only stdio, `keep`, and its regular files re-opened read-only.
+
+  Closes the worker's pipes and sockets (the fork must not answer the pool in the worker's
+  name) and turns the DB files AppWorld keeps open across worlds into read-only descriptors
+  under the same numbers, so that code cannot write into the shared data through them.
+  """
+  devnull = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(devnull, 0)
+  os.close(devnull)
+  for name in os.listdir("/proc/self/fd"):
+    fd = int(name)
+    if fd <= 2 or fd == keep:
+      continue
+    try:
+      mode = os.fstat(fd).st_mode
+    except OSError:
+      continue  # the descriptor of the listing itself, now closed
+    if stat.S_ISREG(mode) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+      read_only = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+      os.dup2(read_only, fd, inheritable=False)
+      os.close(read_only)
+    elif not stat.S_ISREG(mode):
+      os.close(fd)
+
+
+def episode_read_paths(data: str, task_id: str) -> list[str]:
+  """What an episode process may read of the data root: its own task's public files."""
+  task = os.path.join(data, "data", "tasks", task_id)
+  return [os.path.join(data, "data", "base_dbs"), os.path.join(data, "data", "api_docs"),
+          os.path.join(task, "specs.json"), os.path.join(task, "dbs")]
+
+
+def sandbox_read_paths() -> list[str]:
+  """The installation an episode process needs, with this package's own sources."""
+  return sandbox.system_read_paths() + [os.path.dirname(os.path.abspath(sage_jax.__file__))]
+
+
+class EpisodeProcess:
+  """A forked process that holds one episode's world; `serve` runs in the fork."""
+
+  def __init__(self, serve: Callable[[Connection], None], *, read_paths: list[str],
+               write_dir: str, confine: bool):
+    os.makedirs(write_dir, exist_ok=True)
+    parent, child = socket.socketpair()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the episode process: never returns
+      code = 1
+      try:
+        parent.close()
+        os.setpgid(0, 0)  # its own group: the worker kills whatever it forks, too
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # and dies with the worker
+        _restrict_inherited_fds(keep=child.fileno())
+        os.chdir(write_dir)
+        if confine:
+          sandbox.confine(read_paths, [write_dir])
+        serve(Connection(child.detach()))
+        code = 0
+      except BaseException as e:  # noqa: BLE001 - reported on stderr, then exit
+        print(f"episode process failed: {type(e).__name__}: {e}", file=sys.stderr)
+      finally:
+        sys.stderr.flush()
+        os._exit(code)
+    child.close()
+    self.pid = pid
+    self._conn = Connection(parent.detach())
+    self._status: int | None = None
+
+  def call(self, request: dict, timeout: float | None) -> dict:
+    """One request; raises EpisodeEnded when the process is killed at `timeout` or dies."""
+    if self._status is not None:
+      raise EpisodeEnded(_describe_exit(self._status))
+    try:
+      self._conn.send_bytes(json.dumps(request).encode())
+      if not self._conn.poll(timeout):
+        self.kill()
+        raise EpisodeEnded(f"still running {timeout:g} s after it started", timed_out=True)
+      return json.loads(self._conn.recv_bytes())
+    except (EOFError, OSError, ValueError) as e:
+      self.kill()
+      raise EpisodeEnded(_describe_exit(self._status)) from e
+
+  def kill(self) -> None:
+    """Kills the process and everything it forked; idempotent."""
+    if self._status is None:
+      try:
+        os.killpg(self.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      self._status = os.waitpid(self.pid, 0)[1]
+      self._conn.close()
+      kill_orphans()
+
+
+def become_subreaper() -> None:
+  """Makes processes that agent code forked and left behind (even in a session of their
+  own) children of this worker when their parent dies, so that kill_orphans finds them."""
+  if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def kill_orphans() -> None:
+  """Kills and reaps every child left to this process (it has none of its own between
+  episodes), until no new one appears."""
+  while children := [pid for pid in _children_of(os.getpid())]:
+    for pid in children:
+      try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+      except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _children_of(parent: int) -> list[int]:
+  found = []
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/stat") as f:
+          if int(f.read().rpartition(")")[2].split()[1]) == parent:
+            found.append(int(name))
+      except (OSError, ValueError, IndexError):
+        pass  # gone meanwhile
+  return found
+
+
+def run_in_fork(function: Callable[[], Any]) -> Any:
+  """`function()` in a forked process whose memory dies with it; returns its JSON result.
+
+  Raises RuntimeError naming the exit status (or the exception) when it fails.
+  """
+  reader, writer = os.pipe()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pid = os.fork()
+  if pid == 0:
+    os.close(reader)
+    try:
+      answer = {"ok": True, "value": function()}
+    except BaseException as e:  # noqa: BLE001 - sent back to the worker
+      answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    with os.fdopen(writer, "w") as f:
+      json.dump(answer, f)
+    os._exit(0)
+  os.close(writer)
+  with os.fdopen(reader) as f:
+    text = f.read()
+  status = os.waitpid(pid, 0)[1]
+  if not text:
+    raise RuntimeError(f"the evaluation process {_describe_exit(status)}")
+  answer = json.loads(text)
+  if not answer["ok"]:
+    raise RuntimeError(answer["error"])
+  return answer["value"]
