@@ -41,6 +41,22 @@ def pool_config(root: str, outputs: str, **overrides) -> appworld.EnvPoolConfig:
   return appworld.EnvPoolConfig(**(values | overrides))
 
 
+def scripted_eval_config(**eval_overrides):
+  """An evaluation config of the scripted expert (configs/eval.py's sections), on the mini dev
+  split unless `eval_overrides` say otherwise."""
+  import ml_collections  # noqa: PLC0415
+
+  c = ml_collections.ConfigDict()
+  c.eval = dict(split="dev", data="mini", policy="scripted", experiment="eval_scripted",
+                appworld_check=True) | eval_overrides
+  c.agent = dict(max_steps=4)
+  c.retrieval = dict(strategy="same_scenario")
+  c.pool = dict()
+  c.model = dict(spec="", preset="tiny")
+  c.engine = dict()
+  return c
+
+
 def appworld_metrics(outputs_root: str, experiment: str, task_ids: list[str]) -> dict:
   """AppWorld's own TGC/SGC of an experiment, computed in a separate process."""
   code = (

@@ -5,26 +5,16 @@ import os
 import subprocess
 import sys
 
-import ml_collections
 import pytest
 
 from sage_jax.eval import runner as evaluate
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
-from tests.appworld_fixtures import pool_config
+from tests.appworld_fixtures import pool_config, scripted_eval_config
 
 
-def _config(**eval_overrides):
-  c = ml_collections.ConfigDict()
-  c.eval = dict(split="dev", data="mini", policy="scripted", experiment="eval_scripted",
-                appworld_check=True) | eval_overrides
-  c.agent = dict(max_steps=4)
-  c.retrieval = dict(strategy="same_scenario")
-  c.pool = dict()
-  c.model = dict(spec="", preset="tiny")
-  c.engine = dict()
-  return c
+_config = scripted_eval_config
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ SFT data for every task."""
 
 import ast
 
-import ml_collections
 import pytest
 
 from sage_jax.agent import expert, parsing
@@ -17,7 +16,7 @@ from sage_jax.tokenizer import Tokenizer
 from tests.appworld_fixtures import gold_solution
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import official_root  # noqa: F401 - pytest fixture
-from tests.appworld_fixtures import pool_config
+from tests.appworld_fixtures import pool_config, scripted_eval_config
 
 
 @pytest.fixture(scope="module")
@@ -68,20 +67,9 @@ def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
   assert with_import.startswith("import math\ndef send_venmo")
 
 
-def _eval_config(root):
-  c = ml_collections.ConfigDict()
-  c.eval = dict(split="train", data=root, policy="scripted", experiment="eval_official",
-                appworld_check=True)
-  c.agent = dict(max_steps=4)
-  c.retrieval = dict(strategy="same_scenario")
-  c.pool = dict()
-  c.model = dict(spec="", preset="tiny")
-  c.engine = dict()
-  return c
-
-
 def test_scripted_expert_scores_100_and_reuses_its_skills(pool, official_root, tmp_path):  # noqa: F811
-  report = evaluate.evaluate(_eval_config(official_root), str(tmp_path), pool=pool)
+  config = scripted_eval_config(split="train", data=official_root, experiment="eval_official")
+  report = evaluate.evaluate(config, str(tmp_path), pool=pool)
   overall = report["metrics"]["overall"]
   assert overall["tgc"] == 100.0 and overall["sgc"] == 100.0
   assert report["appworld"]["task_goal_completion"] == 100.0
