@@ -105,11 +105,26 @@ def _write_json_atomic(path: str, value: Any) -> None:
 
 
 class _OrbaxLeftovers(logging.Filter):
-  """Drops asyncio's "... exception was never retrieved" reports of orbax's reads."""
+  """Drops asyncio's reports of orbax's abandoned reads: "... exception was never retrieved"
+  (tasks name orbax's coroutines; bare futures carry the read's tensorstore error, and only
+  orbax reads through tensorstore here) and callbacks into its closed event loop."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
-    return not ("was never retrieved" in message and "orbax" in message)
+    error = record.exc_info[1] if record.exc_info else None
+    closed_loop = "Event loop is closed" in message or (
+        isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
+    return not (closed_loop or ("was never retrieved" in message and (
+        "orbax" in message or "tensorstore_spec" in message or _raised_in_orbax(error))))
+
+
+def _raised_in_orbax(error: BaseException | None) -> bool:
+  tb = error.__traceback__ if error is not None else None
+  while tb is not None:
+    if "orbax" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
 
 
 def _quiet_orbax_leftovers() -> None:
