@@ -48,13 +48,13 @@ def apply_preset(c, preset: str):
     c.model.spec = ""
     c.mesh.update(data=1, fsdp=-1, tensor=1)
     c.pool.update(num_workers=2, timeout_seconds=20, call_timeout_s=60.0, max_interactions=20)
-    c.engine.update(num_slots=8, max_len=3072, prefill_buckets=[64, 256, 1024],
+    c.engine.update(num_slots=8, max_len=3072, prefill_buckets=(64, 256, 1024),
                     min_attend=512, steps_per_call=8)
     c.agent.update(max_steps=2, max_turn_tokens=24, max_episode_tokens=3072, temperature=1.0)
     c.rollout.group_size = 2
     c.pipeline.update(chains_per_step=2)
     c.eval.update(max_scenarios=2, split="dev")
-    c.batch.update(micro_batch_tokens=4096, length_buckets=[512, 1024, 2048, 4096])
+    c.batch.update(micro_batch_tokens=4096, length_buckets=(512, 1024, 2048, 4096))
     # Logits of the 152k vocabulary in chunks of 256 positions keep the demo's memory small.
     c.grpo.logprob_chunk = 256
     c.sft.logprob_chunk = 256
@@ -63,13 +63,13 @@ def apply_preset(c, preset: str):
     c.sft.update(total_steps=4, batch_size=2)
     c.rl.update(total_steps=2, eval_every=0)
     c.checkpoint.update(save_every=1, keep_last=2, async_save=False)
-    c.expert.update(num_workers=2, splits=["train"])
+    c.expert.update(num_workers=2, splits=("train",))
   elif preset == "qwen2.5-0.5b":
     c.model.update(spec="qwen2.5-coder-0.5b-instruct", preset="", remat="full",
                    attention_block=1024)
     c.mesh.update(data=1, fsdp=-1, tensor=1)
     c.pool.num_workers = 16
-    c.engine.update(num_slots=32, max_len=8192, prefill_buckets=[128, 512, 2048])
+    c.engine.update(num_slots=32, max_len=8192, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=10, max_turn_tokens=512, max_episode_tokens=8192)
     c.rollout.group_size = 4
     c.pipeline.chains_per_step = 8
@@ -83,7 +83,7 @@ def apply_preset(c, preset: str):
                    remat="full", attention_block=1024)
     c.mesh.update(data=1, fsdp=-1, tensor=2)
     c.pool.num_workers = 32
-    c.engine.update(num_slots=64, max_len=16384, prefill_buckets=[128, 512, 2048])
+    c.engine.update(num_slots=64, max_len=16384, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=20, max_turn_tokens=1024, max_episode_tokens=16384)
     c.rollout.group_size = 8
     c.pipeline.chains_per_step = 8
@@ -102,7 +102,7 @@ def apply_preset(c, preset: str):
     # 32 slots x 16k of KV cache per host (8 hosts: 256 concurrent rollouts).
     c.sampler_mesh.update(tensor=4)
     c.pool.num_workers = 32
-    c.engine.update(num_slots=32, max_len=16384, prefill_buckets=[128, 512, 2048])
+    c.engine.update(num_slots=32, max_len=16384, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=30, max_turn_tokens=1024, max_episode_tokens=16384)
     c.rollout.group_size = 8
     c.pipeline.chains_per_step = 16

@@ -10,5 +10,5 @@ import sage  # noqa: E402  (configs/sage.py)
 
 def get_config(preset: str = "demo"):
   c = sage.get_config(preset)
-  c.pipeline.stages = ["sft"]
+  c.pipeline.stages = ("sft",)
   return c

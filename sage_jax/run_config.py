@@ -145,11 +145,9 @@ class RunConfig:
 
 
 def _asdict(instance: Any) -> dict:
-  out = {}
-  for f in dataclasses.fields(instance):
-    value = getattr(instance, f.name)
-    out[f.name] = list(value) if isinstance(value, tuple) else value
-  return out
+  """Field values as they are: tuples stay tuples, which ml_collections can override from the
+  command line (`--config.pipeline.stages="('rl',)"`); it cannot override lists."""
+  return {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance)}
 
 
 def defaults() -> ml_collections.ConfigDict:

@@ -143,3 +143,25 @@ def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_pat
                         timeout=120)
   assert done.returncode != 0
   assert done.stderr.strip() == f"{override}: {named}."
+
+
+def test_tuple_keys_can_be_overridden_on_the_command_line(tmp_path):
+  """Sequence-valued keys (stages, length and prefill buckets, splits) stay tuples, the type
+  ml_collections overrides from flags; a bad value still fails naming its key."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  base = [sys.executable, "-m", "sage_jax.tools.memory_plan", "--config=configs/sage.py:demo",
+          "--hosts=1", "--devices_per_host=1"]
+  done = subprocess.run(base + ["--config.pipeline.stages=('rl',)",
+                                "--config.batch.length_buckets=(256, 512, 4096)",
+                                "--config.engine.prefill_buckets=(32, 128)",
+                                "--config.expert.splits=('train', 'dev')"],
+                        capture_output=True, text=True, cwd=repo, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  config = _config("sage", "demo")
+  config.pipeline.stages = ("rl",)
+  config.batch.length_buckets = (256, 512, 4096)
+  run = run_config.resolve(config)
+  assert run.pipeline.stages == ("rl",) and run.batch.length_buckets == (256, 512, 4096)
+  config.pipeline.stages = ("rl", "eval")
+  with pytest.raises(ConfigError, match="stages"):
+    run_config.resolve(config)
