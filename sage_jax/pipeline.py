@@ -121,10 +121,9 @@ class Pipeline:
     out = os.path.join(self.workdir, name)
     report = _done(os.path.join(out, f"eval_{self.run.eval.split}.json"))
     if report is None:
-      config = self.config.copy_and_resolve_references()
-      config.eval.data = self.root
-      config.eval.experiment = name
-      config.eval.seed = self.run.eval.seed
+      # The run's config with its derived seeds, as config.json holds it.
+      config = {**self.config_dict,
+                "eval": {**self.config_dict["eval"], "data": self.root, "experiment": name}}
       report = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
                                tokenizer=self.tokenizer)
     return report["metrics"]["overall"]
