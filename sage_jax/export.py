@@ -19,10 +19,10 @@ import ml_collections
 from absl import app, flags
 from flax import nnx
 
-from sage_jax import multihost, run_config
+from sage_jax import compact_tokenizer, multihost, run_config
 from sage_jax import sharding as shd
 from sage_jax.checkpoint import hf, loader
-from sage_jax.tokenizer import ensure_qwen25_tokenizer_dir
+from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.optimizer import make_optimizer
 from sage_jax.train.state import abstract_train_state, state_shardings
@@ -42,7 +42,10 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -
     step = checkpointer.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"{ckpt_dir}: no checkpoint to export")
-    model = nnx.eval_shape(lambda: loader.build_model(run.model))
+    tokenizer_dir = compact_tokenizer.run_tokenizer_dir(workdir, run.model.vocabulary)
+    vocab_size = (Tokenizer(tokenizer_dir).vocab_size if run.model.vocabulary == "compact"
+                  else None)
+    model = nnx.eval_shape(lambda: loader.build_model(run.model, vocab_size=vocab_size))
     params = nnx.state(model)
     tx, _ = make_optimizer(run.sft_optimizer if stage == "sft" else run.optimizer)
     # Restored over every device of this run (however many processes it has), whatever
@@ -53,7 +56,7 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -
   finally:
     checkpointer.close()
   model = nnx.merge(nnx.graphdef(model), state.params)
-  hf.save_hf(model, out, tokenizer_dir=str(ensure_qwen25_tokenizer_dir()))
+  hf.save_hf(model, out, tokenizer_dir=str(tokenizer_dir))
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
   if jax.process_index() == 0:

