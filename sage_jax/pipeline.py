@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sage_jax import multihost, plot, run_config
+from sage_jax import compact_tokenizer, multihost, plot, run_config
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
 from sage_jax.checkpoint import hf, loader
@@ -44,7 +44,7 @@ from sage_jax.sampler import Engine
 from sage_jax.sft import data as sft_data
 from sage_jax.sft import expert as sft_expert
 from sage_jax.sft import loop as sft_loop
-from sage_jax.tokenizer import Tokenizer, ensure_qwen25_tokenizer_dir
+from sage_jax.tokenizer import Tokenizer
 from sage_jax.tools import memory_plan
 from sage_jax.train import rl_loop
 from sage_jax.train.checkpoint import Checkpointer
@@ -94,8 +94,16 @@ class Pipeline:
       multihost.check_batch_split(self.mesh, ("data", "fsdp"))
       self.batch_config = dataclasses.replace(self.batch_config, row_multiple=math.lcm(
           self.batch_config.row_multiple, self.mesh.shape["data"] * self.mesh.shape["fsdp"]))
+    pool_cfg = dataclasses.replace(
+        self.run.pool, appworld_root=self.root, outputs_root=multihost.outputs_root(
+            self.run.pool.outputs_root, os.path.join(self.workdir, "appworld")))
+    self.pool = appworld.EnvPool(pool_cfg).start()
     self.tokenizer = Tokenizer()
-    self.model = loader.build_model(self.run.model, mesh=self.mesh)
+    compact = self.run.model.vocabulary == "compact"
+    if compact:
+      self.tokenizer = Tokenizer(self.compact_tokenizer_dir())
+    self.model = loader.build_model(self.run.model, mesh=self.mesh,
+                                    vocab_size=self.tokenizer.vocab_size if compact else None)
     # Each process samples from its own copy of the weights on its own devices.
     self.weight_sync = multihost.WeightSync(nnx.state(self.model), self.run.sampler_mesh)
     graphdef, params = nnx.split(self.model)
@@ -105,10 +113,6 @@ class Pipeline:
     self.driver = rollout.EngineDriver(self.engine)
     self.policy = rollout.SamplerPolicy(self.driver, self.run.agent)
     self.eval_policy = rollout.SamplerPolicy(self.driver, self.run.eval.agent(self.run.agent))
-    pool_cfg = dataclasses.replace(
-        self.run.pool, appworld_root=self.root, outputs_root=multihost.outputs_root(
-            self.run.pool.outputs_root, os.path.join(self.workdir, "appworld")))
-    self.pool = appworld.EnvPool(pool_cfg).start()
 
   def close(self) -> None:
     self.driver.close()
@@ -116,19 +120,37 @@ class Pipeline:
 
   # --- Stages -------------------------------------------------------------------------------
 
-  def evaluate(self, name: str) -> dict:
-    """Dev evaluation of the current params; cached in <workdir>/<name>/ once done."""
+  def evaluate(self, name: str, training_scenarios: bool = False) -> dict:
+    """Dev evaluation of the current params, or with `training_scenarios` one on the
+    scenarios RL trains on; cached in <workdir>/<name>/ once done."""
     out = os.path.join(self.workdir, name)
-    report = _done(os.path.join(out, f"eval_{self.run.eval.split}.json"))
+    split, scenarios = ((self.run.pipeline.train_split, self.run.pipeline.train_scenarios)
+                        if training_scenarios else (self.run.eval.split,
+                                                    self.run.eval.max_scenarios))
+    report = _done(os.path.join(out, f"eval_{split}.json"))
     if report is None:
       # The run's config with its derived seeds, as config.json holds it.
       config = {**self.config_dict,
-                "eval": {**self.config_dict["eval"], "data": self.root, "experiment": name}}
+                "eval": {**self.config_dict["eval"], "data": self.root, "experiment": name,
+                         "split": split, "max_scenarios": scenarios}}
       report = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
                                tokenizer=self.tokenizer)
     return report["metrics"]["overall"]
 
-  def expert_examples(self) -> list:
+  def compact_tokenizer_dir(self) -> str:
+    """Qwen2.5's tokenizer cut to the tokens of the SFT corpus (made once, kept in the run)."""
+    out = compact_tokenizer.run_tokenizer_dir(self.workdir, "compact")
+    corpus = self.expert_trajectories()  # every process: it may gather
+    if multihost.is_lead() and not (out / "tokenizer.json").exists():
+      examples = sft_data.load_examples(corpus, self.tokenizer)
+      compact_tokenizer.write_compact_tokenizer(
+          (self.tokenizer.decode(e.tokens) for e in examples), out)
+    multihost.sync_barrier("compact_tokenizer")
+    return str(out)
+
+  def expert_trajectories(self) -> str:
+    """The SFT data file: the configured one, or made from the gold solutions (or the
+    starting policy) of the train split on first use."""
     path = self.run.pipeline.expert_trajectories
     if not path:
       path = os.path.join(self.workdir, "expert_trajectories.jsonl")
@@ -147,7 +169,21 @@ class Pipeline:
         if multihost.is_lead():
           sft_data.write_jsonl(path, trajectories)
       multihost.sync_barrier("expert_trajectories")
-    return sft_data.load_examples(path, self.tokenizer, max_len=self.run.engine.max_len)
+    return path
+
+  def train_task_ids(self) -> list[str]:
+    """The train split's tasks, cut to its first `train_scenarios` scenarios."""
+    task_ids = appworld.read_split(self.root, self.run.pipeline.train_split)
+    keep = list(appworld.group_by_scenario(task_ids))[:self.run.pipeline.train_scenarios or None]
+    return [t for t in task_ids if appworld.scenario_id(t) in keep]
+
+  def expert_examples(self) -> list:
+    examples = sft_data.load_examples(self.expert_trajectories(), self.tokenizer,
+                                      max_len=self.run.engine.max_len)
+    if self.run.pipeline.train_scenarios:
+      keep = {appworld.scenario_id(t) for t in self.train_task_ids()}
+      examples = [e for e in examples if appworld.scenario_id(e.id) in keep]
+    return examples
 
   def sft(self) -> None:
     run = self.run
@@ -170,7 +206,7 @@ class Pipeline:
     run = self.run
     trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
                                    mesh=self.mesh)
-    task_ids = appworld.read_split(self.root, run.pipeline.train_split)
+    task_ids = self.train_task_ids()
     retriever = Retriever(run.retrieval, make_embedder(run.retrieval, model=self.model,
                                                        tokenizer=self.tokenizer))
     ctx = rollout.RolloutContext(self.policy, self.pool, self.tokenizer, run.agent, retriever,
@@ -212,15 +248,22 @@ class Pipeline:
 
   def export(self) -> str:
     out = os.path.join(self.workdir, "hf")
-    hf.save_hf(self.model, out, tokenizer_dir=str(ensure_qwen25_tokenizer_dir()))
+    hf.save_hf(self.model, out, tokenizer_dir=str(compact_tokenizer.run_tokenizer_dir(
+        self.workdir, self.run.model.vocabulary)))
     return out
 
 
-def summary_table(before: dict | None, after: dict | None) -> str:
-  rows = ["| metric | before | after |", "|---|---|---|"]
+def summary_table(summary: dict) -> str:
+  """Before/after columns of the dev evaluation, and of the training scenarios' when run."""
+  columns = [(k, k.replace("_", " ")) for k in ("train_before", "train_after")
+             if k in summary] + [("before", "dev before"), ("after", "dev after")]
+  if len(columns) == 2:
+    columns = [("before", "before"), ("after", "after")]
+  rows = ["| metric | " + " | ".join(title for _, title in columns) + " |",
+          "|---" * (len(columns) + 1) + "|"]
   for key in SUMMARY_KEYS:
     cell = lambda m: "-" if m is None or m.get(key) is None else f"{m[key]:.3g}"
-    rows.append(f"| {key} | {cell(before)} | {cell(after)} |")
+    rows.append(f"| {key} | " + " | ".join(cell(summary.get(c)) for c, _ in columns) + " |")
   return "\n".join(rows)
 
 
@@ -233,6 +276,8 @@ def run(config: Any, workdir: str) -> dict:
   try:
     if p.eval_before:
       summary["before"] = pipe.evaluate("eval_before")
+      if p.eval_train:
+        summary["train_before"] = pipe.evaluate("eval_before", training_scenarios=True)
     sft_marker = os.path.join(pipe.workdir, "sft", "done.json")
     if "sft" in p.stages and _done(sft_marker) is None:
       pipe.sft()
@@ -250,6 +295,8 @@ def run(config: Any, workdir: str) -> dict:
       pipe.rl()
     if p.eval_after:
       summary["after"] = pipe.evaluate("eval_after")
+      if p.eval_train:
+        summary["train_after"] = pipe.evaluate("eval_after", training_scenarios=True)
     if p.export and jax.process_index() == 0:
       summary["export"] = pipe.export()
     elif p.export:
@@ -260,6 +307,6 @@ def run(config: Any, workdir: str) -> dict:
       and os.path.exists(os.path.join(pipe.workdir, plot.METRICS_FILE))):
     summary["plot"] = plot.plot_run(pipe.workdir)
   summary["elapsed_s"] = round(time.time() - started, 1)
-  summary["table"] = summary_table(summary.get("before"), summary.get("after"))
+  summary["table"] = summary_table(summary)
   _write_json(os.path.join(pipe.workdir, "summary.json"), summary)
   return summary

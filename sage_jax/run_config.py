@@ -46,18 +46,22 @@ class PipelineConfig:
   """stages: what `sage_jax.train` runs, in order ("sft", "rl"). data: "mini" (the offline
   mini AppWorld, built on first use) or an APPWORLD_ROOT. train_split / dev_split: dataset
   splits for rollouts and evaluation. chains_per_step: chains sampled per RL step (each run by
-  rollout.group_size rollouts). expert_trajectories: an SFT JSONL file ("" = made from the
-  gold solutions of the train split). eval_before / eval_after: dev evaluation around
-  training. export: write the final model in HF format to <workdir>/hf. plot: PNG curves."""
+  rollout.group_size rollouts). train_scenarios: train on the first N scenarios of the train
+  split (file order), in SFT and RL (0 = all). expert_trajectories: an SFT JSONL file ("" =
+  made from the gold solutions of the train split). eval_before / eval_after: dev evaluation
+  around training, and with eval_train also one on the training scenarios. export: write the
+  final model in HF format to <workdir>/hf. plot: PNG curves."""
 
   stages: tuple[str, ...] = ("sft", "rl")
   data: str = "mini"
   train_split: str = "train"
   dev_split: str = "dev"
   chains_per_step: int = 4
+  train_scenarios: int = 0
   expert_trajectories: str = ""
   eval_before: bool = True
   eval_after: bool = True
+  eval_train: bool = False
   export: bool = True
   plot: bool = True
 
@@ -67,6 +71,8 @@ class PipelineConfig:
       raise ValueError(f"stages={self.stages}: each of {STAGES} at most once")
     if self.chains_per_step < 1:
       raise ValueError(f"chains_per_step must be >= 1, got {self.chains_per_step}")
+    if self.train_scenarios < 0:
+      raise ValueError(f"train_scenarios must be >= 0, got {self.train_scenarios}")
 
 
 # Section name -> dataclass. A section absent from a config takes the dataclass defaults.
@@ -195,6 +201,10 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
   if rollout.group_size == 1 and estimator in ("grpo", "rloo") and "rl" in pipeline.stages:
     raise ConfigError("config.rollout.group_size: 1 leaves no group to normalise over; the "
                       f"{estimator!r} advantage is 0 for every episode (use >= 2)")
+  if run.model.vocabulary == "compact" and run.expert.source == "self":
+    raise ConfigError("config.model.vocabulary: 'compact' is cut to the SFT corpus, which "
+                      "expert.source='self' samples from the model itself; use the gold "
+                      "trajectories or the full vocabulary")
   if rollout.effective_chain_length > TASKS_PER_SCENARIO:
     raise ConfigError(f"config.rollout.chain_length: {rollout.chain_length} exceeds the "
                       f"{TASKS_PER_SCENARIO} tasks of an AppWorld scenario")

@@ -132,7 +132,8 @@ def test_bad_config_fails_before_compiling(tmp_path):
                         ("--config.pipeline.chains_per_step=3", "config.pipeline.chains_per_step"),
                         ("--config.rollout.group_sise=4", "group_sise")):
     # 3 chains x group size 2 = 6 rollouts do not split over a data axis of 4.
-    extra = ["--config.mesh.data=4", "--config.mesh.fsdp=1"] if "chains" in override else []
+    extra = (["--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.rollout.group_size=2"]
+             if "chains" in override else [])
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     out = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
                           f"--workdir={tmp_path / 'bad'}", override, *extra], cwd=REPO,

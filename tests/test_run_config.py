@@ -63,9 +63,9 @@ def _with(overrides, devices=1):
     ({"model.attention_block": -8}, 1, r"config.model: attention_block=-8; expected 0"),
     ({"rollout.group_size": 1}, 1, r"config.rollout.group_size: 1 leaves no group"),
     ({"rollout.chain_length": 4}, 1, r"config.rollout.chain_length: 4 exceeds the 3 tasks"),
-    ({"pipeline.chains_per_step": 3, "mesh.data": 4, "mesh.fsdp": 1}, 4,
-     r"config.pipeline.chains_per_step: 3 chains x group_size 2 = 6 rollouts per step, not "
-     r"divisible by the mesh's data axis \(4\)"),
+    ({"pipeline.chains_per_step": 3, "mesh.data": 8, "mesh.fsdp": 1}, 8,
+     r"config.pipeline.chains_per_step: 3 chains x group_size 4 = 12 rollouts per step, not "
+     r"divisible by the mesh's data axis \(8\)"),
     ({"mesh.tensor": 3}, 8, r"config.mesh: .*8 devices are not divisible by 3"),
     ({"engine.num_slots": 12}, 8, r"config.engine.num_slots: 12 slots do not split"),
     ({"sampler_mesh.tensor": 3}, 8, r"config.sampler_mesh.tensor: 3 does not divide the 8 "
@@ -86,7 +86,8 @@ def test_unknown_section_and_seed_type():
 
 
 def test_new_method_knobs_resolve_and_are_validated():
-  run = _with({"expert.source": "self", "expert.temperatures": [0.2, 0.8],
+  run = _with({"model.vocabulary": "full", "expert.source": "self",
+               "expert.temperatures": [0.2, 0.8],
                "expert.selection": "task", "advantage.estimator": "rloo",
                "advantage.std": "unbiased", "grpo.ratio_level": "sequence",
                "grpo.kl_clamp": 10.0, "reward.truncated_turns": "outcome"})
@@ -94,6 +95,8 @@ def test_new_method_knobs_resolve_and_are_validated():
   assert run.advantage.std == "unbiased" and run.reward.truncated_turns == "outcome"
   with pytest.raises(ValueError, match="source"):
     _with({"expert.source": "teacher"})
+  with pytest.raises(ConfigError, match="config.model.vocabulary: 'compact' is cut to the SFT"):
+    _with({"expert.source": "self"})
   with pytest.raises(ValueError, match="rloo"):
     _with({"advantage.estimator": "rloo", "rollout.group_size": 1})
 

@@ -189,6 +189,7 @@ PRESETS: dict[str, Qwen2Config] = {
     # Tiny: random-init models for tests and the CPU demo.
     "tiny": _qwen25(2, 64, 128, 4, 2, True, 151936, head_dim=16),
     "tiny-untied": _qwen25(2, 64, 128, 4, 2, False, 151936, head_dim=16),
+    "mini": _qwen25(4, 128, 384, 4, 2, True, 151936, head_dim=32),
     "small": _qwen25(4, 256, 768, 8, 2, True, 151936, head_dim=32),
 }
 
