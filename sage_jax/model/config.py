@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from sage_jax.model.lora import LoraConfig
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -65,6 +67,8 @@ class Qwen2Config:
   # Training attention over rows longer than this many tokens runs this many at a time
   # (`blocked_attention`): memory grows with length x block, not length^2. 0 = always dense.
   attention_block: int = 0
+  # Low-rank adapters on the projections (`lora.add_adapters` sets this; rank 0 = none).
+  lora: LoraConfig = LoraConfig()
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:

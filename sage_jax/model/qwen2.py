@@ -16,6 +16,7 @@ from flax import nnx
 
 from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from sage_jax.model.config import Qwen2Config
+from sage_jax.model.lora import Adapter
 from sage_jax.sharding import constrain
 
 _F32 = jnp.float32
@@ -119,7 +120,7 @@ def project(x: jax.Array, w: jax.Array, **dot_kwargs) -> jax.Array:
 class Linear(nnx.Module):
   """y = x . kernel (+ bias) with kernel [out..., in...] (torch's [out, in] order), contracted
   over its `n_in` trailing axes (flattened, see `project`). `axes` name the kernel's axes in
-  that order.
+  that order. `lora`: an optional low-rank adapter (`lora.add_adapters`) added to the output.
   """
 
   def __init__(self, in_shape, out_shape, axes, *, bias: bool, param_dtype, rngs):
@@ -128,12 +129,16 @@ class Linear(nnx.Module):
     self.kernel = _param(rngs, out_shape + in_shape, param_dtype, axes, "normal")
     self.bias = (_param(None, out_shape, param_dtype, axes[:len(out_shape)], "zeros")
                  if bias else None)
+    self.lora: Adapter | None = nnx.data(None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.kernel[...].astype(x.dtype)
     out_shape = kernel.shape[:kernel.ndim - self.n_in]
     lead = x.shape[:x.ndim - self.n_in]
-    y = project(x.reshape(lead + (-1,)), kernel.reshape(math.prod(out_shape), -1))
+    flat_x = x.reshape(lead + (-1,))
+    y = project(flat_x, kernel.reshape(math.prod(out_shape), -1))
+    if self.lora is not None:
+      y = y + self.lora(flat_x, project)
     y = y.reshape(lead + out_shape)
     if self.bias is not None:
       y = y + self.bias[...].astype(x.dtype)
