@@ -13,7 +13,7 @@ adapters add rank x (in + out) / (in x out) to the bytes of each projection (0.6
 5120 x 5120 projection at rank 16) and two thin matmuls. Merging instead means a second full
 copy of every targeted base matrix in the sampler (the trainer's copy must stay unmerged),
 rewritten after every update: 61 GB for the 32B's projections in bfloat16, where the same
-memory holds KV cache. `merged_state` is for export.
+memory holds KV cache. Merging (`merge`) is for export.
 """
 
 from __future__ import annotations
@@ -105,19 +105,25 @@ def add_adapters(model: nnx.Module, config: LoraConfig, seed: int = 0) -> nnx.Mo
   return model
 
 
+def adapters_by_kernel(model: nnx.Module) -> dict[tuple, Adapter]:
+  """Path of each adapted kernel (as `nnx.to_flat_state` names it) -> its adapter."""
+  return {path + ("kernel",): node.lora for path, node in nnx.iter_graph(model)
+          if getattr(node, "lora", None) is not None and hasattr(node, "kernel")}
+
+
+def merge(kernel: jax.Array, adapter: Adapter) -> jax.Array:
+  """kernel + scale * B . A in the kernel's shape and dtype (summed in float32)."""
+  delta = adapter.delta().reshape(kernel.shape)
+  return (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+
+
 def merged_state(model: nnx.Module) -> nnx.State:
-  """The model's parameters with each adapter folded into its base kernel (in the kernel's
-  dtype) and the adapters left out: the state of the same model without LoRA."""
-  merged = {}
-  for path, linear in nnx.iter_graph(model):
-    if getattr(linear, "lora", None) is None or not hasattr(linear, "kernel"):
-      continue
-    kernel = linear.kernel[...]
-    delta = linear.lora.delta().reshape(kernel.shape)
-    merged[path + ("kernel",)] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
-  flat = []
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    if isinstance(var, LoraParam) or "lora" in path:
-      continue
-    flat.append((path, var.replace(merged[path]) if path in merged else var))
+  """The model's parameters with each adapter folded into its kernel and the adapters left
+  out: the state of the same model without LoRA. Merges every kernel at once; exporters that
+  must not hold a second copy merge one kernel at a time (`merge`)."""
+  adapters = adapters_by_kernel(model)
+  flat = [(path, var.replace(merge(var.get_value(), adapters[path])) if path in adapters
+           else var)
+          for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+          if not isinstance(var, LoraParam)]
   return nnx.from_flat_state(flat)
