@@ -120,3 +120,18 @@ def test_grpo_step_moves_only_the_adapters(sharded):
   adapter_numbers = sum(after[p].size for p in adapters)
   # mu and nu for the adapters, plus scalar counters; nothing for the base.
   assert sum(x.size for x in moments) - adapter_numbers * 2 < 8
+
+
+def test_model_section_adds_adapters_on_the_mesh_and_names_bad_keys():
+  from sage_jax.checkpoint import loader  # noqa: PLC0415
+
+  mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
+  spec = loader.ModelSpec(preset="tiny", lora_rank=8, lora_alpha=16.0,
+                          lora_targets=("q_proj", "up_proj"))
+  model = loader.build_model(spec, mesh=mesh)
+  assert model.config.lora == lora.LoraConfig(8, 16.0, ("q_proj", "up_proj"))
+  b = model.layers[1].mlp.up_proj.lora.b[...]
+  assert b.shape == (CFG.intermediate_size, 8) and len(b.sharding.device_set) == 8
+  assert model.layers[1].mlp.down_proj.lora is None
+  with pytest.raises(ValueError, match="targets"):
+    loader.ModelSpec(preset="tiny", lora_rank=8, lora_targets=("mlp",))
