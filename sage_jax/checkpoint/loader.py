@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from sage_jax import sharding as shd
 from sage_jax.checkpoint import gguf_import, hf
 from sage_jax.model import lora
+from sage_jax.model.attention_kernels import check_implementation
 from sage_jax.model.config import Qwen2Config, check_attention_block, check_remat, get_preset
 from sage_jax.model.qwen2 import Qwen2, init_model
 
@@ -53,7 +54,8 @@ class ModelSpec:
   remat / remat_layers: rematerialisation of decoder layers in training ("none", "full",
   "dots"; layers empty = all), which the activation memory of long sequences needs.
   attention_block: training attention over rows longer than this runs in blocks of this many
-  tokens, so its memory grows linearly with length (0 = dense). lora_rank / lora_alpha /
+  tokens, so its memory grows linearly with length (0 = dense). attention_impl: training
+  attention's kernel ("auto", "xla", "cudnn", "splash"; `model.attention_kernels`). lora_rank / lora_alpha /
   lora_targets: LoRA adapters (`sage_jax.model.lora`) on the loaded weights, then frozen
   (rank 0 = full fine-tuning); adapters start from seed `seed`."""
 
@@ -65,6 +67,7 @@ class ModelSpec:
   remat: str = "none"
   remat_layers: tuple[int, ...] = ()
   attention_block: int = 0
+  attention_impl: str = "auto"
   lora_rank: int = 0
   lora_alpha: float = 32.0
   lora_targets: tuple[str, ...] = lora.PROJECTIONS
@@ -74,6 +77,7 @@ class ModelSpec:
       raise ValueError("model: set exactly one of spec (weights) and preset (random init)")
     check_remat(self.remat)
     check_attention_block(self.attention_block)
+    check_implementation(self.attention_impl)
     self.lora_config  # noqa: B018 - checks the LoRA keys
 
   @property
@@ -97,7 +101,8 @@ def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
                        dtype=spec.dtype or None)
   # Remat and blocked attention change how the forward pass is traced, not the weights.
   model.config = model.config.replace(remat=spec.remat, remat_layers=spec.remat_layers,
-                                      attention_block=spec.attention_block)
+                                      attention_block=spec.attention_block,
+                                      attention_impl=spec.attention_impl)
   if spec.lora_config.enabled:
     lora.add_adapters(model, spec.lora_config, seed=spec.seed)
     if mesh is not None:

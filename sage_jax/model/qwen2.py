@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sage_jax.model.attention_kernels import KernelCausal, kernel_attention, kernel_for
 from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from sage_jax.model.config import Qwen2Config
 from sage_jax.model.lora import Adapter
@@ -175,7 +176,9 @@ class Attention(nnx.Module):
       k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     b, t, h, d = q.shape
     q_groups = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
-    if isinstance(mask, BlockedCausal):
+    if isinstance(mask, KernelCausal):
+      out = kernel_attention(q_groups, k, v, mask).reshape(b, t, h, d)
+    elif isinstance(mask, BlockedCausal):
       out = blocked_attention(q_groups, k, v, mask).reshape(b, t, h, d)
     elif kv_cache is not None and t == 1:
       out = _decode_attention(q[:, 0], k, v, mask[:, 0])
@@ -288,8 +291,13 @@ class Qwen2(nnx.Module):
     cfg = self.config
     x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(cfg.jnp_dtype)
     x = constrain(x, ("act_batch", "act_len", "act_embed"))
-    if cache is None and 0 < cfg.attention_block < tokens.shape[1]:
-      segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+    segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+    # Fused kernels serve training rows; sampling with a cache keeps the XLA paths.
+    kernel = "xla" if cache is not None else kernel_for(cfg.attention_impl, cfg.jnp_dtype,
+                                                         cfg.head_dim)
+    if kernel != "xla":
+      mask = KernelCausal(segments, kernel)
+    elif cache is None and 0 < cfg.attention_block < tokens.shape[1]:
       mask = BlockedCausal(segments, cfg.attention_block)
     elif cache is None:
       mask = _training_mask(tokens.shape, segment_ids)
