@@ -77,3 +77,21 @@ def test_auto_picks_by_platform_and_cudnn_falls_back_where_it_does_not_apply():
     ak.kernel_for("cudnn", jnp.float32, 64)
   with pytest.raises(ValueError, match="attention_impl='flash'"):
     CFG.replace(attention_impl="flash")
+
+
+def test_splash_under_a_mesh_runs_per_shard_and_equals_xla():
+  from sage_jax import sharding as shd  # noqa: PLC0415
+
+  mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
+  tokens, positions, segments = _rows(t=130)
+  tokens, positions, segments = (jnp.tile(x, (2, 1)) for x in (tokens, positions, segments))
+  outs = []
+  for impl in ("xla", "splash"):
+    model = shd.create_sharded(lambda: init_model(CFG.replace(attention_impl=impl)), mesh)
+    with shd.use_rules(mesh):
+      logits = jax.jit(lambda t, p, s: model(t, p, segment_ids=s)[0])(tokens, positions,
+                                                                       segments)
+    outs.append(np.asarray(logits))
+  valid = np.asarray(segments)[..., None] > 0
+  np.testing.assert_allclose(np.where(valid, outs[1], 0), np.where(valid, outs[0], 0),
+                             atol=2e-5)

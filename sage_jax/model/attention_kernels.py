@@ -20,6 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from sage_jax import sharding as shd
+
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 _AUTO = {"gpu": "cudnn", "tpu": "splash"}
 # Splash attention's query / key block (tokens); rows are padded to a multiple of it.
@@ -78,7 +80,7 @@ def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: KernelCausa
   if mask.kernel == "cudnn":
     return _cudnn(q, k, v, mask.segment_ids)
   if mask.kernel == "splash":
-    return _splash(q, k, v, mask.segment_ids)
+    return _per_shard(_splash, q, k, v, mask.segment_ids)
   raise ValueError(f"no fused attention kernel {mask.kernel!r}")
 
 
@@ -88,6 +90,20 @@ def _cudnn(q, k, v, segment_ids, implementation="cudnn"):
   out = jax.nn.dot_product_attention(q.reshape(b, t, kv * g, d), k, v, mask=same,
                                      is_causal=True, implementation=implementation)
   return out.reshape(b, t, kv, g, d).astype(v.dtype)
+
+
+def _per_shard(fn, q, k, v, segment_ids):
+  """fn on each device's rows and KV heads: a Pallas kernel has no partitioning rule, so
+  under a mesh it runs in `shard_map` over the activations' batch and KV-head sharding."""
+  ctx = shd.active()
+  if ctx is None:
+    return fn(q, k, v, segment_ids)
+  mesh, rules = ctx
+  q_spec = rules.spec(("act_batch", None, "act_kv_heads", None, None), q.shape, mesh)
+  kv_spec = rules.spec(("act_batch", None, "act_kv_heads", None), k.shape, mesh)
+  seg_spec = rules.spec(("act_batch", None), segment_ids.shape, mesh)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+                       out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
 
 
 def _splash(q, k, v, segment_ids):
