@@ -83,7 +83,7 @@ def test_splash_under_a_mesh_runs_per_shard_and_equals_xla():
   from sage_jax import sharding as shd  # noqa: PLC0415
 
   mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
-  tokens, positions, segments = _rows(t=130)
+  tokens, positions, segments = _rows()
   tokens, positions, segments = (jnp.tile(x, (2, 1)) for x in (tokens, positions, segments))
   outs = []
   for impl in ("xla", "splash"):
