@@ -6,14 +6,17 @@ rank x (in + out) numbers per projection instead of in x out: 0.4% of Qwen2.5-32
 B starts at zero, so a freshly adapted model computes exactly what its base does.
 
 Adapters are `LoraParam`s, a subclass of `nnx.Param`: `nnx.split(model, LoraParam, ...)`
-separates the trainable part from the frozen base (see `train.step.Trainer`).
+separates the trainable part from the frozen base (`train.state.split_trainable`).
 
-The sampler runs the adapters unmerged. A decode step is bound by reading weights: the
-adapters add rank x (in + out) / (in x out) to the bytes of each projection (0.6% for a
-5120 x 5120 projection at rank 16) and two thin matmuls. Merging instead means a second full
-copy of every targeted base matrix in the sampler (the trainer's copy must stay unmerged),
-rewritten after every update: 61 GB for the 32B's projections in bfloat16, where the same
-memory holds KV cache. Merging (`merge`) is for export.
+The sampler runs the adapters unmerged. Per decode step of B tokens, a projection in -> out
+reads in x out base weights and does 2 B in x out FLOPs; the adapters add r (in + out) to
+both, 0.6% for the 32B's 5120 x 5120 projections and 0.4% for its MLP at rank 16, plus two
+thin matmuls per projection (launch overhead on GPUs, not measured here). Merged weights
+would save that but cost a pass over every targeted base matrix after each update, and a
+second copy of them wherever the sampler shares the trainer's arrays (the trainer's must
+stay unmerged): 62 GB for the 32B in bfloat16, memory the KV cache uses. Where the weight
+sync already writes a separate sampling copy, folding the merge into that copy would make
+merged weights free; that is not done. Merging (`merge`) serves export.
 """
 
 from __future__ import annotations
