@@ -78,3 +78,32 @@ def test_peft_export_of_a_model_without_adapters_is_refused(tmp_path):
   with pytest.raises(ValueError, match="no LoRA adapters"):
     save_peft_adapter(hf.load_hf(str(tmp_path / "src")), str(tmp_path / "adapter"))
   assert not (tmp_path / "adapter").exists()
+
+
+def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
+  """A LoRA run's checkpoint through `sage_jax.export`: the merged model and the adapter."""
+  from sage_jax import export, run_config  # noqa: PLC0415
+  from sage_jax.checkpoint import loader  # noqa: PLC0415
+  from sage_jax.rl import grpo  # noqa: PLC0415
+  from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: PLC0415
+  from sage_jax.train.step import Trainer  # noqa: PLC0415
+
+  config = run_config.defaults()
+  config.model.update(preset="tiny", lora_rank=4, lora_alpha=8.0)
+  run = run_config.resolve(config)
+  model = loader.build_model(run.model)
+  rng = np.random.default_rng(2)
+  for path, var in nnx.to_flat_state(nnx.state(model, lora.LoraParam)):
+    var.set_value(jnp.asarray(rng.normal(size=var.shape) * 0.05, jnp.float32))
+  trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()), run.optimizer)
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(run_config.with_seeds(config, run), f)
+  checkpointer = Checkpointer(CheckpointConfig(directory=str(tmp_path / "checkpoints"),
+                                               async_save=False))
+  checkpointer.save(3, trainer.state)
+  checkpointer.close()
+  export.export(str(tmp_path), str(tmp_path / "hf"))
+  ours = _logits(trainer.model())
+  np.testing.assert_allclose(hf_logits(_load(str(tmp_path / "hf")), TOKENS), ours, atol=1e-4)
+  config_json = json.load(open(tmp_path / "hf" / export.ADAPTER_DIR / "adapter_config.json"))
+  assert (config_json["r"], config_json["lora_alpha"]) == (4, 8.0)
