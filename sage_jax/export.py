@@ -34,6 +34,14 @@ STAGE_DIRS = {"rl": "checkpoints", "sft": os.path.join("sft", "checkpoints")}
 ADAPTER_DIR = "lora_adapter"
 
 
+def write_model(model, out: str, *, base_model: str = "") -> None:
+  """The HF directory of `model` with the Qwen2.5 tokenizer; with LoRA, the adapters merged in
+  and also alone under `out/lora_adapter` in PEFT's format (for `base_model`)."""
+  hf.save_hf(model, out, tokenizer_dir=str(ensure_qwen25_tokenizer_dir()))
+  if model.config.lora.enabled:
+    save_peft_adapter(model, os.path.join(out, ADAPTER_DIR), base_model=base_model)
+
+
 def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -> dict:
   """Writes the checkpoint's model to `out`; returns what was exported."""
   with open(os.path.join(workdir, "config.json")) as f:
@@ -57,9 +65,7 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -
   finally:
     checkpointer.close()
   model = nnx.merge(nnx.graphdef(model), state.params)
-  hf.save_hf(model, out, tokenizer_dir=str(ensure_qwen25_tokenizer_dir()))
-  if model.config.lora.enabled:
-    save_peft_adapter(model, os.path.join(out, ADAPTER_DIR), base_model=config.model.spec)
+  write_model(model, out, base_model=config.model.spec)
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
   if jax.process_index() == 0:
