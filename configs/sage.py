@@ -12,6 +12,8 @@ Presets:
                   80 GB GPUs.
   qwen2.5-32b     Qwen2.5-32B-Instruct, the paper's model; a TPU v5p-64 slice (8 hosts x 4
                   chips of 95 GB), one process per host.
+  qwen2.5-32b-lora  the same model with rank-16 LoRA adapters (a frozen bfloat16 base); one
+                  node of 8 80 GB GPUs.
 
 `python -m sage_jax.tools.memory_plan --config=configs/sage.py:<preset> --hosts=H
 --devices_per_host=D --device_memory_gib=M` prints each preset's memory per device on that
@@ -118,7 +120,28 @@ def apply_preset(c, preset: str):
     c.sft.update(num_epochs=3, batch_size=64)
     c.rl.update(total_steps=300, eval_every=25)
     c.checkpoint.update(save_every=25)
+  elif preset == "qwen2.5-32b-lora":
+    # LOOP's setting: Qwen2.5-32B with rank-16 LoRA on every projection, one node of 8 80 GB
+    # GPUs. The frozen base is bfloat16 and FSDP-sharded over the 8; gradients and AdamW
+    # moments exist for the adapters only (134M numbers). The sampler's bf16 copy is
+    # tensor-parallel over the node's 8 GPUs.
+    c.model.update(spec="", preset="qwen2.5-32b", param_dtype="bfloat16", dtype="bfloat16",
+                   remat="full", attention_block=1024, lora_rank=16, lora_alpha=32.0)
+    c.mesh.update(data=1, fsdp=-1, tensor=1)
+    c.sampler_mesh.update(tensor=8)
+    c.pool.num_workers = 32
+    c.engine.update(num_slots=32, max_len=16384, prefill_buckets=(128, 512, 2048))
+    c.agent.update(max_steps=30, max_turn_tokens=1024, max_episode_tokens=16384)
+    c.rollout.group_size = 8
+    c.pipeline.chains_per_step = 8
+    # 8 rows of 16k per micro-batch: one per GPU.
+    c.batch.update(micro_batch_tokens=131072, row_multiple=8)
+    c.optimizer.update(learning_rate=1e-5, warmup_steps=10)
+    c.sft_optimizer.update(learning_rate=1e-4, warmup_steps=20)
+    c.sft.update(num_epochs=3, batch_size=64)
+    c.rl.update(total_steps=300, eval_every=25)
+    c.checkpoint.update(save_every=25)
   else:
     raise ValueError(f"unknown preset {preset!r}; known: demo, qwen2.5-0.5b, qwen2.5-7b, "
-                     "qwen2.5-32b")
+                     "qwen2.5-32b, qwen2.5-32b-lora")
   return c

@@ -4,7 +4,8 @@
 
 Restores the latest (or given) checkpoint of RUN with the config saved beside it, writes
 config.json, generation_config.json, sharded safetensors and the tokenizer files
-(`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads them), plus the run's
+(`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads them; a LoRA run's
+adapters merged in, and also in PEFT's format under HF_DIR/lora_adapter), plus the run's
 resolved config (sage_jax_config.json) and a model card (README.md) with the training
 summary.
 """
@@ -22,12 +23,24 @@ from flax import nnx
 from sage_jax import compact_tokenizer, multihost, run_config
 from sage_jax import sharding as shd
 from sage_jax.checkpoint import hf, loader
+from sage_jax.checkpoint.peft_adapter import save_peft_adapter
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.optimizer import make_optimizer
 from sage_jax.train.state import abstract_train_state, state_shardings
 
 STAGE_DIRS = {"rl": "checkpoints", "sft": os.path.join("sft", "checkpoints")}
+# Where a LoRA run's adapters go, in PEFT's format, beside the merged weights.
+ADAPTER_DIR = "lora_adapter"
+
+
+def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
+                base_model: str = "") -> None:
+  """The HF directory of `model` with its tokenizer; with LoRA, the adapters merged in and
+  also alone under `out/lora_adapter` in PEFT's format (for `base_model`)."""
+  hf.save_hf(model, out, tokenizer_dir=str(tokenizer_dir))
+  if model.config.lora.enabled:
+    save_peft_adapter(model, os.path.join(out, ADAPTER_DIR), base_model=base_model)
 
 
 def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -> dict:
@@ -56,7 +69,7 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -
   finally:
     checkpointer.close()
   model = nnx.merge(nnx.graphdef(model), state.params)
-  hf.save_hf(model, out, tokenizer_dir=str(tokenizer_dir))
+  write_model(model, out, tokenizer_dir, base_model=config.model.spec)
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
   if jax.process_index() == 0:

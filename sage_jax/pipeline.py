@@ -11,7 +11,8 @@ under the workdir:
   <workdir>/checkpoints/             RL checkpoints (orbax), config beside them
   <workdir>/metrics.jsonl            RL metrics per step (+ TensorBoard events)
   <workdir>/eval_before/ eval_after/ dev evaluations (JSON + markdown)
-  <workdir>/hf/                      the final model in HF format
+  <workdir>/hf/                      the final model in HF format (LoRA merged in)
+  <workdir>/hf/lora_adapter/         a LoRA run's adapters in PEFT's format
   <workdir>/plots/training.png       curves
   <workdir>/summary.json             the before/after table
 
@@ -33,10 +34,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sage_jax import compact_tokenizer, multihost, plot, run_config
+from sage_jax import compact_tokenizer, export, multihost, plot, run_config
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
-from sage_jax.checkpoint import hf, loader
+from sage_jax.checkpoint import loader
 from sage_jax.envs import appworld
 from sage_jax.eval import runner
 from sage_jax.rl import rollout
@@ -248,8 +249,8 @@ class Pipeline:
 
   def export(self) -> str:
     out = os.path.join(self.workdir, "hf")
-    hf.save_hf(self.model, out, tokenizer_dir=str(compact_tokenizer.run_tokenizer_dir(
-        self.workdir, self.run.model.vocabulary)))
+    export.write_model(self.model, out, compact_tokenizer.run_tokenizer_dir(
+        self.workdir, self.run.model.vocabulary), base_model=self.run.model.spec)
     return out
 
 

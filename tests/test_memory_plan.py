@@ -84,3 +84,32 @@ def test_config_command_prints_the_run_plan():
   assert result["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2} and result["fits"] is True
   assert set(result["gib_per_device"]) == {"params", "grads", "optimizer", "kl_reference",
                                            "activations", "sampler_weights", "kv_cache", "total"}
+
+
+def test_lora_plan_trains_the_adapters_only():
+  from sage_jax.model.lora import LoraConfig  # noqa: PLC0415
+
+  cfg = get_preset("qwen2.5-32b", param_dtype="bfloat16")
+  adapted = memory_plan.plan(cfg.replace(lora=LoraConfig(rank=16)), (1, 8, 1))
+  # Rank 16 x (in + out) per projection: q and o (5120 + 5120), k and v (5120 + 1024), gate,
+  # up and down (5120 + 27648), 64 layers.
+  trainable = 64 * 16 * (2 * 10240 + 2 * 6144 + 3 * 32768)
+  assert adapted.num_trainable == trainable and adapted.num_params == QWEN32B_PARAMS + trainable
+  # Gradients and both AdamW moments: float32 adapters, at most replicated on every device.
+  assert adapted.grads_bytes_per_device <= 4 * trainable
+  assert adapted.optimizer_bytes_per_device == 2 * adapted.grads_bytes_per_device
+  full = memory_plan.plan(cfg, (1, 8, 1))
+  assert adapted.params_bytes_per_device - full.params_bytes_per_device <= 4 * trainable
+  assert full.total_bytes_per_device > 3 * adapted.total_bytes_per_device
+
+
+def test_the_32b_lora_preset_fits_one_node_of_8_h100_and_full_finetuning_does_not():
+  """Full fine-tuning as the qwen2.5-32b preset does it (float32 master weights) needs 64 GB
+  of train state per GPU before activations, sampler copy and KV cache."""
+  run = _run("sage", "qwen2.5-32b-lora", hosts=1, devices_per_host=8)
+  result = memory_plan.run_plan(run, hosts=1, devices_per_host=8, device_memory_gib=79.6)
+  assert run.model.lora_rank == 16 and result.fits
+  full = run.__class__(**{**run.__dict__, "model": run.model.__class__(
+      **{**run.model.__dict__, "lora_rank": 0, "param_dtype": "float32"})})
+  assert memory_plan.run_plan(full, hosts=1, devices_per_host=8,
+                              device_memory_gib=79.6).fits is False

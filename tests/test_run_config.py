@@ -16,7 +16,8 @@ from sage_jax.configurable import ConfigError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Devices each preset is sized for: a CPU, one GPU, one 8-GPU node, a v5p-64 slice (32 chips).
-PRESETS = {"demo": 1, "qwen2.5-0.5b": 1, "qwen2.5-7b": 8, "qwen2.5-32b": 32}
+PRESETS = {"demo": 1, "qwen2.5-0.5b": 1, "qwen2.5-7b": 8, "qwen2.5-32b": 32,
+           "qwen2.5-32b-lora": 8}
 
 
 def _config(name, preset):

@@ -30,6 +30,7 @@ from safetensors.numpy import save_file
 
 from sage_jax import sharding as shd
 from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.model import lora
 from sage_jax.model.config import Qwen2Config
 from sage_jax.model.qwen2 import Qwen2
 
@@ -242,14 +243,19 @@ def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
             max_shard_bytes: int = 2 << 30, tokenizer_dir: str | None = None) -> list[str]:
   """Writes `model` as an HF checkpoint directory; returns the safetensors file names.
 
-  Tensors are gathered one at a time. Files go to `<out_dir>.tmp` first and are moved into
-  place at the end, so an interrupted export never looks complete. In a multi-host run every
-  process must call this (the gathers are collective); only process 0 writes.
+  Tensors are gathered one at a time. LoRA adapters are merged into their kernels as those are
+  written, so the files hold the adapted model's full weights. Files go to `<out_dir>.tmp`
+  first and are moved into place at the end, so an interrupted export never looks complete.
+  In a multi-host run every process must call this (the gathers are collective); only process
+  0 writes.
   """
   cfg = model.config
   dtype = dtype or cfg.param_dtype
   np_dtype = _NP_DTYPES[dtype]
-  params = _flat_paths(nnx.state(model, nnx.Param))
+  params = {path: v for path, v in _flat_paths(nnx.state(model, nnx.Param)).items()
+            if not isinstance(v, lora.LoraParam)}
+  adapters = {".".join(map(str, path)): adapter
+              for path, adapter in lora.adapters_by_kernel(model).items()}
   plan = _plan_shards(params, np.dtype(np_dtype).itemsize, max_shard_bytes)
   writer = jax.process_index() == 0
   tmp = out_dir.rstrip("/") + ".tmp"
@@ -261,7 +267,10 @@ def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
     tensors = {}
     for path in paths:
       hf_name, kind = path_to_hf(path)
-      tensors[hf_name] = to_hf_layout(_to_host(params[path].get_value()), kind).astype(np_dtype)
+      value = params[path].get_value()
+      if path in adapters:
+        value = lora.merge(value, adapters[path])
+      tensors[hf_name] = to_hf_layout(_to_host(value), kind).astype(np_dtype)
       weight_map[hf_name] = fname
     if writer:
       save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})

@@ -9,6 +9,8 @@ from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
 from sage_jax.checkpoint import gguf_import, hf
+from sage_jax.model import lora
+from sage_jax.model.attention_kernels import check_implementation
 from sage_jax.model.config import Qwen2Config, check_attention_block, check_remat, get_preset
 from sage_jax.model.qwen2 import Qwen2, init_model
 
@@ -55,10 +57,13 @@ class ModelSpec:
   remat / remat_layers: rematerialisation of decoder layers in training ("none", "full",
   "dots"; layers empty = all), which the activation memory of long sequences needs.
   attention_block: training attention over rows longer than this runs in blocks of this many
-  tokens, so its memory grows linearly with length (0 = dense). vocabulary: "full" (the
-  model's own; Qwen2.5's for a preset) or "compact" (a preset's vocabulary cut to the tokens
-  of the run's SFT corpus, `sage_jax.compact_tokenizer`: for small models, whose cost the
-  152k-token embedding and head would otherwise dominate)."""
+  tokens, so its memory grows linearly with length (0 = dense). attention_impl: training
+  attention's kernel ("auto", "xla", "cudnn", "splash"; `model.attention_kernels`).
+  lora_rank / lora_alpha / lora_targets: LoRA adapters (`sage_jax.model.lora`) on the loaded
+  weights, then frozen (rank 0 = full fine-tuning); adapters start from seed `seed`.
+  vocabulary: "full" (the model's own; Qwen2.5's for a preset) or "compact" (a preset's
+  vocabulary cut to the tokens of the run's SFT corpus, `sage_jax.compact_tokenizer`: for
+  small models, whose cost the 152k-token embedding and head would otherwise dominate)."""
 
   spec: str = ""
   preset: str = ""
@@ -68,6 +73,10 @@ class ModelSpec:
   remat: str = "none"
   remat_layers: tuple[int, ...] = ()
   attention_block: int = 0
+  attention_impl: str = "auto"
+  lora_rank: int = 0
+  lora_alpha: float = 32.0
+  lora_targets: tuple[str, ...] = lora.PROJECTIONS
   vocabulary: str = "full"
 
   def __post_init__(self):
@@ -80,6 +89,12 @@ class ModelSpec:
                        f"the trained weights of spec={self.spec!r}")
     check_remat(self.remat)
     check_attention_block(self.attention_block)
+    check_implementation(self.attention_impl)
+    self.lora_config  # noqa: B018 - checks the LoRA keys
+
+  @property
+  def lora_config(self) -> lora.LoraConfig:
+    return lora.LoraConfig(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
 
 
 def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
@@ -103,5 +118,10 @@ def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
                        dtype=spec.dtype or None)
   # Remat and blocked attention change how the forward pass is traced, not the weights.
   model.config = model.config.replace(remat=spec.remat, remat_layers=spec.remat_layers,
-                                      attention_block=spec.attention_block)
+                                      attention_block=spec.attention_block,
+                                      attention_impl=spec.attention_impl)
+  if spec.lora_config.enabled:
+    lora.add_adapters(model, spec.lora_config, seed=spec.seed)
+    if mesh is not None:
+      shd.place(model, mesh, rules)
   return model

@@ -13,6 +13,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from sage_jax.model.attention_kernels import check_implementation
+from sage_jax.model.lora import LoraConfig
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -65,6 +68,11 @@ class Qwen2Config:
   # Training attention over rows longer than this many tokens runs this many at a time
   # (`blocked_attention`): memory grows with length x block, not length^2. 0 = always dense.
   attention_block: int = 0
+  # Training attention's kernel (`attention_kernels`): "auto" (cuDNN on GPU, Pallas splash on
+  # TPU, XLA elsewhere), "xla" (dense or blocked as above), "cudnn" or "splash".
+  attention_impl: str = "auto"
+  # Low-rank adapters on the projections (`lora.add_adapters` sets this; rank 0 = none).
+  lora: LoraConfig = LoraConfig()
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -75,6 +83,7 @@ class Qwen2Config:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     check_remat(self.remat)
     check_attention_block(self.attention_block)
+    check_implementation(self.attention_impl)
     dtype_from_name(self.param_dtype)
     dtype_from_name(self.dtype)
 

@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sage_jax.model.attention_kernels import KernelCausal, kernel_attention, kernel_for
 from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from sage_jax.model.config import Qwen2Config
+from sage_jax.model.lora import Adapter
 from sage_jax.sharding import constrain
 
 _F32 = jnp.float32
@@ -119,7 +121,7 @@ def project(x: jax.Array, w: jax.Array, **dot_kwargs) -> jax.Array:
 class Linear(nnx.Module):
   """y = x . kernel (+ bias) with kernel [out..., in...] (torch's [out, in] order), contracted
   over its `n_in` trailing axes (flattened, see `project`). `axes` name the kernel's axes in
-  that order.
+  that order. `lora`: an optional low-rank adapter (`lora.add_adapters`) added to the output.
   """
 
   def __init__(self, in_shape, out_shape, axes, *, bias: bool, param_dtype, rngs):
@@ -128,12 +130,16 @@ class Linear(nnx.Module):
     self.kernel = _param(rngs, out_shape + in_shape, param_dtype, axes, "normal")
     self.bias = (_param(None, out_shape, param_dtype, axes[:len(out_shape)], "zeros")
                  if bias else None)
+    self.lora: Adapter | None = nnx.data(None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.kernel[...].astype(x.dtype)
     out_shape = kernel.shape[:kernel.ndim - self.n_in]
     lead = x.shape[:x.ndim - self.n_in]
-    y = project(x.reshape(lead + (-1,)), kernel.reshape(math.prod(out_shape), -1))
+    flat_x = x.reshape(lead + (-1,))
+    y = project(flat_x, kernel.reshape(math.prod(out_shape), -1))
+    if self.lora is not None:
+      y = y + self.lora(flat_x, project)
     y = y.reshape(lead + out_shape)
     if self.bias is not None:
       y = y + self.bias[...].astype(x.dtype)
@@ -170,7 +176,9 @@ class Attention(nnx.Module):
       k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     b, t, h, d = q.shape
     q_groups = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
-    if isinstance(mask, BlockedCausal):
+    if isinstance(mask, KernelCausal):
+      out = kernel_attention(q_groups, k, v, mask).reshape(b, t, h, d)
+    elif isinstance(mask, BlockedCausal):
       out = blocked_attention(q_groups, k, v, mask).reshape(b, t, h, d)
     elif kv_cache is not None and t == 1:
       out = _decode_attention(q[:, 0], k, v, mask[:, 0])
@@ -283,8 +291,13 @@ class Qwen2(nnx.Module):
     cfg = self.config
     x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(cfg.jnp_dtype)
     x = constrain(x, ("act_batch", "act_len", "act_embed"))
-    if cache is None and 0 < cfg.attention_block < tokens.shape[1]:
-      segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+    segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+    # Fused kernels serve training rows; sampling with a cache keeps the XLA paths.
+    kernel = "xla" if cache is not None else kernel_for(cfg.attention_impl, cfg.jnp_dtype,
+                                                         cfg.head_dim)
+    if kernel != "xla":
+      mask = KernelCausal(segments, kernel)
+    elif cache is None and 0 < cfg.attention_block < tokens.shape[1]:
       mask = BlockedCausal(segments, cfg.attention_block)
     elif cache is None:
       mask = _training_mask(tokens.shape, segment_ids)

@@ -9,7 +9,8 @@ holds follow; nothing is allocated, so a 72B plan runs on a laptop.
       --devices_per_host=4 --device_memory_gib=95
 
 With --config, the plan covers the whole run on the named hardware: the train state (params,
-gradients, AdamW moments) on the training mesh over every device, the frozen KL reference
+gradients, AdamW moments; with LoRA, gradients and moments of the adapters only) on the
+training mesh over every device, the frozen KL reference
 when KL is on, the activations of one micro-batch (an estimate, see `activation_bytes`), and
 on each host the sampler's copy of the weights and its KV cache (slots x max_len), which
 live on the same devices as the train state.
@@ -30,13 +31,16 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from sage_jax import sharding as shd
+from sage_jax.model import lora
 from sage_jax.model.config import Qwen2Config, get_preset
 from sage_jax.model.qwen2 import Qwen2
+from sage_jax.train.state import split_trainable
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
   num_params: int
+  num_trainable: int
   mesh: dict[str, int]
   params_bytes_per_device: int
   grads_bytes_per_device: int
@@ -74,26 +78,34 @@ def _tree_bytes(abstract_tree, axes_tree, mesh, rules) -> int:
 def plan(cfg: Qwen2Config, mesh_shape: tuple[int, int, int],
          rules: shd.ShardingRules = shd.ShardingRules(), mu_dtype: str | None = None,
          grad_dtype: str | None = None) -> MemoryPlan:
-  """Bytes per device of params, gradients and AdamW moments for `cfg` on a mesh."""
+  """Bytes per device of params, gradients and AdamW moments for `cfg` on a mesh. With LoRA
+  (`cfg.lora`), params include the adapters and the frozen base; gradients and moments cover
+  the adapters only."""
   mesh = AbstractMesh(tuple(mesh_shape), shd.MESH_AXES)
-  model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+  base = cfg.replace(lora=lora.LoraConfig())
+  model = nnx.eval_shape(lambda: lora.add_adapters(Qwen2(base, rngs=nnx.Rngs(0)), cfg.lora))
   params = nnx.state(model, nnx.Param)
-  values = jax.tree.map(lambda v: v.get_value(), params,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
-  axes = jax.tree.map(shd.logical_axes_of, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  trainable = split_trainable(params)[0]
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  values = jax.tree.map(lambda v: v.get_value(), params, is_leaf=is_var)
+  axes = jax.tree.map(shd.logical_axes_of, params, is_leaf=is_var)
+  train_values = jax.tree.map(lambda v: v.get_value(), trainable, is_leaf=is_var)
+  train_axes = jax.tree.map(shd.logical_axes_of, trainable, is_leaf=is_var)
   tx = optax.adamw(1e-5, mu_dtype=mu_dtype and jnp.dtype(mu_dtype))
-  opt_state = jax.eval_shape(tx.init, values)
-  # AdamW's moments mirror the params tree (and so its sharding); scalars are negligible.
+  opt_state = jax.eval_shape(tx.init, train_values)
+  # AdamW's moments mirror the trainable tree (and so its sharding); scalars are negligible.
   moments = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
       x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
-  opt_bytes = sum(_tree_bytes(m.mu, axes, mesh, rules) + _tree_bytes(m.nu, axes, mesh, rules)
-                  for m in moments)
-  grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, grad_dtype or x.dtype), values)
+  opt_bytes = sum(_tree_bytes(m.mu, train_axes, mesh, rules)
+                  + _tree_bytes(m.nu, train_axes, mesh, rules) for m in moments)
+  grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, grad_dtype or x.dtype),
+                       train_values)
   return MemoryPlan(
       num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(values)),
+      num_trainable=sum(math.prod(x.shape) for x in jax.tree.leaves(train_values)),
       mesh=dict(zip(shd.MESH_AXES, mesh_shape)),
       params_bytes_per_device=_tree_bytes(values, axes, mesh, rules),
-      grads_bytes_per_device=_tree_bytes(grads, axes, mesh, rules),
+      grads_bytes_per_device=_tree_bytes(grads, train_axes, mesh, rules),
       optimizer_bytes_per_device=opt_bytes)
 
 
@@ -123,7 +135,8 @@ class RunPlan:
   def as_dict(self) -> dict:
     gib = lambda b: round(b / 2**30, 2)
     return {
-        "num_params": self.train.num_params, "mesh": self.train.mesh,
+        "num_params": self.train.num_params, "num_trainable": self.train.num_trainable,
+        "mesh": self.train.mesh,
         "gib_per_device": {
             "params": gib(self.train.params_bytes_per_device),
             "grads": gib(self.train.grads_bytes_per_device),
@@ -233,7 +246,8 @@ def _model_config(spec) -> Qwen2Config:
     cfg = get_preset("qwen2.5-0.5b", **dtypes)
   else:
     cfg = Qwen2Config.from_hf(spec.spec, **dtypes)
-  return cfg.replace(remat=spec.remat, attention_block=spec.attention_block)
+  return cfg.replace(remat=spec.remat, attention_block=spec.attention_block,
+                     lora=spec.lora_config)
 
 
 def main(argv):

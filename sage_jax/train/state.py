@@ -2,8 +2,9 @@
 
 Parameters are the model's `nnx.State` (what `nnx.split(model)` returns), stored in the model
 config's `param_dtype` (float32 master weights while `dtype` runs the matmuls in bfloat16, if
-so configured). The optimiser's moments take each parameter's sharding; its counters are
-replicated.
+so configured). The optimiser covers the trainable part (`split_trainable`: the LoRA adapters
+of a model that has them, else everything); its moments take each parameter's sharding, its
+counters are replicated.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sage_jax import sharding as shd
+from sage_jax.model.lora import LoraParam
 
 
 @jax.tree_util.register_dataclass
@@ -35,13 +37,30 @@ class TrainState:
     return dataclasses.replace(self, **changes)
 
 
+def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State]:
+  """(trainable, frozen) parts of a model's state: the LoRA adapters and the frozen base when
+  the model has adapters, else every parameter and nothing. Only the trainable part gets
+  gradients and optimiser moments."""
+  flat = nnx.to_flat_state(params)
+  if not any(isinstance(v, LoraParam) for _, v in flat):
+    return params, nnx.State({})
+  trainable, frozen = nnx.split_state(params, LoraParam, ...)
+  return trainable, frozen
+
+
+def merge_trainable(trainable: nnx.State, frozen: nnx.State) -> nnx.State:
+  """The inverse of `split_trainable`."""
+  return nnx.merge_state(trainable, frozen)
+
+
 def state_shardings(params: nnx.State, tx: optax.GradientTransformation, mesh: Mesh,
                     rules: shd.ShardingRules = shd.ShardingRules()) -> TrainState:
   """NamedShardings for every leaf of the TrainState built from `params` (real or abstract)."""
   param_sh = shd.state_shardings(params, mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
-  abstract_opt = jax.eval_shape(tx.init, params)
-  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
+  abstract_opt = jax.eval_shape(tx.init, split_trainable(params)[0])
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt,
+                                 split_trainable(param_sh)[0],
                                  transform_non_params=lambda _: replicated)
   return TrainState(params=param_sh, opt_state=opt_sh, step=replicated, rng=replicated)
 
@@ -51,7 +70,7 @@ def create_train_state(params: nnx.State, tx: optax.GradientTransformation, *, s
   """A fresh state at step 0 (the parameters are placed, then used as they are)."""
 
   def init(params):
-    return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+    return TrainState(params=params, opt_state=tx.init(split_trainable(params)[0]), step=jnp.zeros((), jnp.int32),
                       rng=jax.random.key_data(jax.random.key(seed)))
 
   if shardings is None:

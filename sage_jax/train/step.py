@@ -34,7 +34,7 @@ from sage_jax.rl.batch import TrainBatch
 from sage_jax.train.logprobs import token_logprobs
 from sage_jax.train.optimizer import OptimizerConfig, make_optimizer
 from sage_jax.train.state import (TrainState, abstract_train_state, create_train_state,
-                                  state_shardings)
+                                  merge_trainable, split_trainable, state_shardings)
 
 LossFn = Callable[[Qwen2, TrainBatch], tuple[jax.Array, dict[str, jax.Array]]]
 BATCH_AXES = (None, "act_batch", None)  # [micro, rows, positions]
@@ -78,16 +78,20 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
                     schedule: optax.Schedule, *, mesh: Mesh | None = None,
                     rules: shd.ShardingRules = shd.ShardingRules(),
                     param_shardings: Any = None, skip_empty_micro_batches: bool = True):
-  """The pure (un-jitted) train step `(state, batch) -> (state, metrics)`."""
+  """The pure (un-jitted) train step `(state, batch) -> (state, metrics)`. Only the trainable
+  part of the parameters (`state.split_trainable`) is differentiated and updated; a frozen
+  base passes through unchanged. `param_shardings`: those of the trainable part."""
 
   def rules_ctx():
     return contextlib.nullcontext() if mesh is None else shd.use_rules(mesh, rules)
 
   def micro_grads(params, micro: TrainBatch):
-    def objective(p):
-      return loss_fn(nnx.merge(graphdef, p), micro)
+    trainable, frozen = split_trainable(params)
 
-    (loss, stats), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    def objective(p):
+      return loss_fn(nnx.merge(graphdef, merge_trainable(p, frozen)), micro)
+
+    (loss, stats), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
     grads = jax.tree.map(lambda g: g.astype(_F32), grads)
     if param_shardings is not None:
       grads = jax.lax.with_sharding_constraint(grads, param_shardings)
@@ -116,9 +120,10 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
 
       (loss, stats, grads), _ = jax.lax.scan(body, empty, batch)
       grad_norm = optax.tree.norm(grads)
-      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-      updates, opt_state = tx.update(grads, state.opt_state, params)
-      new_params = optax.apply_updates(params, updates)
+      trainable, frozen = split_trainable(params)
+      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
+      updates, opt_state = tx.update(grads, state.opt_state, trainable)
+      new_params = merge_trainable(optax.apply_updates(trainable, updates), frozen)
       total_tokens = jnp.sum(batch.loss_mask)
       metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                  "loss_tokens": total_tokens, **_reduce_stats(stats, total_tokens)}
@@ -152,7 +157,7 @@ class Trainer:
     self.state = create_train_state(params, self.tx, seed=config.seed, shardings=self.shardings)
     step = make_train_step(
         self.graphdef, loss_fn, self.tx, self.schedule, mesh=mesh, rules=rules,
-        param_shardings=None if mesh is None else self.shardings.params,
+        param_shardings=None if mesh is None else split_trainable(self.shardings.params)[0],
         skip_empty_micro_batches=config.skip_empty_micro_batches)
     sh = self.shardings
     self._step = jax.jit(step, donate_argnums=0,

@@ -1,0 +1,169 @@
+"""LoRA adapters: a fresh adapter changes nothing, merging equals running unmerged, and a GRPO
+step (single device and sharded over 8) trains the adapters only, with the base bit-identical
+and optimiser moments for the adapters alone."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sage_jax import sharding as shd
+from sage_jax.model import get_preset, init_model
+from sage_jax.model import lora
+from sage_jax.rl import batch as B
+from sage_jax.rl import grpo
+from sage_jax.train import optimizer as opt
+from sage_jax.train.step import Trainer
+
+VOCAB = 64
+CFG = get_preset("tiny").replace(vocab_size=VOCAB)
+LORA = lora.LoraConfig(rank=4, alpha=8.0)
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 9)))
+POSITIONS = jnp.broadcast_to(jnp.arange(9), (2, 9))
+
+
+def _randomise_b(model, seed=1):
+  """B starts at zero; give it values so the adapters do something."""
+  rng = np.random.default_rng(seed)
+  for path, var in nnx.to_flat_state(nnx.state(model, lora.LoraParam)):
+    if path[-1] == "b":
+      var.set_value(jnp.asarray(rng.normal(size=var.shape) * 0.05, jnp.float32))
+
+
+def _adapted(seed=0, targets=lora.PROJECTIONS, cfg=CFG):
+  return lora.add_adapters(init_model(cfg, seed=seed), lora.LoraConfig(4, 8.0, targets))
+
+
+def test_fresh_adapters_change_nothing_and_count_rank_times_in_plus_out():
+  base, _ = init_model(CFG, seed=0)(TOKENS, POSITIONS)
+  model = _adapted()
+  out, _ = model(TOKENS, POSITIONS)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(base))
+  e, i, q, kv = CFG.hidden_size, CFG.intermediate_size, 4 * 16, 2 * 16
+  per_layer = LORA.rank * (2 * (e + q) + 2 * (e + kv) + 3 * (e + i))  # q, o; k, v; MLP
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(model, lora.LoraParam)))
+  assert count == per_layer * CFG.num_hidden_layers
+  assert model.config.lora == LORA
+
+
+def test_targets_pick_projections():
+  model = _adapted(targets=("q_proj", "down_proj"))
+  attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+  assert attn.q_proj.lora is not None and mlp.down_proj.lora is not None
+  assert attn.k_proj.lora is None and mlp.up_proj.lora is None and attn.o_proj.lora is None
+
+
+def test_merged_state_equals_unmerged_forward():
+  model = _adapted()
+  _randomise_b(model)
+  unmerged, _ = model(TOKENS, POSITIONS)
+  base, _ = init_model(CFG, seed=0)(TOKENS, POSITIONS)
+  assert np.abs(np.asarray(unmerged) - np.asarray(base)).max() > 0.1
+  plain = init_model(CFG, seed=5)
+  nnx.update(plain, lora.merged_state(model))
+  merged, _ = plain(TOKENS, POSITIONS)
+  np.testing.assert_allclose(np.asarray(merged), np.asarray(unmerged), atol=2e-5, rtol=1e-5)
+
+
+def test_bad_configs_are_named():
+  with pytest.raises(ValueError, match="rank"):
+    lora.LoraConfig(rank=-1)
+  with pytest.raises(ValueError, match="targets"):
+    lora.LoraConfig(rank=4, targets=("qkv",))
+  with pytest.raises(ValueError, match="already has"):
+    lora.add_adapters(_adapted(), LORA)
+
+
+def _records(n, seed=0):
+  rng = np.random.default_rng(seed)
+  recs = []
+  for _ in range(n):
+    length = int(rng.integers(6, 16))
+    mask = (rng.random(length) < 0.7).astype(np.int8)
+    mask[0] = 0
+    lp = np.where(mask, rng.normal(size=length) * 0.3 - 4.2, 0).astype(np.float32)
+    recs.append(dict(tokens=rng.integers(0, VOCAB, length), loss_mask=mask, model_logprobs=lp,
+                     sampler_logprobs=lp, advantage=float(rng.normal())))
+  return recs
+
+
+def _flat(state):
+  return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state)}
+
+
+@pytest.fixture
+def no_compilation_cache():
+  """This step's 8-device executable, read back from JAX's persistent compilation cache,
+  deadlocks in XLA:CPU's all-reduce rendezvous (devices wait in different all-reduces);
+  compiled afresh it runs. The cache stays on for every other test."""
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["1-device", "8-devices"])
+def test_grpo_step_moves_only_the_adapters(sharded, no_compilation_cache):
+  # The frozen base in bfloat16, the adapters in float32.
+  model = _adapted(cfg=CFG.replace(param_dtype="bfloat16"))
+  _randomise_b(model)
+  mesh = None
+  if sharded:
+    mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
+    shd.place(model, mesh)
+  before = _flat(nnx.state(model))
+  optim = opt.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.01)
+  trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()), optim, mesh=mesh)
+  cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16,),
+                      row_multiple=4)
+  for seed in range(2):
+    metrics = trainer.step(B.make_batch(_records(8, seed), cfg)[0])
+    assert float(metrics["grad_norm"]) > 0
+  after = _flat(trainer.params)
+  assert after.keys() == before.keys()
+  moved = {p for p in after if not np.array_equal(after[p], before[p])}
+  adapters = {p for p in after if "lora" in p}
+  assert moved == adapters and len(adapters) == 2 * 7 * CFG.num_hidden_layers
+  assert {after[p].dtype for p in adapters} == {np.dtype(np.float32)}
+  assert after[("layers", 0, "mlp", "up_proj", "kernel")].dtype == jnp.bfloat16
+  moments = jax.tree.leaves(trainer.state.opt_state)
+  adapter_numbers = sum(after[p].size for p in adapters)
+  # mu and nu for the adapters, plus scalar counters; nothing for the base.
+  assert sum(x.size for x in moments) - adapter_numbers * 2 < 8
+
+
+def test_model_section_adds_adapters_on_the_mesh_and_names_bad_keys():
+  from sage_jax.checkpoint import loader  # noqa: PLC0415
+
+  mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
+  spec = loader.ModelSpec(preset="tiny", lora_rank=8, lora_alpha=16.0,
+                          lora_targets=("q_proj", "up_proj"))
+  model = loader.build_model(spec, mesh=mesh)
+  assert model.config.lora == lora.LoraConfig(8, 16.0, ("q_proj", "up_proj"))
+  b = model.layers[1].mlp.up_proj.lora.b[...]
+  assert b.shape == (CFG.intermediate_size, 8) and len(b.sharding.device_set) == 8
+  assert model.layers[1].mlp.down_proj.lora is None
+  with pytest.raises(ValueError, match="targets"):
+    loader.ModelSpec(preset="tiny", lora_rank=8, lora_targets=("mlp",))
+
+
+def test_sampler_runs_unmerged_adapters_like_the_merged_model():
+  from sage_jax.sampler import Engine, EngineConfig, SamplingParams  # noqa: PLC0415
+
+  def scaled(model):  # larger weights, so greedy outputs depend on the context
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, state))
+
+  adapted = lora.add_adapters(scaled(init_model(CFG, seed=0)), LORA)
+  _randomise_b(adapted)
+  plain = init_model(CFG, seed=5)
+  nnx.update(plain, lora.merged_state(adapted))
+  engine_config = EngineConfig(num_slots=2, max_len=64, prefill_buckets=(8, 32), min_attend=32,
+                               steps_per_call=4, max_top_k=16)
+  prompts = [list(range(1, 12)), [5, 9, 2]]
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+  got = Engine(adapted, engine_config, eos_ids=()).generate(prompts, greedy)
+  want = Engine(plain, engine_config, eos_ids=()).generate(prompts, greedy)
+  for g, w in zip(got, want):
+    assert g.tokens == w.tokens
+    np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-4)

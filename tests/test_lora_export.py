@@ -1,0 +1,109 @@
+"""Export of a LoRA-adapted model: merged full weights reload in transformers' Qwen2 with our
+logits, and the PEFT adapter applied by `peft` to the base weights gives the same logits."""
+
+import json
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file
+
+from sage_jax.checkpoint import hf
+from sage_jax.checkpoint.peft_adapter import save_peft_adapter
+from sage_jax.model import lora
+from tests.hf_reference import hf_logits, tiny_hf_model
+
+TOKENS = np.random.RandomState(0).randint(0, 512, (2, 16))
+
+
+def _adapted(src, targets=lora.PROJECTIONS):
+  model = lora.add_adapters(hf.load_hf(src), lora.LoraConfig(rank=4, alpha=8.0,
+                                                             targets=targets), seed=3)
+  rng = np.random.default_rng(1)
+  for path, var in nnx.to_flat_state(nnx.state(model, lora.LoraParam)):
+    if path[-1] == "b":  # B starts at zero; make the adapters matter
+      var.set_value(jnp.asarray(rng.normal(size=var.shape) * 0.05, jnp.float32))
+  return model
+
+
+def _logits(model):
+  positions = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
+  return np.asarray(model(jnp.asarray(TOKENS), positions)[0])
+
+
+def _load(directory):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no missing / unexpected weight warnings
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager", output_loading_info=True)
+  assert not any(info.values()), info
+  return model.eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_merged_export_reloads_in_transformers_with_same_logits(tmp_path, tied):
+  tiny_hf_model(str(tmp_path / "src"), tied=tied)
+  model = _adapted(str(tmp_path / "src"))
+  ours = _logits(model)
+  base = hf_logits(_load(str(tmp_path / "src")), TOKENS)
+  assert np.abs(ours - base).max() > 1e-2  # the adapters change the model
+  hf.save_hf(model, str(tmp_path / "merged"))
+  index = json.load(open(tmp_path / "merged" / "model.safetensors.index.json"))
+  assert not any("lora" in name for name in index["weight_map"])
+  np.testing.assert_allclose(hf_logits(_load(str(tmp_path / "merged")), TOKENS), ours,
+                             atol=1e-4)
+
+
+def test_peft_adapter_loads_in_peft_with_same_logits(tmp_path):
+  tiny_hf_model(str(tmp_path / "src"), tied=False)
+  model = _adapted(str(tmp_path / "src"), targets=("q_proj", "o_proj", "down_proj"))
+  names = save_peft_adapter(model, str(tmp_path / "adapter"), base_model=str(tmp_path / "src"))
+  assert "base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight" in names
+  saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+  assert saved["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, 64)
+  assert saved["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].shape == (64, 4)
+  assert len(saved) == 2 * 3 * 2
+  base = _load(str(tmp_path / "src"))
+  assert np.abs(hf_logits(base, TOKENS) - _logits(model)).max() > 1e-2
+  adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+  np.testing.assert_allclose(hf_logits(adapted, TOKENS), _logits(model), atol=1e-4)
+
+
+def test_peft_export_of_a_model_without_adapters_is_refused(tmp_path):
+  tiny_hf_model(str(tmp_path / "src"))
+  with pytest.raises(ValueError, match="no LoRA adapters"):
+    save_peft_adapter(hf.load_hf(str(tmp_path / "src")), str(tmp_path / "adapter"))
+  assert not (tmp_path / "adapter").exists()
+
+
+def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
+  """A LoRA run's checkpoint through `sage_jax.export`: the merged model and the adapter."""
+  from sage_jax import export, run_config  # noqa: PLC0415
+  from sage_jax.checkpoint import loader  # noqa: PLC0415
+  from sage_jax.rl import grpo  # noqa: PLC0415
+  from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: PLC0415
+  from sage_jax.train.step import Trainer  # noqa: PLC0415
+
+  config = run_config.defaults()
+  config.model.update(preset="tiny", lora_rank=4, lora_alpha=8.0)
+  run = run_config.resolve(config)
+  model = loader.build_model(run.model)
+  rng = np.random.default_rng(2)
+  for path, var in nnx.to_flat_state(nnx.state(model, lora.LoraParam)):
+    var.set_value(jnp.asarray(rng.normal(size=var.shape) * 0.05, jnp.float32))
+  trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()), run.optimizer)
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(run_config.with_seeds(config, run), f)
+  checkpointer = Checkpointer(CheckpointConfig(directory=str(tmp_path / "checkpoints"),
+                                               async_save=False))
+  checkpointer.save(3, trainer.state)
+  checkpointer.close()
+  export.export(str(tmp_path), str(tmp_path / "hf"))
+  ours = _logits(trainer.model())
+  np.testing.assert_allclose(hf_logits(_load(str(tmp_path / "hf")), TOKENS), ours, atol=1e-4)
+  config_json = json.load(open(tmp_path / "hf" / export.ADAPTER_DIR / "adapter_config.json"))
+  assert (config_json["r"], config_json["lora_alpha"]) == (4, 8.0)
