@@ -44,8 +44,8 @@ TASKS_PER_SCENARIO = 3  # AppWorld's official splits and the mini world alike
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
   """stages: what `sage_jax.train` runs, in order ("sft", "rl"). data: "mini" (the offline
-  mini AppWorld, built on first use) or an APPWORLD_ROOT. train_split / dev_split: dataset
-  splits for rollouts and evaluation. chains_per_step: chains sampled per RL step (each run by
+  mini AppWorld, built on first use) or an APPWORLD_ROOT. train_split: the dataset split of
+  the rollouts (dev evaluation runs on eval.split). chains_per_step: chains sampled per RL step (each run by
   rollout.group_size rollouts). expert_trajectories: an SFT JSONL file ("" = made from the
   gold solutions of the train split). eval_before / eval_after: dev evaluation around
   training. export: write the final model in HF format to <workdir>/hf. plot: PNG curves."""
@@ -53,7 +53,6 @@ class PipelineConfig:
   stages: tuple[str, ...] = ("sft", "rl")
   data: str = "mini"
   train_split: str = "train"
-  dev_split: str = "dev"
   chains_per_step: int = 4
   expert_trajectories: str = ""
   eval_before: bool = True
@@ -93,6 +92,17 @@ SECTIONS: dict[str, type] = {
     "sft": SFTConfig,
     "sft_optimizer": OptimizerConfig,
     "eval": EvalConfig,
+}
+
+
+# Keys a training run sets itself, from --workdir and pipeline.data: setting one is an error
+# rather than a value silently replaced.
+SET_BY_THE_RUN = {
+    "pool.appworld_root": "pipeline.data",
+    "expert.appworld_root": "pipeline.data",
+    "expert.outputs_root": "the pool's outputs (pool.outputs_root)",
+    "checkpoint.directory": "--workdir",
+    "metrics.log_dir": "--workdir",
 }
 
 
@@ -184,6 +194,11 @@ def resolve(config: Any, num_devices: int | None = None,
       sections[name] = {**section, "seed": component_seed(seed, name)}
   built = {name: build(cls, sections.get(name) or {}, f"config.{name}")
            for name, cls in SECTIONS.items()}
+  for key, source in SET_BY_THE_RUN.items():
+    section, field = key.split(".")
+    default = next(f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == field)
+    if getattr(built[section], field) != default:
+      raise ConfigError(f"config.{key}: set by the run from {source}; leave it unset")
   run = RunConfig(seed=seed, **built)
   _check(run, num_devices, local_devices)
   return run

@@ -72,9 +72,8 @@ def grpo_trainer(model: Qwen2, grpo_config: grpo.GRPOConfig = grpo.GRPOConfig(),
                  config: TrainerConfig = TrainerConfig(), *, mesh: Mesh | None = None,
                  rules: shd.ShardingRules = shd.ShardingRules()) -> Trainer:
   """A Trainer whose loss is the GRPO loss of `grpo_config`."""
-  config = dataclasses.replace(config, logprob_chunk=grpo_config.logprob_chunk)
   return Trainer(model, grpo.make_loss_fn(grpo_config), optimizer, config, mesh=mesh,
-                 rules=rules)
+                 rules=rules, logprob_chunk=grpo_config.logprob_chunk)
 
 
 def frozen_copy(params: nnx.State) -> nnx.State:
