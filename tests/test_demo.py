@@ -43,6 +43,8 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2]
   assert os.path.isdir(workdir / "checkpoints" / "2")
+  # chains_per_step x group_size x chain_length episodes per SAGE step.
+  assert all(r["compute/episodes"] == 2 * 2 * 2 for r in rows)
   assert os.path.exists(workdir / "plots" / "training.png")
 
   # The export command writes what transformers loads; it equals the run's own export.
@@ -91,6 +93,9 @@ def test_grpo_baseline_config(tmp_path):
   assert row["step"] == 1  # one task per rollout: chain position 0 only
   assert any(k.startswith("reward/pos0") for k in row)
   assert not any(k.startswith("reward/pos1") for k in row)
+  # chains_per_step x group_size single-task episodes, every one logged with its tokens.
+  assert row["compute/episodes"] == 2 * 2 and row["compute/trained_tokens"] > 0
+  assert row["compute/prompt_tokens"] > row["compute/generated_tokens"] > 0
 
 
 def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
