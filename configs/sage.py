@@ -32,8 +32,8 @@ from sage_jax import run_config
 def get_config(preset: str = "demo"):
   c = run_config.defaults()
   c.reward.variant = "sage"
-  c.rollout.chain_length = 2
-  c.rollout.single_task = False
+  c.grpo.chain_length = 2
+  c.grpo.single_task = False
   c.agent.use_library = True
   c.retrieval.strategy = "same_scenario"
   c.grpo.kl_coef = 0.0
@@ -51,7 +51,7 @@ def apply_preset(c, preset: str):
     c.engine.update(num_slots=8, max_len=3072, prefill_buckets=(64, 256, 1024),
                     min_attend=512, steps_per_call=8)
     c.agent.update(max_steps=2, max_turn_tokens=24, max_episode_tokens=3072, temperature=1.0)
-    c.rollout.group_size = 2
+    c.grpo.group_size = 2
     c.pipeline.update(chains_per_step=2)
     c.eval.update(max_scenarios=2, split="dev")
     c.batch.update(micro_batch_tokens=4096, length_buckets=(512, 1024, 2048, 4096))
@@ -71,7 +71,7 @@ def apply_preset(c, preset: str):
     c.pool.num_workers = 16
     c.engine.update(num_slots=32, max_len=8192, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=10, max_turn_tokens=512, max_episode_tokens=8192)
-    c.rollout.group_size = 4
+    c.grpo.group_size = 4
     c.pipeline.chains_per_step = 8
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10)
     c.sft_optimizer.update(learning_rate=1e-5, warmup_steps=10)
@@ -85,7 +85,7 @@ def apply_preset(c, preset: str):
     c.pool.num_workers = 32
     c.engine.update(num_slots=64, max_len=16384, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=20, max_turn_tokens=1024, max_episode_tokens=16384)
-    c.rollout.group_size = 8
+    c.grpo.group_size = 8
     c.pipeline.chains_per_step = 8
     # 4 rows of 16k per micro-batch: one per data x fsdp slice of the 8 GPUs.
     c.batch.update(micro_batch_tokens=65536, row_multiple=4)
@@ -104,7 +104,7 @@ def apply_preset(c, preset: str):
     c.pool.num_workers = 32
     c.engine.update(num_slots=32, max_len=16384, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=30, max_turn_tokens=1024, max_episode_tokens=16384)
-    c.rollout.group_size = 8
+    c.grpo.group_size = 8
     c.pipeline.chains_per_step = 16
     # 8 rows of 16k per micro-batch: one per fsdp slice (8 hosts x 4 chips, tensor 4).
     c.batch.update(micro_batch_tokens=131072, row_multiple=8)

@@ -33,7 +33,7 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   assert set(first["before"]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}
   assert os.path.isdir(workdir / "checkpoints" / "1")
   config = json.load(open(workdir / "config.json"))
-  assert config["rollout"]["chain_length"] == 2
+  assert config["grpo"]["chain_length"] == 2
   # Dev evaluation samples greedily (the eval section), training at the agent's temperature.
   assert config["agent"]["temperature"] == 1.0 and config["eval"]["temperature"] == 0.0
   assert json.load(open(workdir / "eval_before" / "eval_dev.json"))["temperature"] == 0.0
@@ -88,7 +88,7 @@ def test_grpo_baseline_config(tmp_path):
          "--config.pipeline.eval_after=false", "--config.pipeline.plot=false",
          config="configs/grpo.py:demo")
   config = json.load(open(workdir / "config.json"))
-  assert config["rollout"]["single_task"] and config["reward"]["variant"] == "outcome"
+  assert config["grpo"]["single_task"] and config["reward"]["variant"] == "outcome"
   (row,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   assert row["step"] == 1  # one task per rollout: chain position 0 only
   assert any(k.startswith("reward/pos0") for k in row)
@@ -132,8 +132,8 @@ def test_kl_to_the_starting_model(tmp_path):
 
 
 def test_bad_config_fails_before_compiling(tmp_path):
-  for override, key in (("--config.rollout.group_size=1", "config.rollout.group_size"),
-                        ("--config.rollout.chain_length=4", "config.rollout.chain_length"),
+  for override, key in (("--config.grpo.group_size=1", "config.grpo.group_size"),
+                        ("--config.grpo.chain_length=4", "config.grpo.chain_length"),
                         ("--config.pipeline.chains_per_step=3", "config.pipeline.chains_per_step"),
                         ("--config.rollout.group_sise=4", "group_sise")):
     # 3 chains x group size 2 = 6 rollouts do not split over a data axis of 4.

@@ -38,6 +38,14 @@ def _leaves(run: run_config.RunConfig) -> dict[str, object]:
           for k, v in (value.items() if isinstance(value, dict) else [("", value)])}
 
 
+def _built_key(key: str) -> str:
+  """The RunConfig field a config key sets (a GRPO knob `grpo.<k>` builds another section)."""
+  section, _, name = key.partition(".")
+  if section == "grpo" and name in run_config.GRPO_KNOBS:
+    return ".".join(run_config.GRPO_KNOBS[name])
+  return key
+
+
 def _arm_problems(run: sweep.Run, preset: str) -> list[str]:
   """What makes `run` other than its stage command plus its swept keys: another stage config
   or preset; a key that differs from the stage without being swept; a swept value that does
@@ -51,13 +59,14 @@ def _arm_problems(run: sweep.Run, preset: str) -> list[str]:
   stages = {s: _leaves(_resolve_command([f"--config={s}:{preset}", "--workdir=w"]))
             for s in STAGES}
   base, (other,) = stages[stage], [v for s, v in stages.items() if s != stage]
-  swept = set(run.overrides)
+  overrides = {_built_key(k): v for k, v in run.overrides.items()}
+  swept = set(overrides)
   if "seed" in swept:  # the run seed moves every derived section seed
     swept |= {f"{s}.seed" for s in run_config.SEEDED_SECTIONS}
   problems = [f"{run.name}: {k} = {arm[k]!r} differs from {run.config} but is not swept"
               for k in sorted(arm) if arm[k] != base[k] and k not in swept]
   problems += [f"{run.name}: {k} resolves to {arm[k]!r}, swept {v!r}"
-               for k, v in run.overrides.items() if arm[k] != v]
+               for k, v in overrides.items() if arm[k] != v]
   method = [k for k in base if base[k] != other[k]]
   if sum(arm[k] == other[k] for k in method) > len(method) / 2:
     problems.append(f"{run.name}: its overrides make {run.config} the other stage; name that "
@@ -75,7 +84,7 @@ def test_every_arm_is_its_stage_command_plus_the_swept_keys(name, preset, monkey
 
 def test_the_check_catches_arms_that_are_not_their_stage(monkeypatch):
   monkeypatch.chdir(REPO)
-  baseline_from_sage = {"rollout.single_task": True, "rollout.chain_length": 1,
+  baseline_from_sage = {"grpo.single_task": True, "grpo.chain_length": 1,
                         "agent.use_library": False, "retrieval.strategy": "none",
                         "reward.variant": "outcome", "expert.use_library": False}
   runs = sweep.expand({"config": "configs/sage.py:demo", "axes": [{
