@@ -45,9 +45,9 @@ TASKS_PER_SCENARIO = 3  # AppWorld's official splits and the mini world alike
 class PipelineConfig:
   """stages: what `sage_jax.train` runs, in order ("sft", "rl"). data: "mini" (the offline
   mini AppWorld, built on first use) or an APPWORLD_ROOT. train_split: the dataset split of
-  the rollouts (dev evaluation runs on eval.split). chains_per_step: chains sampled per RL step (each run by
-  grpo.group_size rollouts). expert_trajectories: an SFT JSONL file ("" = made from the
-  gold solutions of the train split). eval_before / eval_after: dev evaluation around
+  the rollouts (dev evaluation runs on eval.split). chains_per_step: chains sampled per RL
+  step (each run by grpo.group_size rollouts). expert_trajectories: an SFT JSONL file ("" =
+  made from the gold solutions of the train split). eval_before / eval_after: dev evaluation around
   training. export: write the final model in HF format to <workdir>/hf. plot: PNG curves."""
 
   stages: tuple[str, ...] = ("sft", "rl")
@@ -122,6 +122,8 @@ SET_BY_THE_RUN = {
     "expert.outputs_root": "the pool's outputs (pool.outputs_root)",
     "checkpoint.directory": "--workdir",
     "metrics.log_dir": "--workdir",
+    "eval.data": "pipeline.data",
+    "eval.experiment": "the evaluation's name (eval_before, eval_step<N>, eval_after)",
 }
 
 

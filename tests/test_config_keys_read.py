@@ -17,8 +17,13 @@ check sees every branch; what keeps it from passing trivially:
 - a key that code replaces with a value not derived from the key itself
   (`dataclasses.replace(trainer_config, logprob_chunk=grpo.logprob_chunk)`) is overwritten;
   one derived from the key (`replace(rollout_config, seed=step_seed(rollout_config.seed,
-  step))`) is not. A key read as `x["key"]` counts too: sections go to the AppWorld worker
-  processes as dicts.
+  step))`) is not. So is a key replaced in a section passed on as a dict
+  (`{**config["eval"], "data": root}`). A key read as `x["key"]` counts too: sections go to
+  the AppWorld worker processes as dicts.
+
+What it cannot see: a key read and handed on to code that then does nothing with it
+(`sft.eval_every` reached the SFT loop without an evaluation to run; tests/test_demo.py
+checks that it evaluates).
 """
 
 from __future__ import annotations
@@ -134,6 +139,15 @@ class _Reads(ast.NodeVisitor):
     if (isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Constant)
         and isinstance(node.slice.value, str)):
       self.reads.append((ast.unparse(node.value), node.slice.value, frozenset()))
+    self.generic_visit(node)
+
+  def visit_Dict(self, node):
+    """`{**config["eval"], "data": root}`: a section sent on as a dict, a key replaced."""
+    for unpacked in (v for k, v in zip(node.keys, node.values) if k is None):
+      for key, value in zip(node.keys, node.values):
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+          self.replaces.append((ast.unparse(unpacked), key.value, ast.unparse(value),
+                                self._annotated(unpacked)))
     self.generic_visit(node)
 
   def visit_Call(self, node):

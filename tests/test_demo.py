@@ -76,8 +76,13 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
 
 def test_sft_only_config(tmp_path):
   workdir = tmp_path / "sft"
-  stdout = _train(workdir, "--config.pipeline.eval_before=false", config="configs/sft.py:demo")
+  stdout = _train(workdir, "--config.pipeline.eval_before=false", "--config.sft.eval_every=1",
+                  config="configs/sft.py:demo")
   assert "| tgc |" in stdout
+  # sft.eval_every: dev evaluation during SFT, logged with its step.
+  assert os.path.exists(workdir / "eval_sft_step1" / "eval_dev.json")
+  (row,) = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
+  assert "dev/tgc" in row
   assert not os.path.exists(workdir / "metrics.jsonl")  # no RL steps
   assert (workdir / "hf" / "config.json").exists()
 
