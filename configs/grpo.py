@@ -12,8 +12,8 @@ import sage  # noqa: E402  (configs/sage.py)
 
 def get_config(preset: str = "demo"):
   c = sage.get_config(preset)
-  c.rollout.single_task = True
-  c.rollout.chain_length = 1
+  c.grpo.single_task = True
+  c.grpo.chain_length = 1
   c.agent.use_library = False
   c.retrieval.strategy = "none"
   c.reward.variant = "outcome"

@@ -35,8 +35,8 @@ from sage_jax import run_config
 def get_config(preset: str = "demo"):
   c = run_config.defaults()
   c.reward.variant = "sage"
-  c.rollout.chain_length = 2
-  c.rollout.single_task = False
+  c.grpo.chain_length = 2
+  c.grpo.single_task = False
   c.agent.use_library = True
   c.retrieval.strategy = "same_scenario"
   c.grpo.kl_coef = 0.0
@@ -59,7 +59,7 @@ def apply_preset(c, preset: str):
                     min_attend=512, steps_per_call=8)
     # One turn per task: the gold trajectories solve each task in one reply.
     c.agent.update(max_steps=1, max_turn_tokens=384, max_episode_tokens=2048, temperature=0.6)
-    c.rollout.group_size = 4
+    c.grpo.group_size = 4
     c.pipeline.update(chains_per_step=2, train_scenarios=3, eval_train=True)
     c.eval.update(max_scenarios=2, split="dev")
     c.batch.update(micro_batch_tokens=2048, length_buckets=(1024, 2048))
@@ -78,7 +78,7 @@ def apply_preset(c, preset: str):
     c.pool.num_workers = 16
     c.engine.update(num_slots=32, max_len=8192, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=10, max_turn_tokens=512, max_episode_tokens=8192)
-    c.rollout.group_size = 4
+    c.grpo.group_size = 4
     c.pipeline.chains_per_step = 8
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10)
     c.sft_optimizer.update(learning_rate=1e-5, warmup_steps=10)
@@ -92,7 +92,7 @@ def apply_preset(c, preset: str):
     c.pool.num_workers = 32
     c.engine.update(num_slots=64, max_len=16384, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=20, max_turn_tokens=1024, max_episode_tokens=16384)
-    c.rollout.group_size = 8
+    c.grpo.group_size = 8
     c.pipeline.chains_per_step = 8
     # 4 rows of 16k per micro-batch: one per data x fsdp slice of the 8 GPUs.
     c.batch.update(micro_batch_tokens=65536, row_multiple=4)
@@ -111,7 +111,7 @@ def apply_preset(c, preset: str):
     c.pool.num_workers = 32
     c.engine.update(num_slots=32, max_len=16384, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=30, max_turn_tokens=1024, max_episode_tokens=16384)
-    c.rollout.group_size = 8
+    c.grpo.group_size = 8
     c.pipeline.chains_per_step = 16
     # 8 rows of 16k per micro-batch: one per fsdp slice (8 hosts x 4 chips, tensor 4).
     c.batch.update(micro_batch_tokens=131072, row_multiple=8)
@@ -132,7 +132,7 @@ def apply_preset(c, preset: str):
     c.pool.num_workers = 32
     c.engine.update(num_slots=32, max_len=16384, prefill_buckets=(128, 512, 2048))
     c.agent.update(max_steps=30, max_turn_tokens=1024, max_episode_tokens=16384)
-    c.rollout.group_size = 8
+    c.grpo.group_size = 8
     c.pipeline.chains_per_step = 8
     # 8 rows of 16k per micro-batch: one per GPU.
     c.batch.update(micro_batch_tokens=131072, row_multiple=8)

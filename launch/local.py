@@ -2,7 +2,7 @@
 multi-process JAX run (how to try a multi-host run on one machine).
 
   python launch/local.py --config=configs/sage.py:demo --workdir=runs/demo [--cpu_devices=8]
-      [--gpus=0,1] [--override=rollout.group_size=4 ...] [--module=sage_jax.evaluate]
+      [--gpus=0,1] [--override=grpo.group_size=4 ...] [--module=sage_jax.evaluate]
       [--dry_run]
   python launch/local.py --num_processes=2 --cpu_devices=2 --config=configs/sage.py:demo \\
       --workdir=runs/demo2

@@ -81,15 +81,15 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -
 
 
 def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary: dict) -> str:
-  method = ("GRPO baseline (single-task rollouts)" if config.rollout.single_task
+  method = ("GRPO baseline (single-task rollouts)" if config.grpo.single_task
             else f"SAGE, reward '{config.reward.variant}', chain length "
-                 f"{config.rollout.chain_length}")
+                 f"{config.grpo.chain_length}")
   base = config.model.spec or f"random-init preset {config.model.preset}"
   lines = [
       "---", "library_name: transformers", "tags: [sage, grpo, appworld, qwen2]", "---", "",
       "# Tool-using agent trained with sage_jax", "",
       f"- Base model: {base}",
-      f"- Method: {method}; group size {config.rollout.group_size}",
+      f"- Method: {method}; group size {config.grpo.group_size}",
       f"- Checkpoint: {stage} step {step}",
       f"- Data: {config.pipeline.data} (train split '{config.pipeline.train_split}')", "",
   ]

@@ -194,9 +194,15 @@ class Pipeline:
     checkpointer = Checkpointer(dataclasses.replace(
         run.checkpoint, directory=os.path.join(directory, "checkpoints"), keep_best=0),
         run_config=self.config_dict)
+
+    def dev(step: int) -> dict:  # the sampler takes SFT's params only when it evaluates them
+      self.sync_sampler(trainer.params)
+      return self.evaluate(f"eval_sft_step{step}")
+
     try:
       sft_loop.run_sft(trainer, self.expert_examples(), config=run.sft,
                        batch_config=self.batch_config,
+                       evaluate=dev if run.sft.eval_every else None,
                        checkpointer=checkpointer,
                        metrics=dataclasses.replace(run.metrics, log_dir=directory))
     finally:

@@ -44,18 +44,17 @@ TASKS_PER_SCENARIO = 3  # AppWorld's official splits and the mini world alike
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
   """stages: what `sage_jax.train` runs, in order ("sft", "rl"). data: "mini" (the offline
-  mini AppWorld, built on first use) or an APPWORLD_ROOT. train_split / dev_split: dataset
-  splits for rollouts and evaluation. chains_per_step: chains sampled per RL step (each run by
-  rollout.group_size rollouts). train_scenarios: train on the first N scenarios of the train
-  split (file order), in SFT and RL (0 = all). expert_trajectories: an SFT JSONL file ("" =
-  made from the gold solutions of the train split). eval_before / eval_after: dev evaluation
-  around training, and with eval_train also one on the training scenarios. export: write the
-  final model in HF format to <workdir>/hf. plot: PNG curves."""
+  mini AppWorld, built on first use) or an APPWORLD_ROOT. train_split: the dataset split of
+  the rollouts (dev evaluation runs on eval.split). chains_per_step: chains sampled per RL
+  step (each run by grpo.group_size rollouts). train_scenarios: train on the first N
+  scenarios of the train split (file order), in SFT and RL (0 = all). expert_trajectories: an
+  SFT JSONL file ("" = made from the gold solutions of the train split). eval_before /
+  eval_after: dev evaluation around training, and with eval_train also one on the training
+  scenarios. export: write the final model in HF format to <workdir>/hf. plot: PNG curves."""
 
   stages: tuple[str, ...] = ("sft", "rl")
   data: str = "mini"
   train_split: str = "train"
-  dev_split: str = "dev"
   chains_per_step: int = 4
   train_scenarios: int = 0
   expert_trajectories: str = ""
@@ -76,6 +75,7 @@ class PipelineConfig:
 
 
 # Section name -> dataclass. A section absent from a config takes the dataclass defaults.
+# (The `advantage` section is built from the GRPO knobs below; a config has no such section.)
 SECTIONS: dict[str, type] = {
     "pipeline": PipelineConfig,
     "model": ModelSpec,
@@ -99,6 +99,37 @@ SECTIONS: dict[str, type] = {
     "sft": SFTConfig,
     "sft_optimizer": OptimizerConfig,
     "eval": EvalConfig,
+}
+
+
+# The GRPO knobs, all in the config's `grpo` section so that one place says which GRPO a run
+# is: its key there -> the (section, field) it builds. GRPOConfig's own keys there are the
+# loss type (loss_aggregation, ratio_level, clipping) and KL (kl_coef, kl_estimator, kl_clamp).
+GRPO_KNOBS: dict[str, tuple[str, str]] = {
+    "group_size": ("rollout", "group_size"),  # G rollouts of each chain
+    "chain_length": ("rollout", "chain_length"),  # K tasks per chain
+    "single_task": ("rollout", "single_task"),  # K = 1 without a library (the baseline)
+    "advantage_estimator": ("advantage", "estimator"),
+    "advantage_std": ("advantage", "std"),
+    "advantage_epsilon": ("advantage", "epsilon"),
+}
+# Sections whose every key is a GRPO knob: no section of their own in a config.
+KNOB_SECTIONS = tuple(name for name, cls in SECTIONS.items()
+                      if {f.name for f in dataclasses.fields(cls)}
+                      <= {field for s, field in GRPO_KNOBS.values() if s == name})
+CONFIG_SECTIONS = tuple(name for name in SECTIONS if name not in KNOB_SECTIONS)
+
+
+# Keys a training run sets itself, from --workdir and pipeline.data: setting one is an error
+# rather than a value silently replaced.
+SET_BY_THE_RUN = {
+    "pool.appworld_root": "pipeline.data",
+    "expert.appworld_root": "pipeline.data",
+    "expert.outputs_root": "the pool's outputs (pool.outputs_root)",
+    "checkpoint.directory": "--workdir",
+    "metrics.log_dir": "--workdir",
+    "eval.data": "pipeline.data",
+    "eval.experiment": "the evaluation's name (eval_before, eval_step<N>, eval_after)",
 }
 
 
@@ -160,16 +191,50 @@ def defaults() -> ml_collections.ConfigDict:
   """Every section at its dataclass defaults; None-valued fields accept any later type."""
   config = ml_collections.ConfigDict()
   config.seed = 0
+  sections = {}
   for name, cls in SECTIONS.items():
     kwargs = {"spec": "tiny"} if cls is ModelSpec else {}
-    section = _asdict(cls(**kwargs))
-    if cls is ModelSpec:
-      section["spec"] = ""
-      section["preset"] = "tiny"
+    sections[name] = _asdict(cls(**kwargs))
+  knobs = {key: sections[name].pop(field) for key, (name, field) in GRPO_KNOBS.items()}
+  sections["grpo"] = {**knobs, **sections["grpo"]}
+  sections["model"].update(spec="", preset="tiny")
+  for name in CONFIG_SECTIONS:
     if name in SEEDED_SECTIONS:
-      section["seed"] = None  # derived from config.seed
-    config[name] = ml_collections.ConfigDict(section, type_safe=False)
+      sections[name]["seed"] = None  # derived from config.seed
+    config[name] = ml_collections.ConfigDict(sections[name], type_safe=False)
   return config
+
+
+def _knobs_apart(sections: dict) -> dict:
+  """`sections` with the GRPO knobs moved from `grpo` to the sections they build; a knob set
+  at its old place is an error naming where it belongs."""
+  sections = {name: dict(sections.get(name) or {}) for name in CONFIG_SECTIONS}
+  for key, (name, field) in GRPO_KNOBS.items():
+    if name in sections and field in sections[name]:
+      raise ConfigError(f"config.{name}.{field}: a GRPO knob; set config.grpo.{key}")
+  for name in KNOB_SECTIONS:
+    sections[name] = {}
+  for key, (name, field) in GRPO_KNOBS.items():
+    if key in sections["grpo"]:
+      sections[name][field] = sections["grpo"].pop(key)
+  return sections
+
+
+def _build(name: str, section: dict) -> Any:
+  """`build` of one section; errors about a GRPO knob name its key in config.grpo."""
+  try:
+    return build(SECTIONS[name], section, f"config.{name}")
+  except ConfigError as e:
+    message = str(e)
+    for key, (knob_section, field) in GRPO_KNOBS.items():
+      if knob_section == name:
+        message = message.replace(f"config.{name}.{field}", f"config.grpo.{key}")
+        head = f"config.{name}: {field}"  # a dataclass's own check: "<field>=... " or " must"
+        if message.startswith(head + "="):
+          message = f"config.grpo.{key}: {message[len(head) + 1:]}"
+        elif message.startswith(head + " "):
+          message = f"config.grpo.{key}{message[len(head):]}"
+    raise ConfigError(message) from e
 
 
 def resolve(config: Any, num_devices: int | None = None,
@@ -178,18 +243,25 @@ def resolve(config: Any, num_devices: int | None = None,
   `num_devices`: all devices of the run (the training mesh); `local_devices`: those of one
   host (the sampler's mesh)."""
   sections = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-  unknown = sorted(set(sections) - set(SECTIONS) - {"seed"})
+  unknown = sorted(set(sections) - set(CONFIG_SECTIONS) - {"seed"})
   if unknown:
-    raise ConfigError(f"config.{unknown[0]}: unknown section; known: {sorted(SECTIONS)}")
+    moved = [k for k, (name, _) in GRPO_KNOBS.items() if name == unknown[0]]
+    raise ConfigError(f"config.{unknown[0]}: " + (
+        f"its keys are GRPO knobs in config.grpo ({', '.join(moved)})" if moved
+        else f"unknown section; known: {sorted(CONFIG_SECTIONS)}"))
   seed = sections.get("seed", 0)
   if not isinstance(seed, int) or isinstance(seed, bool):
     raise ConfigError(f"config.seed: expected int, got {seed!r}")
+  sections = _knobs_apart(sections)
   for name in SEEDED_SECTIONS:
-    section = dict(sections.get(name) or {})
-    if section.get("seed") is None:
-      sections[name] = {**section, "seed": component_seed(seed, name)}
-  built = {name: build(cls, sections.get(name) or {}, f"config.{name}")
-           for name, cls in SECTIONS.items()}
+    if sections[name].get("seed") is None:
+      sections[name]["seed"] = component_seed(seed, name)
+  built = {name: _build(name, sections[name]) for name in SECTIONS}
+  for key, source in SET_BY_THE_RUN.items():
+    section, field = key.split(".")
+    default = next(f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == field)
+    if getattr(built[section], field) != default:
+      raise ConfigError(f"config.{key}: set by the run from {source}; leave it unset")
   run = RunConfig(seed=seed, **built)
   _check(run, num_devices, local_devices)
   return run
@@ -199,14 +271,14 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
   rollout, pipeline = run.rollout, run.pipeline
   estimator = run.advantage.estimator
   if rollout.group_size == 1 and estimator in ("grpo", "rloo") and "rl" in pipeline.stages:
-    raise ConfigError("config.rollout.group_size: 1 leaves no group to normalise over; the "
+    raise ConfigError("config.grpo.group_size: 1 leaves no group to normalise over; the "
                       f"{estimator!r} advantage is 0 for every episode (use >= 2)")
   if run.model.vocabulary == "compact" and run.expert.source == "self":
     raise ConfigError("config.model.vocabulary: 'compact' is cut to the SFT corpus, which "
                       "expert.source='self' samples from the model itself; use the gold "
                       "trajectories or the full vocabulary")
   if rollout.effective_chain_length > TASKS_PER_SCENARIO:
-    raise ConfigError(f"config.rollout.chain_length: {rollout.chain_length} exceeds the "
+    raise ConfigError(f"config.grpo.chain_length: {rollout.chain_length} exceeds the "
                       f"{TASKS_PER_SCENARIO} tasks of an AppWorld scenario")
   if num_devices is not None:
     try:
@@ -216,8 +288,8 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
     rollouts = pipeline.chains_per_step * rollout.group_size
     if "rl" in pipeline.stages and rollouts % data:
       raise ConfigError(f"config.pipeline.chains_per_step: {pipeline.chains_per_step} chains x "
-                        f"group_size {rollout.group_size} = {rollouts} rollouts per step, not "
-                        f"divisible by the mesh's data axis ({data})")
+                        f"grpo.group_size {rollout.group_size} = {rollouts} rollouts per step, "
+                        f"not divisible by the mesh's data axis ({data})")
   if local_devices is not None:
     tensor = run.sampler_mesh.tensor
     if local_devices % tensor:

@@ -33,7 +33,7 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   assert set(first["before"]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}
   assert os.path.isdir(workdir / "checkpoints" / "1")
   config = json.load(open(workdir / "config.json"))
-  assert config["rollout"]["chain_length"] == 2
+  assert config["grpo"]["chain_length"] == 2
   # Dev evaluation samples greedily (the eval section), training at the agent's temperature.
   assert config["agent"]["temperature"] == 1.0 and config["eval"]["temperature"] == 0.0
   assert json.load(open(workdir / "eval_before" / "eval_dev.json"))["temperature"] == 0.0
@@ -43,6 +43,8 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2]
   assert os.path.isdir(workdir / "checkpoints" / "2")
+  # chains_per_step x group_size x chain_length episodes per SAGE step.
+  assert all(r["compute/episodes"] == 2 * 4 * 2 for r in rows)
   assert os.path.exists(workdir / "plots" / "training.png")
 
   # The export command writes what transformers loads; it equals the run's own export.
@@ -74,8 +76,13 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
 
 def test_sft_only_config(tmp_path):
   workdir = tmp_path / "sft"
-  stdout = _train(workdir, "--config.pipeline.eval_before=false", config="configs/sft.py:demo")
+  stdout = _train(workdir, "--config.pipeline.eval_before=false", "--config.sft.eval_every=1",
+                  config="configs/sft.py:demo")
   assert "| tgc |" in stdout
+  # sft.eval_every: dev evaluation during SFT, logged with its step.
+  assert os.path.exists(workdir / "eval_sft_step1" / "eval_dev.json")
+  (row,) = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
+  assert "dev/tgc" in row
   assert not os.path.exists(workdir / "metrics.jsonl")  # no RL steps
   assert (workdir / "hf" / "config.json").exists()
 
@@ -86,11 +93,14 @@ def test_grpo_baseline_config(tmp_path):
          "--config.pipeline.eval_after=false", "--config.pipeline.plot=false",
          config="configs/grpo.py:demo")
   config = json.load(open(workdir / "config.json"))
-  assert config["rollout"]["single_task"] and config["reward"]["variant"] == "outcome"
+  assert config["grpo"]["single_task"] and config["reward"]["variant"] == "outcome"
   (row,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   assert row["step"] == 1  # one task per rollout: chain position 0 only
   assert any(k.startswith("reward/pos0") for k in row)
   assert not any(k.startswith("reward/pos1") for k in row)
+  # chains_per_step x group_size single-task episodes, every one logged with its tokens.
+  assert row["compute/episodes"] == 2 * 4 and row["compute/trained_tokens"] > 0
+  assert row["compute/prompt_tokens"] > row["compute/generated_tokens"] > 0
 
 
 def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
@@ -127,12 +137,12 @@ def test_kl_to_the_starting_model(tmp_path):
 
 
 def test_bad_config_fails_before_compiling(tmp_path):
-  for override, key in (("--config.rollout.group_size=1", "config.rollout.group_size"),
-                        ("--config.rollout.chain_length=4", "config.rollout.chain_length"),
+  for override, key in (("--config.grpo.group_size=1", "config.grpo.group_size"),
+                        ("--config.grpo.chain_length=4", "config.grpo.chain_length"),
                         ("--config.pipeline.chains_per_step=3", "config.pipeline.chains_per_step"),
                         ("--config.rollout.group_sise=4", "group_sise")):
     # 3 chains x group size 2 = 6 rollouts do not split over a data axis of 4.
-    extra = (["--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.rollout.group_size=2"]
+    extra = (["--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.grpo.group_size=2"]
              if "chains" in override else [])
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     out = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",

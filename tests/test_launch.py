@@ -23,13 +23,13 @@ def _run(argv, env=None):
 
 def test_local_dry_run():
   out = _run([sys.executable, "launch/local.py", "--config=configs/sage.py:demo",
-              "--workdir=runs/demo", "--cpu_devices=8", "--override=rollout.group_size=4",
+              "--workdir=runs/demo", "--cpu_devices=8", "--override=grpo.group_size=4",
               "--dry_run"])
   argv = shlex.split(out)
   assert argv[:3] == ["env", "XLA_FLAGS=--xla_force_host_platform_device_count=8",
                       "JAX_PLATFORMS=cpu"]
   assert argv[4:] == ["-m", "sage_jax.train", "--config=configs/sage.py:demo",
-                      "--workdir=runs/demo", "--config.rollout.group_size=4"]
+                      "--workdir=runs/demo", "--config.grpo.group_size=4"]
 
 
 def test_local_multi_process_dry_run():
@@ -155,7 +155,7 @@ def _resolved(run):
   return run_config.resolve(config)
 
 
-@pytest.mark.parametrize("preset", ["demo", "qwen2.5-7b"])
+@pytest.mark.parametrize("preset", ["demo", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b"])
 def test_seed_sweep_arms_are_their_stage_commands(preset):
   """Each arm is its stage config plus the swept keys; the matched baseline runs as many
   episodes per update as SAGE; seeds reach every component."""
@@ -182,7 +182,7 @@ def test_sweep_dry_run_for_every_launcher():
           "--workdir_root=runs/k", "--dry_run"]
   local_out = _run(base + ["--launcher=local"])
   assert local_out.count("-m sage_jax.train --config=configs/sage.py:demo") == 3
-  assert "--workdir=runs/k/k2 --config.rollout.chain_length=2" in local_out
+  assert "--workdir=runs/k/k2 --config.grpo.chain_length=2" in local_out
   slurm_out = _run(base + ["--launcher=slurm"])
   assert "sbatch --job-name=k3" in slurm_out and "launch/slurm.sbatch" in slurm_out
   multi_out = _run(base + ["--launcher=multinode"])

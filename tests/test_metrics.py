@@ -1,6 +1,10 @@
 """The paper's metrics (`rl.metrics`) on hand-built records: every rate against its
 definition."""
 
+import dataclasses
+import types
+
+import numpy as np
 import pytest
 
 from sage_jax.rl import metrics
@@ -34,3 +38,26 @@ def test_task_metrics_definitions():
   assert metrics.task_metrics([], unit="chain")["tgc"] is None
   with pytest.raises(ValueError, match="unit"):
     metrics.task_metrics(r, unit="group")
+
+
+def test_compute_counts_of_a_step():
+  """Episodes, context (prefilled) tokens, generated tokens and the loss tokens of those that
+  are trained on: an episode whose environment failed is counted as run, not as trained."""
+  def episode(k, prompt, generated, **kw):
+    r = rec(k, True, **kw)
+    mask = np.array([0] * prompt + [1] * generated, np.int8)
+    return dataclasses.replace(r, tokens=np.zeros(len(mask), np.int32), loss_mask=mask,
+                               sampler_logprobs=np.zeros(len(mask), np.float32),
+                               model_logprobs=np.zeros(len(mask), np.float32),
+                               generated_tokens=generated)
+
+  failed = episode(1, 30, 7)
+  failed.errors = ["worker exited"]
+  counts = metrics.compute_counts([episode(0, 20, 5), episode(1, 25, 6), failed])
+  assert counts == {"compute/episodes": 3.0, "compute/prompt_tokens": 75.0,
+                    "compute/generated_tokens": 18.0, "compute/trained_tokens": 11.0}
+  # Episodes without a generated_tokens field (e.g. a synthetic task's) count loss tokens.
+  plain = types.SimpleNamespace(tokens=np.zeros(6), loss_mask=np.array([0, 0, 1, 1, 1, 0]))
+  assert metrics.compute_counts([plain]) == {
+      "compute/episodes": 1.0, "compute/prompt_tokens": 3.0,
+      "compute/generated_tokens": 3.0, "compute/trained_tokens": 3.0}

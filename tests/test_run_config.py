@@ -57,16 +57,16 @@ def _with(overrides, devices=1):
 
 @pytest.mark.parametrize("overrides,devices,message", [
     ({"rollout.group_sise": 4}, 1, r"config.rollout.group_sise: unknown key"),
-    ({"rollout.group_size": "4"}, 1, r"config.rollout.group_size: expected int, got str '4'"),
+    ({"grpo.group_size": "4"}, 1, r"config.grpo.group_size: expected int, got str '4'"),
     ({"reward.variant": "skill"}, 1, r"config.reward: variant='skill'; expected one of"),
     ({"engine.prefill_buckets": [64, "x"]}, 1, r"config.engine.prefill_buckets\[1\]"),
     ({"model.remat": "all"}, 1, r"config.model: remat='all'; expected 'none', 'full' or 'dots'"),
     ({"model.attention_block": -8}, 1, r"config.model: attention_block=-8; expected 0"),
-    ({"rollout.group_size": 1}, 1, r"config.rollout.group_size: 1 leaves no group"),
-    ({"rollout.chain_length": 4}, 1, r"config.rollout.chain_length: 4 exceeds the 3 tasks"),
-    ({"pipeline.chains_per_step": 3, "mesh.data": 8, "mesh.fsdp": 1}, 8,
-     r"config.pipeline.chains_per_step: 3 chains x group_size 4 = 12 rollouts per step, not "
-     r"divisible by the mesh's data axis \(8\)"),
+    ({"grpo.group_size": 1}, 1, r"config.grpo.group_size: 1 leaves no group"),
+    ({"grpo.chain_length": 4}, 1, r"config.grpo.chain_length: 4 exceeds the 3 tasks"),
+    ({"pipeline.chains_per_step": 3, "grpo.group_size": 2, "mesh.data": 4, "mesh.fsdp": 1}, 4,
+     r"config.pipeline.chains_per_step: 3 chains x grpo.group_size 2 = 6 rollouts per step, not "
+     r"divisible by the mesh's data axis \(4\)"),
     ({"mesh.tensor": 3}, 8, r"config.mesh: .*8 devices are not divisible by 3"),
     ({"engine.num_slots": 12}, 8, r"config.engine.num_slots: 12 slots do not split"),
     ({"sampler_mesh.tensor": 3}, 8, r"config.sampler_mesh.tensor: 3 does not divide the 8 "
@@ -86,11 +86,38 @@ def test_unknown_section_and_seed_type():
     run_config.resolve({**config, "seed": 1.5})
 
 
+def test_the_grpo_knobs_are_in_the_grpo_section():
+  """G, K, single-task rollouts, the advantage estimator, the loss type and KL: one section;
+  set anywhere else, or wrong, the error names the key in config.grpo."""
+  config = run_config.defaults()
+  assert "advantage" not in config and not {"group_size", "chain_length"} & set(config.rollout)
+  assert {"group_size", "chain_length", "single_task", "advantage_estimator", "advantage_std",
+          "advantage_epsilon", "loss_aggregation", "ratio_level", "kl_coef",
+          "kl_estimator"} <= set(config.grpo)
+  run = _with({"grpo.group_size": 4, "grpo.chain_length": 3, "grpo.advantage_epsilon": 0.1})
+  assert (run.rollout.group_size, run.rollout.chain_length, run.advantage.epsilon) == (4, 3, 0.1)
+  assert not hasattr(run.grpo, "group_size")
+  for overrides, message in (
+      ({"rollout.group_size": 4}, "config.rollout.group_size: a GRPO knob; set "
+                                  "config.grpo.group_size"),
+      ({"grpo.advantage_estimator": "ppo"}, "config.grpo.advantage_estimator: 'ppo'; expected "
+                                            "one of"),
+      ({"grpo.advantage_epsilon": -1.0}, "config.grpo.advantage_epsilon must be >= 0"),
+      ({"grpo.chain_length": 0}, "config.grpo.chain_length must be >= 1, got 0"),
+      ({"grpo.single_task": "yes"}, "config.grpo.single_task: expected bool")):
+    with pytest.raises(ConfigError) as e:
+      _with(overrides)
+    assert str(e.value).startswith(message), str(e.value)
+  with pytest.raises(ConfigError, match=r"config.advantage: its keys are GRPO knobs in "
+                                        r"config.grpo \(advantage_estimator"):
+    run_config.resolve({**_config("sage", "demo").to_dict(), "advantage": {"estimator": "rloo"}})
+
+
 def test_new_method_knobs_resolve_and_are_validated():
   run = _with({"model.vocabulary": "full", "expert.source": "self",
                "expert.temperatures": [0.2, 0.8],
-               "expert.selection": "task", "advantage.estimator": "rloo",
-               "advantage.std": "unbiased", "grpo.ratio_level": "sequence",
+               "expert.selection": "task", "grpo.advantage_estimator": "rloo",
+               "grpo.advantage_std": "unbiased", "grpo.ratio_level": "sequence",
                "grpo.kl_clamp": 10.0, "reward.truncated_turns": "outcome"})
   assert run.expert.temperatures == (0.2, 0.8) and run.grpo.ratio_level == "sequence"
   assert run.advantage.std == "unbiased" and run.reward.truncated_turns == "outcome"
@@ -99,12 +126,13 @@ def test_new_method_knobs_resolve_and_are_validated():
   with pytest.raises(ConfigError, match="config.model.vocabulary: 'compact' is cut to the SFT"):
     _with({"expert.source": "self"})
   with pytest.raises(ValueError, match="rloo"):
-    _with({"advantage.estimator": "rloo", "rollout.group_size": 1})
+    _with({"grpo.advantage_estimator": "rloo", "grpo.group_size": 1})
 
 
 def test_group_size_one_is_fine_without_std_normalisation_or_rl():
-  assert _with({"rollout.group_size": 1, "advantage.estimator": "drgrpo"}).rollout.group_size == 1
-  assert _with({"rollout.group_size": 1, "pipeline.stages": ["sft"]}).rollout.group_size == 1
+  assert _with({"grpo.group_size": 1,
+                "grpo.advantage_estimator": "drgrpo"}).rollout.group_size == 1
+  assert _with({"grpo.group_size": 1, "pipeline.stages": ["sft"]}).rollout.group_size == 1
 
 
 def test_remat_and_attention_block_reach_the_model():
@@ -137,8 +165,8 @@ def test_component_seeds_derive_from_the_run_seed():
 @pytest.mark.parametrize("override, named", [
     ("--config.rollotu.group_size=4", "unknown config section 'config.rollotu' "
                                       "(Did you mean \"rollout\" instead of \"rollotu\"?)"),
-    ("--config.rollout.group_sise=4", "unknown config key 'config.rollout.group_sise' "
-                                      "(Did you mean \"group_size\" instead of \"group_sise\"?)"),
+    ("--config.grpo.group_sise=4", "unknown config key 'config.grpo.group_sise' "
+                                   "(Did you mean \"group_size\" instead of \"group_sise\"?)"),
     ("--config.rollout.nothing_like_it=4", "unknown config key 'config.rollout.nothing_like_it'")])
 def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_path):
   done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",

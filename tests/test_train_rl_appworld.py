@@ -52,6 +52,12 @@ def test_rl_loop_with_the_appworld_sequential_rollout(tmp_path):
   assert h["rollout/w_gen_rate"] == h["rollout/w_use_rate"] == 50.0
   assert h["constant_groups"] == 2.0 and h["batch/padding_fraction"] < 0.3
   assert h["loss_tokens"] == h["generated_tokens/total"]
+  # What the step spent: 4 episodes, their generated tokens all trained on, and the context.
+  assert h["compute/episodes"] == 4
+  assert h["compute/generated_tokens"] == h["compute/trained_tokens"] == h["loss_tokens"]
+  # n tokens of an episode are n - 1 predicted positions of the batch.
+  assert (h["compute/prompt_tokens"] + h["compute/generated_tokens"]
+          == h["batch/real_positions"] + h["compute/episodes"])
   assert np.isfinite(h["entropy"]) and h["grad_norm"] == 0.0
   # A zero gradient still takes an AdamW step (decay): the parameters moved, and were saved.
   assert not np.array_equal(before, np.asarray(trainer.params["norm"]["weight"][...]))

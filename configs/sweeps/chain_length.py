@@ -4,5 +4,5 @@
 def get_sweep(preset: str = "qwen2.5-7b"):
   return {
       "config": f"configs/sage.py:{preset}",
-      "axes": [{f"k{k}": {"rollout.chain_length": k} for k in (1, 2, 3)}],
+      "axes": [{f"k{k}": {"grpo.chain_length": k} for k in (1, 2, 3)}],
   }

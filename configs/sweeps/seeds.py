@@ -21,13 +21,13 @@ def _stage(name: str, preset: str):
 
 
 def get_sweep(preset: str = "qwen2.5-7b", num_seeds: int = 3):
-  sage, grpo = _stage("sage", preset), _stage("grpo", preset)
-  sage_episodes = (sage.pipeline.chains_per_step * sage.rollout.group_size
-                   * sage.rollout.chain_length)
-  matched_chains, rest = divmod(sage_episodes, grpo.rollout.group_size)
+  sage, baseline = _stage("sage", preset), _stage("grpo", preset)
+  sage_episodes = (sage.pipeline.chains_per_step * sage.grpo.group_size
+                   * sage.grpo.chain_length)
+  matched_chains, rest = divmod(sage_episodes, baseline.grpo.group_size)
   if rest:
     raise ValueError(f"{preset}: SAGE's {sage_episodes} episodes per step do not split into "
-                     f"groups of {grpo.rollout.group_size}")
+                     f"groups of {baseline.grpo.group_size}")
   grpo_config = f"configs/grpo.py:{preset}"
   return {
       "config": f"configs/sage.py:{preset}",

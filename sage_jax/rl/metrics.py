@@ -18,12 +18,18 @@ All rates are percentages (None when their denominator is empty):
 - no_code_rate, truncation_rate: tasks with a turn that ended without code / a turn cut by a
   token limit before any code; also per chain position (`.../pos<k>`).
 - env_failure_rate: tasks on which the environment failed (left out of training).
+
+`compute_counts` is what an RL step spent, so that runs of different methods can be matched
+on compute: episodes, and tokens read as context, generated and trained on.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.rl.rewards import generation_credited
@@ -86,3 +92,29 @@ def task_metrics(records: Sequence[EpisodeRecord], *, unit: str = "scenario") ->
     out[f"no_code_rate/pos{k}"] = _pct(sum(r.no_code for r in at), len(at))
     out[f"truncation_rate/pos{k}"] = _pct(sum(r.truncated for r in at), len(at))
   return out
+
+
+def compute_counts(episodes: Sequence[Any]) -> dict[str, float]:
+  """Counts of this process's `episodes` (anything with the `rl.batch` fields `tokens` and
+  `loss_mask`), to be summed over processes:
+
+  - compute/episodes: task episodes (a SAGE step: chains x G x K; a GRPO step: chains x G).
+  - compute/prompt_tokens: tokens the model read but did not generate (system prompt, task,
+    observations, library), i.e. prefilled.
+  - compute/generated_tokens: tokens the model sampled (`generated_tokens` where episodes
+    carry it, else their loss tokens).
+  - compute/trained_tokens: loss tokens of the episodes that enter the update (all but those
+    on which the environment failed).
+  """
+  generated = prompt = trained = 0
+  for e in episodes:
+    loss_tokens = int(np.sum(np.asarray(e.loss_mask) > 0))
+    made = getattr(e, "generated_tokens", None)
+    made = loss_tokens if made is None else int(made)
+    generated += made
+    prompt += len(e.tokens) - made
+    if not getattr(e, "env_failed", False):
+      trained += loss_tokens
+  return {"compute/episodes": float(len(episodes)), "compute/prompt_tokens": float(prompt),
+          "compute/generated_tokens": float(generated),
+          "compute/trained_tokens": float(trained)}

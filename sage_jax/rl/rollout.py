@@ -58,8 +58,9 @@ class RolloutConfig:
   seed: int = 0
 
   def __post_init__(self):
-    if self.chain_length < 1 or self.group_size < 1:
-      raise ValueError("chain_length and group_size must be >= 1")
+    for name in ("chain_length", "group_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.chain_order not in CHAIN_ORDERS:
       raise ValueError(f"chain_order={self.chain_order!r}; expected one of {CHAIN_ORDERS}")
 

@@ -82,9 +82,8 @@ def sft_trainer(model: Qwen2, config: SFTConfig = SFTConfig(),
                 trainer_config: TrainerConfig = TrainerConfig(), *, mesh: Mesh | None = None,
                 rules: shd.ShardingRules = shd.ShardingRules()) -> Trainer:
   """A Trainer whose loss is the SFT negative log-likelihood."""
-  trainer_config = dataclasses.replace(trainer_config, logprob_chunk=config.logprob_chunk)
   return Trainer(model, nll_loss_fn(config.logprob_chunk), optimizer, trainer_config, mesh=mesh,
-                 rules=rules)
+                 rules=rules, logprob_chunk=config.logprob_chunk)
 
 
 def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> list[int]:

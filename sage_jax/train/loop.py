@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import time
 from typing import Callable, Mapping
 
@@ -90,7 +91,9 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         dev = {}
         if evaluate is not None and eval_every and step % eval_every == 0:
           t1 = time.perf_counter()
-          dev = {f"dev/{k}": float(v) for k, v in evaluate(step).items()}
+          # The evaluation's numbers: rates with an empty denominator are None, breakdowns nest.
+          dev = {f"dev/{k}": float(v) for k, v in evaluate(step).items()
+                 if isinstance(v, numbers.Real)}
           values.update(dev)
           values["time/eval_s"] = time.perf_counter() - t1
         values = writer.write(step, values)

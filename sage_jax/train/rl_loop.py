@@ -42,6 +42,7 @@ from sage_jax import sharding as shd
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl import batch as batch_lib
 from sage_jax.rl import grpo
+from sage_jax.rl import metrics as metrics_lib
 from sage_jax.train.checkpoint import Checkpointer
 from sage_jax.train.loop import Evaluate, LoopResult, SyncParams, run_steps, step_seed
 from sage_jax.train.metrics import MetricsConfig, scalars
@@ -72,9 +73,8 @@ def grpo_trainer(model: Qwen2, grpo_config: grpo.GRPOConfig = grpo.GRPOConfig(),
                  config: TrainerConfig = TrainerConfig(), *, mesh: Mesh | None = None,
                  rules: shd.ShardingRules = shd.ShardingRules()) -> Trainer:
   """A Trainer whose loss is the GRPO loss of `grpo_config`."""
-  config = dataclasses.replace(config, logprob_chunk=grpo_config.logprob_chunk)
   return Trainer(model, grpo.make_loss_fn(grpo_config), optimizer, config, mesh=mesh,
-                 rules=rules)
+                 rules=rules, logprob_chunk=grpo_config.logprob_chunk)
 
 
 def frozen_copy(params: nnx.State) -> nnx.State:
@@ -293,6 +293,9 @@ def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopC
     t0 = time.perf_counter()
     episodes, values = _unpack_rollout(rollout(step, seed))
     t1 = time.perf_counter()
+    counts = metrics_lib.compute_counts(episodes)
+    totals = multihost.allgather(np.asarray(list(counts.values()), np.float64)).sum(0)
+    values.update(zip(counts, map(float, totals)))
     if score is not None:
       values.update(score(episodes) or {})
     values.update(episode_metrics(gather_episodes(episodes)))

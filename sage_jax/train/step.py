@@ -45,12 +45,11 @@ _F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """seed: the train state's RNG seed. skip_empty_micro_batches: do not compute micro-batches
-  without loss tokens (exact: they contribute nothing). logprob_chunk: tokens per chunk of
-  the logits in `Trainer.logprobs` (0 = all at once; see `train.logprobs`)."""
+  without loss tokens (exact: they contribute nothing). The logits' chunk belongs to the
+  loss (grpo.logprob_chunk, sft.logprob_chunk), which `Trainer` is given with it."""
 
   seed: int = 0
   skip_empty_micro_batches: bool = True
-  logprob_chunk: int = 2048
 
 
 def _reduce_stats(stats_list: dict[str, jax.Array], total_tokens: jax.Array) -> dict:
@@ -147,8 +146,9 @@ class Trainer:
   def __init__(self, model: Qwen2, loss_fn: LossFn,
                optimizer: OptimizerConfig = OptimizerConfig(),
                config: TrainerConfig = TrainerConfig(), *, mesh: Mesh | None = None,
-               rules: shd.ShardingRules = shd.ShardingRules()):
+               rules: shd.ShardingRules = shd.ShardingRules(), logprob_chunk: int = 2048):
     self.config = config
+    self.logprob_chunk = logprob_chunk
     self.model_config = model.config
     self.mesh, self.rules = mesh, rules
     self.graphdef, params = nnx.split(model)
@@ -223,7 +223,7 @@ class Trainer:
       def one(micro):
         model = nnx.merge(self.graphdef, params)
         lp, _ = token_logprobs(model, micro.tokens, micro.positions, micro.segment_ids,
-                               micro.targets, chunk=self.config.logprob_chunk)
+                               micro.targets, chunk=self.logprob_chunk)
         return jnp.where(micro.loss_mask > 0, lp, 0.0)
       return jax.lax.map(one, batch)
 
