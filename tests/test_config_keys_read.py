@@ -45,6 +45,10 @@ ALLOWED_OVERWRITES = {
     "checkpoint.keep_best": "without dev evaluation (SFT, rl.eval_every=0) nothing ranks "
                             "checkpoints",
     "pool.outputs_root": "unset, the pool writes to a scratch directory it removes",
+    "eval.split": "the evaluation of the training scenarios (pipeline.eval_train) runs on "
+                  "pipeline.train_split",
+    "eval.max_scenarios": "the evaluation of the training scenarios covers "
+                          "pipeline.train_scenarios",
 }
 
 
