@@ -10,7 +10,9 @@ under the workdir:
   <workdir>/sft/                     SFT checkpoints and metrics
   <workdir>/checkpoints/             RL checkpoints (orbax), config beside them
   <workdir>/metrics.jsonl            RL metrics per step (+ TensorBoard events)
-  <workdir>/eval_before/ eval_after/ dev evaluations (JSON + markdown)
+  <workdir>/tokenizer/               the compact tokenizer (model.vocabulary "compact")
+  <workdir>/eval_before/ eval_after/ dev evaluations (JSON + markdown), with eval_train also
+                                     of the training scenarios (and eval_after_sft/)
   <workdir>/hf/                      the final model in HF format (LoRA merged in)
   <workdir>/hf/lora_adapter/         a LoRA run's adapters in PEFT's format
   <workdir>/plots/training.png       curves
@@ -262,8 +264,10 @@ class Pipeline:
 
 def summary_table(summary: dict) -> str:
   """Before/after columns of the dev evaluation, and of the training scenarios' when run."""
-  columns = [(k, k.replace("_", " ")) for k in ("train_before", "train_after")
-             if k in summary] + [("before", "dev before"), ("after", "dev after")]
+  titles = {"train_before": "train before", "train_after_sft": "train after SFT",
+            "train_after": "train after"}
+  columns = [(k, title) for k, title in titles.items() if k in summary] + [
+      ("before", "dev before"), ("after", "dev after")]
   if len(columns) == 2:
     columns = [("before", "before"), ("after", "after")]
   rows = ["| metric | " + " | ".join(title for _, title in columns) + " |",
@@ -298,6 +302,8 @@ def run(config: Any, workdir: str) -> dict:
       trainer.state, _ = checkpointer.restore(trainer.abstract_state())
       checkpointer.close()
       pipe._adopt(trainer.params)
+    if p.eval_train and "sft" in p.stages and "rl" in p.stages:  # what RL starts from
+      summary["train_after_sft"] = pipe.evaluate("eval_after_sft", training_scenarios=True)
     if "rl" in p.stages:
       pipe.rl()
     if p.eval_after:
