@@ -35,7 +35,7 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   config = json.load(open(workdir / "config.json"))
   assert config["grpo"]["chain_length"] == 2
   # Dev evaluation samples greedily (the eval section), training at the agent's temperature.
-  assert config["agent"]["temperature"] == 1.0 and config["eval"]["temperature"] == 0.0
+  assert config["agent"]["temperature"] > 0 and config["eval"]["temperature"] == 0.0
   assert json.load(open(workdir / "eval_before" / "eval_dev.json"))["temperature"] == 0.0
 
   # Resume: one more RL step continues from the checkpoint of step 1; SFT is not redone.
