@@ -147,7 +147,8 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   sampling copies agree (the run fails otherwise)."""
   workdir = tmp_path / "run"
   overrides = ["--config.sft.total_steps=2", "--config.rl.total_steps=2",
-               "--config.eval.max_scenarios=1", "--config.pool.num_workers=2"]
+               "--config.eval.max_scenarios=1", "--config.pool.num_workers=2",
+               "--config.checkpoint.save_every=1"]
   command = [sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
              "--config=configs/sage.py:demo", f"--workdir={workdir}", "--",
              sys.executable, os.path.join(REPO, "tests", "delayed_train.py"),
@@ -160,8 +161,8 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   rl = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   sft = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
   assert [r["step"] for r in rl] == [1, 2] and [r["step"] for r in sft] == [1, 2]
-  # Every process ran its own share of each step's 2 chains x 2 rollouts x 2 tasks.
-  assert all(r["episodes"] == 8 and r["time/sync_s"] > 0 for r in rl)
+  # Every process ran its own share of each step's 2 chains x 4 rollouts x 2 tasks.
+  assert all(r["episodes"] == 16 and r["time/sync_s"] > 0 for r in rl)
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "config.json"]
   for name in ("eval_before", "eval_after"):
     report = json.load(open(workdir / name / "eval_dev.json"))
@@ -170,8 +171,9 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
   model = transformers.AutoModelForCausalLM.from_pretrained(str(workdir / "hf")).eval()
+  ids = transformers.AutoTokenizer.from_pretrained(str(workdir / "hf"))("<|im_start|>user\n")
   with torch.no_grad():
-    assert torch.isfinite(model(torch.tensor([[151644, 872, 198]])).logits).all()
+    assert torch.isfinite(model(torch.tensor([ids["input_ids"]])).logits).all()
   # The export entry point as 2 processes: the same weights as the pipeline's export.
   _launch_entry(tmp_path / "export", "-m", "sage_jax.export", f"--workdir={workdir}",
                 f"--out={tmp_path / 'hf2'}")
