@@ -176,9 +176,8 @@ class Pipeline:
 
   def train_task_ids(self) -> list[str]:
     """The train split's tasks, cut to its first `train_scenarios` scenarios."""
-    task_ids = appworld.read_split(self.root, self.run.pipeline.train_split)
-    keep = list(appworld.group_by_scenario(task_ids))[:self.run.pipeline.train_scenarios or None]
-    return [t for t in task_ids if appworld.scenario_id(t) in keep]
+    return appworld.first_scenarios(appworld.read_split(self.root, self.run.pipeline.train_split),
+                                    self.run.pipeline.train_scenarios)
 
   def expert_examples(self) -> list:
     examples = sft_data.load_examples(self.expert_trajectories(), self.tokenizer,

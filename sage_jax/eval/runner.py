@@ -127,10 +127,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   agent_cfg = ev.agent(s["agent"])
   os.makedirs(workdir, exist_ok=True)
   root = data_root(ev)
-  task_ids = appworld.read_split(root, ev.split)
-  if ev.max_scenarios:
-    keep = list(appworld.group_by_scenario(task_ids))[:ev.max_scenarios]
-    task_ids = [t for t in task_ids if appworld.scenario_id(t) in keep]
+  task_ids = appworld.first_scenarios(appworld.read_split(root, ev.split), ev.max_scenarios)
   scenarios = list(appworld.group_by_scenario(task_ids).values())
   share = multihost.share(len(scenarios))
   own_task_ids = [t for ids in scenarios[share] for t in ids]

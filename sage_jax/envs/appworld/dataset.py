@@ -24,6 +24,13 @@ def read_split(root: str, split: str) -> list[str]:
     return [line.strip() for line in f if line.strip()]
 
 
+def first_scenarios(task_ids: list[str], n: int) -> list[str]:
+  """The tasks of the first `n` scenarios of `task_ids` (in order of first appearance; 0 =
+  all), in their given order."""
+  keep = set(list(group_by_scenario(task_ids))[:n or None])
+  return [t for t in task_ids if scenario_id(t) in keep]
+
+
 def group_by_scenario(task_ids: list[str]) -> dict[str, list[str]]:
   """Scenario id -> its task ids, sorted by task number (the order of a chain)."""
   groups = collections.defaultdict(list)
