@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from sage_jax import sharding as shd
 from sage_jax.model import get_preset, init_model
@@ -97,9 +98,12 @@ def no_compilation_cache():
   """This step's 8-device executable, read back from JAX's persistent compilation cache,
   deadlocks in XLA:CPU's all-reduce rendezvous (devices wait in different all-reduces);
   compiled afresh it runs. The cache stays on for every other test."""
+  # JAX decides once per process whether the cache is used: reset that decision both ways.
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   yield
   jax.config.update("jax_enable_compilation_cache", True)
+  compilation_cache.reset_cache()
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["1-device", "8-devices"])
