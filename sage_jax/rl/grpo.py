@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl.batch import AGGREGATIONS, Aggregation, TrainBatch
-from sage_jax.train.logprobs import token_logprobs
+from sage_jax.model.logprobs import token_logprobs
 
 KLEstimator = Literal["k1", "k2", "k3"]
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
@@ -66,7 +66,7 @@ class GRPOConfig:
     update instead of using the rollout's model_logprobs (e.g. when sampling in another
     precision).
   logprob_chunk: tokens per chunk of the logits computation (0 = all at once), which bounds
-    the memory of [tokens, vocab] logits; see `train.logprobs`.
+    the memory of [tokens, vocab] logits; see `model.logprobs`.
   """
 
   clip_eps_low: float = 0.2
