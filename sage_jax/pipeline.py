@@ -43,7 +43,7 @@ from sage_jax.checkpoint import loader
 from sage_jax.envs import appworld
 from sage_jax.eval import runner
 from sage_jax.rl import rollout
-from sage_jax.sampler import Engine
+from sage_jax.sampler import AsyncEngine, Engine
 from sage_jax.sft import data as sft_data
 from sage_jax.sft import expert as sft_expert
 from sage_jax.sft import loop as sft_loop
@@ -113,7 +113,7 @@ class Pipeline:
     self.engine = Engine(nnx.merge(graphdef, self.weight_sync(params)), self.run.engine,
                          eos_ids=[self.tokenizer.eos_id, self.tokenizer.endoftext],
                          detokenize=self.tokenizer.decode, mesh=self.weight_sync.mesh)
-    self.driver = rollout.EngineDriver(self.engine)
+    self.driver = AsyncEngine(self.engine)
     self.policy = rollout.SamplerPolicy(self.driver, self.run.agent)
     self.eval_policy = rollout.SamplerPolicy(self.driver, self.run.eval.agent(self.run.agent))
 

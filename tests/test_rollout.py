@@ -151,7 +151,7 @@ def test_tiny_random_model_group_through_sampler_and_pool(pool, mini_root, tok):
   engine = Engine(model, EngineConfig(num_slots=4, max_len=1024, prefill_buckets=(32, 128, 512),
                                       min_attend=256, steps_per_call=8),
                   eos_ids=[tok.eos_id], detokenize=tok.decode)
-  driver = rollout.EngineDriver(engine)
+  driver = sampler.AsyncEngine(engine)
   agent = AgentConfig(max_steps=3, max_turn_tokens=16, max_episode_tokens=1024)
   policy = RecordingPolicy(rollout.SamplerPolicy(driver, agent))
   ctx = rollout.RolloutContext(policy, pool, tok, agent, Retriever(), mini_root)

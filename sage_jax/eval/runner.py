@@ -137,14 +137,14 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
     if ev.policy == "scripted":
       policy = ScriptedPolicy(root, tokenizer)
     else:
-      from sage_jax.sampler import Engine, EngineConfig
+      from sage_jax.sampler import AsyncEngine, Engine, EngineConfig
 
       model = loader.build_model(
           configurable.build(loader.ModelSpec, s["model"] or {}, "config.model"))
       engine_cfg = configurable.build(EngineConfig, s["engine"] or {}, "config.engine")
       engine = Engine(model, engine_cfg, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
                       detokenize=tokenizer.decode)
-      driver = rollout.EngineDriver(engine)
+      driver = AsyncEngine(engine)
       policy = rollout.SamplerPolicy(driver, agent_cfg)
   embedder = make_embedder(retrieval_cfg, model=model, tokenizer=tokenizer)
   retriever = Retriever(retrieval_cfg, embedder)

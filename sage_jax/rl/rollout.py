@@ -13,16 +13,13 @@ Single-task mode (`RolloutConfig.single_task`): K = 1 and no library, the GRPO b
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import json
 import os
-import queue
 import random
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +34,9 @@ from sage_jax.rl import metrics as metrics_lib
 from sage_jax.rl import rewards as rewards_lib
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+  from sage_jax.sampler import AsyncEngine
 
 CHAIN_ORDERS = ("random", "ordered")
 
@@ -226,76 +226,11 @@ def collect(ctx: RolloutContext, chains: Sequence[Chain], config: RolloutConfig,
 # --- The sampler as a policy ------------------------------------------------------------------
 
 
-class EngineDriver:
-  """Owns a synchronous sampler `Engine` in one background thread: turns are submitted from
-  any thread (or asyncio task) and come back as futures; the thread steps the engine while
-  any turn is in flight, so all live conversations share its decode batches."""
-
-  def __init__(self, engine: Any):
-    self.engine = engine
-    self._requests: queue.SimpleQueue = queue.SimpleQueue()
-    self._pending: dict[int, concurrent.futures.Future] = {}
-    self._thread = threading.Thread(target=self._run, daemon=True, name="sampler-driver")
-    self._thread.start()
-
-  def submit(self, op: str, *args) -> concurrent.futures.Future:
-    future = concurrent.futures.Future()
-    self._requests.put((op, args, future))
-    return future
-
-  def close(self) -> None:
-    if self._thread.is_alive():
-      self.submit("stop").result()
-      self._thread.join()
-
-  def _handle(self, op: str, args: tuple, future: concurrent.futures.Future) -> bool:
-    try:
-      if op == "start":
-        seq_id = self.engine.start(*args)
-        self._pending[seq_id] = future
-      elif op == "append":
-        self.engine.append(*args)
-        self._pending[args[0]] = future
-      elif op == "free":
-        self._pending.pop(args[0], None)
-        self.engine.free(args[0])
-        future.set_result(None)
-      elif op == "stop":
-        future.set_result(None)
-        return False
-    except Exception as e:  # noqa: BLE001 - delivered to the caller
-      future.set_exception(e)
-    return True
-
-  def _run(self) -> None:
-    while True:
-      busy = self.engine.has_work
-      try:
-        request = self._requests.get(block=not busy)
-      except queue.Empty:
-        request = None
-      if request is not None:
-        if not self._handle(*request):
-          return
-        continue  # take every queued request before the next step
-      try:
-        finished = self.engine.step()
-      except Exception as e:  # noqa: BLE001 - fail every turn in flight, keep serving
-        for future in self._pending.values():
-          future.set_exception(e)
-        self._pending.clear()
-        continue
-      for result in finished:
-        future = self._pending.pop(result.seq_id, None)
-        if future is not None:
-          future.set_result(result)
-
-
 class _SamplerSession:
 
-  def __init__(self, driver: EngineDriver, context: TaskContext, sampling: Callable[..., Any],
+  def __init__(self, engine: AsyncEngine, context: TaskContext, sampling: Callable[..., Any],
                max_len: int):
-    self._driver = driver
+    self._engine = engine
     self._context = context
     self._sampling = sampling
     self._max_len = max_len
@@ -305,12 +240,10 @@ class _SamplerSession:
     sampling = self._sampling(max_new_tokens=request.max_new_tokens,
                               max_context=max(2, min(request.max_context, self._max_len)))
     if self._seq_id is None:
-      future = self._driver.submit("start", request.prompt_ids, sampling, self._context.seed)
-      result = await asyncio.wrap_future(future)
+      result = await self._engine.start(request.prompt_ids, sampling, self._context.seed)
       self._seq_id = result.seq_id
     else:
-      future = self._driver.submit("append", self._seq_id, request.new_ids, sampling)
-      result = await asyncio.wrap_future(future)
+      result = await self._engine.append(self._seq_id, request.new_ids, sampling)
     return PolicyTurn(tokens=list(result.tokens),
                       sample_logprobs=np.asarray(result.sample_logprobs, np.float32),
                       model_logprobs=np.asarray(result.model_logprobs, np.float32),
@@ -318,7 +251,7 @@ class _SamplerSession:
 
   async def close(self) -> None:
     if self._seq_id is not None:
-      await asyncio.wrap_future(self._driver.submit("free", self._seq_id))
+      await self._engine.free(self._seq_id)
       self._seq_id = None
 
 
@@ -326,17 +259,17 @@ class SamplerPolicy:
   """The sampler engine as the agent's policy: one engine sequence per task episode, each
   turn appended to the live sequence (only new ids are prefilled)."""
 
-  def __init__(self, driver: EngineDriver, agent: AgentConfig):
+  def __init__(self, engine: AsyncEngine, agent: AgentConfig):
     from sage_jax.sampler import SamplingParams
 
-    self.driver = driver
-    self._max_len = driver.engine.config.max_len
+    self.engine = engine
+    self._max_len = engine.engine.config.max_len
     self._sampling = functools.partial(
         SamplingParams, temperature=agent.temperature, top_p=agent.top_p, top_k=agent.top_k,
         stop_strings=agent.stop_strings)
 
   def session(self, context: TaskContext) -> _SamplerSession:
-    return _SamplerSession(self.driver, context, self._sampling, self._max_len)
+    return _SamplerSession(self.engine, context, self._sampling, self._max_len)
 
 
 
