@@ -90,7 +90,7 @@ class Pipeline:
     self.config_dict = run_config.with_seeds(config, self.run)
     _write_json(os.path.join(self.workdir, "config.json"), self.config_dict)
     p = self.run.pipeline
-    self.root = appworld.ensure_mini_world() if p.data == "mini" else os.path.abspath(p.data)
+    self.root = appworld.resolve_root(p.data)
     self.mesh = shd.make_mesh(self.run.mesh)
     self.batch_config = self.run.batch
     if jax.process_count() > 1:  # each process must own whole rows of every train batch

@@ -79,10 +79,6 @@ class EvalConfig:
     return dataclasses.replace(agent, temperature=self.temperature)
 
 
-def data_root(config: EvalConfig) -> str:
-  return appworld.ensure_mini_world() if config.data == "mini" else os.path.abspath(config.data)
-
-
 async def run_scenarios(ctx: rollout.RolloutContext, task_ids: Sequence[str], *,
                         experiment: str, library: SkillLibrary, max_concurrent: int = 0,
                         seed: int = 0, first_index: int = 0) -> list[EpisodeRecord]:
@@ -126,7 +122,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   ev, retrieval_cfg = s["eval"], s["retrieval"]
   agent_cfg = ev.agent(s["agent"])
   os.makedirs(workdir, exist_ok=True)
-  root = data_root(ev)
+  root = appworld.resolve_root(ev.data)
   task_ids = appworld.first_scenarios(appworld.read_split(root, ev.split), ev.max_scenarios)
   scenarios = list(appworld.group_by_scenario(task_ids).values())
   share = multihost.share(len(scenarios))

@@ -145,7 +145,7 @@ def play(policy: Any, task_ids: Sequence[str], tokenizer: Tokenizer, config: Exp
   """Runs `policy` on the tasks (scenario chains, one library per chain) in the real engine
   (`pool`, or a pool started for the call); returns the successful trajectories that
   `config.selection` keeps, in chain order."""
-  root = config.appworld_root or appworld.ensure_mini_world()
+  root = appworld.resolve_root(config.appworld_root or "mini")
   if pool is None:
     pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
                                          outputs_root=config.outputs_root, keep_outputs=False)
@@ -186,7 +186,7 @@ def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
                       pool: appworld.EnvPool | None = None
                       ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
   """The split's gold solutions in the skill format, executed; successes only."""
-  root = config.appworld_root or appworld.ensure_mini_world()
+  root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
   task_ids = [t for split in config.splits for t in appworld.read_split(root, split)]
   return play(ScriptedPolicy(root, tokenizer), task_ids, tokenizer, config, "gold", pool)
@@ -199,7 +199,7 @@ def self_distilled_trajectories(policy_at: Callable[[float], Any], config: Exper
   scenarios are played at each of `config.temperatures` in turn, each scenario until a play
   of it yields selected trajectories, which are kept (source "self@<temperature>"). The
   stats count every play."""
-  root = config.appworld_root or appworld.ensure_mini_world()
+  root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
   remaining = [t for split in config.splits for t in appworld.read_split(root, split)]
   out, total = [], ExpertStats()

@@ -6,6 +6,7 @@ mini-world builder do).
 
 from sage_jax.envs.appworld.config import EnvPoolConfig
 from sage_jax.envs.appworld.data_root import AppWorldDataError
+from sage_jax.envs.appworld.data_root import resolve as resolve_root
 from sage_jax.envs.appworld.dataset import first_scenarios
 from sage_jax.envs.appworld.dataset import group_by_scenario
 from sage_jax.envs.appworld.dataset import read_split

@@ -1,9 +1,10 @@
 """Configuration of the AppWorld environment pool."""
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any
+
+from sage_jax.envs.appworld import data_root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +83,5 @@ class EnvPoolConfig:
     return cls(**values)
 
   def data_root(self) -> str:
-    """The AppWorld root to run, from the config or $APPWORLD_ROOT."""
-    root = self.appworld_root or os.environ.get("APPWORLD_ROOT")
-    if not root:
-      raise ValueError(
-        "No AppWorld data: set EnvPoolConfig.appworld_root or $APPWORLD_ROOT. Build the mini "
-        "world with `python -m sage_jax.envs.appworld.build_mini --out=DIR` (or call "
-        "sage_jax.envs.appworld.ensure_mini_world()), or point it at the official data.")
-    return os.path.abspath(root)
+    """The AppWorld root to run (`data_root.resolve` of `appworld_root`)."""
+    return data_root.resolve(self.appworld_root)

@@ -23,6 +23,20 @@ class AppWorldDataError(RuntimeError):
   """The AppWorld data root is missing, incomplete or of the wrong version."""
 
 
+def resolve(data: str | None) -> str:
+  """The one place a data setting becomes an AppWorld root: "mini" is the bundled mini world
+  (built on first use), a path is that directory, and nothing means $APPWORLD_ROOT."""
+  data = data or os.environ.get("APPWORLD_ROOT", "")
+  if not data:
+    raise AppWorldDataError("No AppWorld data: set the data root (\"mini\" for the bundled "
+                            "mini world, or a directory) or $APPWORLD_ROOT. " + HOW_TO_GET_DATA)
+  if data == "mini":
+    from sage_jax.envs.appworld.mini_world import ensure_mini_world  # noqa: PLC0415
+
+    return ensure_mini_world()
+  return os.path.abspath(data)
+
+
 def problems(root: str, db_version: str, apps: list[str]) -> list[str]:
   """Everything wrong with <root>/data for AppWorld `db_version` with `apps`."""
   data = os.path.join(root, "data")
