@@ -20,6 +20,12 @@ under the workdir:
 
 A run that is interrupted resumes where it stopped: finished stages are skipped and the
 loops continue from their latest checkpoint.
+
+  python -m sage_jax.pipeline --config=configs/sage.py:<preset> --workdir=DIR
+
+(`python -m sage_jax.train` is the same command.) Config overrides go as
+`--config.<section>.<key>=<value>`; the resolved config is printed and written to
+DIR/config.json, and an invalid config fails before anything compiles.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ import math
 import os
 import time
 from typing import Any
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
 
 import jax
 import numpy as np
@@ -322,3 +332,42 @@ def run(config: Any, workdir: str) -> dict:
   summary["table"] = summary_table(summary)
   _write_json(os.path.join(pipe.workdir, "summary.json"), summary)
   return summary
+
+
+# XLA:CPU's default schedule starts independent work early, which keeps every layer's
+# recomputed activations alive at once and undoes remat (the 0.5B on 4k tokens: 31 GB of
+# temporaries instead of 4.8). The memory-optimised schedule keeps remat's savings; other
+# backends ignore the flag. It must be set before JAX starts its backend.
+CPU_REMAT_FLAG = "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
+
+
+def main(argv) -> None:
+  del argv
+  config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if config.model.remat != "none" and "xla_cpu_scheduler_type" not in xla_flags:
+    os.environ["XLA_FLAGS"] = f"{xla_flags} {CPU_REMAT_FLAG}".strip()
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every file at INFO
+    absl_logging.set_verbosity(absl_logging.WARNING)
+  multihost.initialize()
+  logging.getLogger("httpx").setLevel(logging.WARNING)
+  lead = multihost.is_lead()
+  if lead:
+    print(config, flush=True)
+  summary = run(config, workdir)
+  if lead:
+    print(summary["table"])
+    print(f"workdir: {summary['workdir']}  ({summary['elapsed_s']} s)")
+
+
+def define_flags() -> None:
+  """The entry point's flags (defined only when run, so importing this module defines none)."""
+  config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<preset>",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, exports).")
+  flags.mark_flags_as_required(["config", "workdir"])
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main, flags_parser=run_config.parse_flags)
