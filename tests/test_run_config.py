@@ -16,7 +16,7 @@ from sage_jax.configurable import ConfigError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Devices each preset is sized for: a CPU, one GPU, one 8-GPU node, a v5p-64 slice (32 chips).
-PRESETS = {"demo": 1, "qwen2.5-0.5b": 1, "qwen2.5-7b": 8, "qwen2.5-32b": 32,
+PRESETS = {"demo": 1, "qwen2.5-coder-0.5b": 1, "qwen2.5-7b": 8, "qwen2.5-32b": 32,
            "qwen2.5-32b-lora": 8}
 
 
@@ -140,7 +140,7 @@ def test_remat_and_attention_block_reach_the_model():
                                 attention_block=512))
   assert (model.config.remat, model.config.remat_layers) == ("dots", (1,))
   assert model.config.attention_block == 512
-  for preset in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b"):
+  for preset in ("qwen2.5-coder-0.5b", "qwen2.5-7b", "qwen2.5-32b"):
     spec = run_config.resolve(_config("sage", preset)).model
     assert (spec.remat, spec.attention_block) == ("full", 1024)
 
