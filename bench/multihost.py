@@ -79,7 +79,7 @@ def _time_sync(out: str) -> None:
   from flax import nnx  # noqa: PLC0415
 
   from sage_jax import sharding as shd  # noqa: PLC0415
-  from sage_jax.checkpoint.loader import init_model  # noqa: PLC0415
+  from sage_jax.weights.loader import init_model  # noqa: PLC0415
   from sage_jax.model.config import get_preset  # noqa: PLC0415
 
   mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))

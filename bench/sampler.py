@@ -37,7 +37,7 @@ from absl import app, flags  # noqa: E402
 
 from sage_jax import assets  # noqa: E402
 from sage_jax import tokenizer as tokenizer_lib  # noqa: E402
-from sage_jax.checkpoint import gguf_import, hf  # noqa: E402
+from sage_jax.weights import gguf_import, hf  # noqa: E402
 from sage_jax.model.config import Qwen2Config  # noqa: E402
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams  # noqa: E402
 

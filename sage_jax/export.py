@@ -22,8 +22,8 @@ from flax import nnx
 
 from sage_jax import compact_tokenizer, multihost, run_config
 from sage_jax import sharding as shd
-from sage_jax.checkpoint import hf, loader
-from sage_jax.checkpoint.peft_adapter import save_peft_adapter
+from sage_jax.weights import hf, loader
+from sage_jax.weights.peft_adapter import save_peft_adapter
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.optimizer import make_optimizer

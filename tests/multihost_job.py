@@ -55,7 +55,7 @@ def main(argv):
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
   from sage_jax import sharding as shd  # noqa: PLC0415
-  from sage_jax.checkpoint.loader import init_model  # noqa: PLC0415
+  from sage_jax.weights.loader import init_model  # noqa: PLC0415
   from sage_jax.model.config import get_preset  # noqa: PLC0415
   from sage_jax.rl import batch as batch_lib  # noqa: PLC0415
   from sage_jax.rl import grpo  # noqa: PLC0415

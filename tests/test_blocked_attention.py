@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax.checkpoint import hf
-from sage_jax.checkpoint.loader import ModelSpec
+from sage_jax.weights import hf
+from sage_jax.weights.loader import ModelSpec
 from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from tests.hf_reference import tiny_hf_model
 

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import jax.numpy as jnp
 
-from sage_jax.checkpoint import hf
+from sage_jax.weights import hf
 from tests.hf_reference import hf_logits, tiny_hf_model
 
 

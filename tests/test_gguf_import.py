@@ -14,7 +14,7 @@ import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.checkpoint import gguf_import
+from sage_jax.weights import gguf_import
 from sage_jax.model.config import Qwen2Config
 
 _TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
@@ -198,7 +198,7 @@ def test_cli_writes_a_checkpoint_transformers_loads(coder_gguf, ours, tmp_path):
   out = tmp_path / "qwen2.5-coder-0.5b-instruct"
   # The export also checks that the GGUF's vocabulary and chat template are the Qwen2.5
   # tokenizer's that it writes.
-  subprocess.run([sys.executable, "-m", "sage_jax.checkpoint.gguf_import", f"--out={out}",
+  subprocess.run([sys.executable, "-m", "sage_jax.weights.gguf_import", f"--out={out}",
                   f"--gguf={coder_gguf}"],
                  check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert sorted(p.name for p in out.iterdir()) == sorted(

@@ -137,7 +137,7 @@ def test_grpo_step_moves_only_the_adapters(sharded, no_compilation_cache):
 
 
 def test_model_section_adds_adapters_on_the_mesh_and_names_bad_keys():
-  from sage_jax.checkpoint import loader  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
 
   mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
   spec = loader.ModelSpec(preset="tiny", lora_rank=8, lora_alpha=16.0,

@@ -12,8 +12,8 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file
 
-from sage_jax.checkpoint import hf
-from sage_jax.checkpoint.peft_adapter import save_peft_adapter
+from sage_jax.weights import hf
+from sage_jax.weights.peft_adapter import save_peft_adapter
 from sage_jax.model import lora
 from tests.hf_reference import hf_logits, tiny_hf_model
 
@@ -83,7 +83,7 @@ def test_peft_export_of_a_model_without_adapters_is_refused(tmp_path):
 def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
   """A LoRA run's checkpoint through `sage_jax.export`: the merged model and the adapter."""
   from sage_jax import export, run_config  # noqa: PLC0415
-  from sage_jax.checkpoint import loader  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
   from sage_jax.rl import grpo  # noqa: PLC0415
   from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: PLC0415
   from sage_jax.train.step import Trainer  # noqa: PLC0415

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from sage_jax.checkpoint import hf
+from sage_jax.weights import hf
 from sage_jax.model import KVCache
 from tests.hf_reference import hf_logits, tiny_hf_model
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.checkpoint import hf, loader
+from sage_jax.weights import hf, loader
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

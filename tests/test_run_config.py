@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from sage_jax import run_config
-from sage_jax.checkpoint.loader import ModelSpec, build_model
+from sage_jax.weights.loader import ModelSpec, build_model
 from sage_jax.configurable import ConfigError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

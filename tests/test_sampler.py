@@ -382,7 +382,7 @@ def test_generate_command_prints_the_completion(tmp_path):
   import sys
 
   from sage_jax import tokenizer as tokenizer_lib
-  from sage_jax.checkpoint import hf
+  from sage_jax.weights import hf
   from sage_jax.model.config import get_preset
   model = init_model(get_preset("tiny"), seed=3)
   hf.save_hf(model, str(tmp_path / "tiny"),

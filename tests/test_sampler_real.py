@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.checkpoint import hf
+from sage_jax.weights import hf
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]

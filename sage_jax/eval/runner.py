@@ -34,7 +34,7 @@ from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.expert import ScriptedPolicy
 from sage_jax.agent.library import SkillLibrary
 from sage_jax.agent.retrieval import Retriever, make_embedder
-from sage_jax.checkpoint import loader
+from sage_jax.weights import loader
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics as metrics_lib
 from sage_jax.rl import rollout

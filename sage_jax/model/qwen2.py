@@ -1,7 +1,7 @@
 """Qwen2 decoder in Flax NNX: one set of modules for prefill, cached decode and training.
 
 Module and attribute names follow HF's `Qwen2ForCausalLM` so the name table in
-`sage_jax/checkpoint/hf.py` stays a plain mapping. Kernels are stored in torch's order,
+`sage_jax/weights/hf.py` stays a plain mapping. Kernels are stored in torch's order,
 [out..., in...], with heads kept as their own axis, so tensor parallelism can split heads.
 """
 

@@ -237,7 +237,7 @@ def check_fits(run, device: jax.Device) -> RunPlan | None:
 def _model_config(spec) -> Qwen2Config:
   """The architecture a run's model section names: its preset, or the checkpoint's own
   config.json (the bundled 0.5B has the qwen2.5-0.5b preset's shapes)."""
-  from sage_jax.checkpoint import loader  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
 
   dtypes = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype)) if v}
   if spec.preset:

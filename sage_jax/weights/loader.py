@@ -8,7 +8,7 @@ import os
 from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
-from sage_jax.checkpoint import gguf_import, hf
+from sage_jax.weights import gguf_import, hf
 from sage_jax.model import lora
 from sage_jax.model.attention_kernels import check_implementation
 from sage_jax.model.config import Qwen2Config, check_attention_block, check_remat, get_preset

@@ -12,7 +12,7 @@ NeoX (rotate-half) rotary in llama.cpp, so its q/k weights and biases are stored
 nothing is permuted back. Tests guard this twice: exact equality with transformers, and the
 exported model's loss on real text (1.29; 1.99 with llama's permutation undone).
 
-CLI: `python -m sage_jax.checkpoint.gguf_import --out=DIR [--gguf=FILE]` writes an HF checkpoint
+CLI: `python -m sage_jax.weights.gguf_import --out=DIR [--gguf=FILE]` writes an HF checkpoint
 directory (float32 safetensors, config.json, generation_config.json, tokenizer files).
 """
 
@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 
 from sage_jax import assets
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.checkpoint import hf
+from sage_jax.weights import hf
 from sage_jax.model.config import Qwen2Config
 
 CODER_0P5B_WHEELS = tuple(
