@@ -382,6 +382,8 @@ class EnvPool:
     episode.result = result
     with self._lock:
       self.results.append(result)
+      # Before the caller learns of the close, so it may start the same task again at once.
+      self._live.pop((episode.experiment, episode.task_id), None)
     return result
 
   def _evaluate(self, worker, episode: Episode) -> Evaluation:
