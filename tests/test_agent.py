@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sage_jax.agent import agent as agent_lib
-from sage_jax.agent import expert, parsing, prompts, retrieval, skills
+from sage_jax.agent import gold_solutions, parsing, prompts, retrieval, skills
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.library import Skill, SkillLibrary, install_code
 from sage_jax.agent.policy import PolicyTurn
@@ -224,16 +224,16 @@ GOLD = code('''
 
 
 def test_expert_defines_with_docstring_then_reuses():
-  first = expert.expert_turns(GOLD)
+  first = gold_solutions.expert_turns(GOLD)
   assert len(first) == 1
   c = parsing.extract_code(first[0]).code
   a = skills.analyze(c)
   assert a.functions[0].docstring.startswith("Total received from.")
   assert "name: the name." in a.functions[0].docstring
   assert "total_received_from" in a.top_level_calls
-  second = parsing.extract_code(expert.expert_turns(GOLD, ["total_received_from"])[0]).code
+  second = parsing.extract_code(gold_solutions.expert_turns(GOLD, ["total_received_from"])[0]).code
   assert "def " not in second and "total_received_from('Ann Lee')" in second
-  plain = expert.expert_turns("x = apis.a.b()\napis.supervisor.complete_task()\n")
+  plain = gold_solutions.expert_turns("x = apis.a.b()\napis.supervisor.complete_task()\n")
   assert parsing.extract_code(plain[0]).code.startswith("x = apis.a.b()")
 
 

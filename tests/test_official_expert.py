@@ -8,7 +8,7 @@ import ast
 
 import pytest
 
-from sage_jax.agent import expert, parsing
+from sage_jax.agent import gold_solutions, parsing
 from sage_jax.envs import appworld
 from sage_jax.eval import runner as evaluate
 from sage_jax.sft import expert as sft_expert
@@ -45,25 +45,25 @@ def test_official_solutions_pass_as_appworld_runs_them(pool, official_root):  # 
 def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
   task_id = "ead7476_1"  # Send $45.00 to Daniel Okafor on Venmo with the description '...'.
   solution = gold_solution(official_root, task_id)
-  instruction = expert.read_instruction(official_root, task_id)
-  for siblings in ([], [(gold_solution(official_root, t), expert.read_instruction(
+  instruction = gold_solutions.read_instruction(official_root, task_id)
+  for siblings in ([], [(gold_solution(official_root, t), gold_solutions.read_instruction(
       official_root, t)) for t in ("ead7476_2", "ead7476_3")]):
-    name, definition, call = expert.official_skill(solution, instruction, siblings)
+    name, definition, call = gold_solutions.official_skill(solution, instruction, siblings)
     fn = ast.parse(definition).body[0]
     assert [a.arg for a in fn.args.args] == ["query", "amount", "description"]
     assert call == f"{name}('Daniel Okafor', 45.0, 'Pottery class')"
     assert "Daniel Okafor" not in definition and "Pottery class" not in definition
   assert name == "send_venmo_description"
   # A library skill of that name that is a different function is redefined, not called.
-  turns = expert.expert_turns(solution, {name: f"def {name}(query):\n    return 1\n"},
+  turns = gold_solutions.expert_turns(solution, {name: f"def {name}(query):\n    return 1\n"},
                               instruction=instruction, siblings=siblings)
   assert f"def {name}(query, amount, description):" in _code(turns[0])
-  reuse = expert.expert_turns(solution, {name: definition}, instruction=instruction,
+  reuse = gold_solutions.expert_turns(solution, {name: definition}, instruction=instruction,
                               siblings=siblings)
   assert _code(reuse[0]).strip() == call
-  assert expert.official_skill("def solution(apis, requester):\n    pass\n\n"
+  assert gold_solutions.official_skill("def solution(apis, requester):\n    pass\n\n"
                                "solution(apis, requester)\n", instruction) is None
-  with_import = expert.official_skill("import math\n\n" + solution, instruction)[1]
+  with_import = gold_solutions.official_skill("import math\n\n" + solution, instruction)[1]
   assert with_import.startswith("import math\ndef send_venmo")
 
 

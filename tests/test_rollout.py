@@ -29,8 +29,8 @@ def pool(mini_root, tmp_path_factory):
 
 
 def _function_name(root, task_id):
-  from sage_jax.agent import expert
-  return expert.split_solution(expert.read_solution(root, task_id))[2][0]
+  from sage_jax.agent import gold_solutions
+  return gold_solutions.split_solution(gold_solutions.read_solution(root, task_id))[2][0]
 
 
 def test_sample_chains():

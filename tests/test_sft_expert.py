@@ -108,7 +108,7 @@ def test_self_distillation_rejection_samples_over_temperatures(mini_root, tok, p
   """A policy that fails one scenario's second task at the first temperature: the other
   scenarios are kept from the first temperature, that one from the second."""
   from sage_jax.agent import ScriptedPolicy
-  from sage_jax.agent.expert import TextTurnsSession
+  from sage_jax.agent.gold_solutions import TextTurnsSession
 
   dev = appworld.read_split(mini_root, "dev")
   broken_task = next(t for t in dev if t.endswith("_2"))

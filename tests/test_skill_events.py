@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from sage_jax.agent import AgentConfig, Retriever, expert, parsing
+from sage_jax.agent import AgentConfig, Retriever, gold_solutions, parsing
 from sage_jax.agent.library import SkillLibrary, install_code
 from sage_jax.agent.skills import BlockTrace, SkillTracker, analyze
 from sage_jax.envs import appworld
@@ -48,7 +48,7 @@ def pool(mini_root, tmp_path_factory):  # noqa: F811
 @pytest.fixture(scope="module")
 def gold(mini_root):  # noqa: F811
   """Task 1's skill-format turn (defines and calls the skill) and task 2's gold solution."""
-  first = expert.expert_turns(gold_solution(mini_root, f"{SCENARIO}_1"))[0]
+  first = gold_solutions.expert_turns(gold_solution(mini_root, f"{SCENARIO}_1"))[0]
   return parsing.extract_code(first).code, gold_solution(mini_root, f"{SCENARIO}_2")
 
 

@@ -6,7 +6,7 @@ nothing of rewards or of the optimiser.
 
 from sage_jax.agent.agent import TaskTrace, TurnRecord, run_task
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
-from sage_jax.agent.expert import ScriptedPolicy, expert_turns, expert_turns_for_task
+from sage_jax.agent.gold_solutions import ScriptedPolicy, expert_turns, expert_turns_for_task
 from sage_jax.agent.library import Skill, SkillLibrary, install_code
 from sage_jax.agent.parsing import extract_code
 from sage_jax.agent.policy import Policy, PolicyTurn, TaskContext, TurnRequest

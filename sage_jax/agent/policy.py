@@ -1,7 +1,7 @@
 """The policy abstraction the agent drives: per conversation, the next assistant turn's ids.
 
 The real policy is the sampler engine (`sage_jax.rl.rollout.SamplerPolicy`); the scripted one
-(`sage_jax.agent.expert.ScriptedPolicy`) replays gold solutions in the skill format. Both see
+(`sage_jax.agent.gold_solutions.ScriptedPolicy`) replays gold solutions in the skill format. Both see
 the same requests and go through the same agent, rollout and evaluation code.
 """
 

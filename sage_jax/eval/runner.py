@@ -31,7 +31,7 @@ from typing import Any
 
 from sage_jax import configurable, multihost
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
-from sage_jax.agent.expert import ScriptedPolicy
+from sage_jax.agent.gold_solutions import ScriptedPolicy
 from sage_jax.agent.library import SkillLibrary
 from sage_jax.agent.retrieval import Retriever, make_embedder
 from sage_jax.weights import loader

@@ -4,7 +4,7 @@
     python -m sage_jax.sft.expert --out=expert.jsonl --input=strong.jsonl  # collected elsewhere
 
 Gold mode: every scenario of the split is walked as one chain (its tasks in order, one
-skill library carried along), each task played by `agent.expert.ScriptedPolicy`: the gold
+skill library carried along), each task played by `agent.gold_solutions.ScriptedPolicy`: the gold
 solution rewritten into the skill format (the first task defines the scenario's function with
 a docstring and calls it; later tasks call the library skill). The agent, the env pool and
 AppWorld's evaluation are the ones rollouts use, so the system prompt, the task message and
@@ -43,7 +43,7 @@ import numpy as np
 from absl import app, flags
 
 from sage_jax.agent.config import AgentConfig
-from sage_jax.agent.expert import ScriptedPolicy, TextTurnsSession
+from sage_jax.agent.gold_solutions import ScriptedPolicy, TextTurnsSession
 from sage_jax.agent.policy import TaskContext
 from sage_jax.agent.retrieval import Retriever
 from sage_jax.envs import appworld
