@@ -19,7 +19,7 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
                 temperature=0.0)
   c.agent = dict(use_library=True, max_steps=6, max_turn_tokens=384, max_episode_tokens=6144,
                  max_observation_chars=3000)
-  c.retrieval = dict(strategy="same_scenario", top_k=5, embedding_model="hashing")
+  c.retrieval = dict(strategy="same_scenario", top_k=5, embedding_model="minilm")
   c.pool = dict(num_workers=3, max_interactions=50, timeout_seconds=60, call_timeout_s=120.0)
   c.model = dict(spec="qwen2.5-coder-0.5b-instruct", preset="")
   c.engine = dict(num_slots=4, max_len=6144, prefill_buckets=(32, 128, 512), min_attend=256,
