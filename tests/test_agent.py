@@ -179,12 +179,15 @@ def test_hashing_embedder_is_normalised_and_deterministic():
 def test_policy_embedder_embeds_with_the_engines_current_weights(tok):
   from flax import nnx
 
+  from sage_jax import multihost
   from sage_jax.model import get_preset, init_model
   from sage_jax.sampler import Engine, EngineConfig
 
-  engine = Engine(init_model(get_preset("tiny"), seed=0),
-                  EngineConfig(num_slots=1, max_len=64, prefill_buckets=(32,), min_attend=32),
-                  eos_ids=[tok.eos_id])
+  # As the training pipeline's sampler: weights on a mesh over this host's devices.
+  model = init_model(get_preset("tiny"), seed=0)
+  sync = multihost.WeightSync(nnx.state(model), multihost.SamplerMeshConfig())
+  engine = Engine(model, EngineConfig(num_slots=1, max_len=64, prefill_buckets=(32,),
+                                      min_attend=32), eos_ids=[tok.eos_id], mesh=sync.mesh)
   config = RetrievalConfig(strategy="skill_embedding", embedding_model="policy")
   e = retrieval.make_embedder(config, engine=engine, tokenizer=tok)
   texts = ["count songs", "count songs", "pay a friend on venmo"]
