@@ -4,6 +4,10 @@
                        split: the whole agent + rollout + evaluation path without a model
   tiny                 a tiny random-init model through the real sampler on the mini dev split
   qwen2.5-coder-0.5b   the real Qwen2.5-Coder-0.5B-Instruct (untrained baseline), greedy
+  run                  a trained run's checkpoint (`--run=RUN_DIR [--step=N]`), greedy, every
+                       scenario of the dev split: only the eval, retrieval and pool sections
+                       count, the model, agent and engine are the run's (configs/sweeps/
+                       retrieval.py evaluates one run under each retrieval strategy)
 
 Sections map field by field onto EvalConfig, AgentConfig, RetrievalConfig, EnvPoolConfig,
 ModelSpec and the sampler's EngineConfig.
@@ -19,7 +23,7 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
                 temperature=0.0)
   c.agent = dict(use_library=True, max_steps=6, max_turn_tokens=384, max_episode_tokens=6144,
                  max_observation_chars=3000)
-  c.retrieval = dict(strategy="same_scenario", top_k=5, embedding_model="hashing")
+  c.retrieval = dict(strategy="same_scenario", top_k=5, embedding_model="minilm")
   c.pool = dict(num_workers=3, max_interactions=50, timeout_seconds=60, call_timeout_s=120.0)
   c.model = dict(spec="qwen2.5-coder-0.5b-instruct", preset="")
   c.engine = dict(num_slots=4, max_len=6144, prefill_buckets=(32, 128, 512), min_attend=256,
@@ -33,8 +37,9 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
     c.agent.max_episode_tokens = 2048
     c.eval.temperature = 1.0
     c.engine.max_len = 2048
-  elif preset == "qwen2.5-coder-0.5b":
+  elif preset in ("qwen2.5-coder-0.5b", "run"):
     pass
   else:
-    raise ValueError(f"unknown eval preset {preset!r}; known: demo, tiny, qwen2.5-coder-0.5b")
+    raise ValueError(f"unknown eval preset {preset!r}; known: demo, tiny, qwen2.5-coder-0.5b, "
+                     "run")
   return c

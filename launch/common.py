@@ -9,11 +9,16 @@ ENTRY_POINTS = ("sage_jax.train", "sage_jax.evaluate", "sage_jax.export")
 
 
 def entry_command(config: str, workdir: str, overrides: Mapping[str, object] = (),
-                  module: str = "sage_jax.train", python: str = "python") -> list[str]:
-  """`python -m <module> --config=<config> --workdir=<workdir> --config.<key>=<value>...`."""
+                  module: str = "sage_jax.train", python: str = "python",
+                  entry_flags: Mapping[str, object] = ()) -> list[str]:
+  """`python -m <module> [--<flag>=<value>...] --config=<config> --workdir=<workdir>
+  --config.<key>=<value>...`; `entry_flags` are the entry point's own (evaluate's --run,
+  --step)."""
   if module not in ENTRY_POINTS:
     raise ValueError(f"module {module!r} is not an entry point; choose from {ENTRY_POINTS}")
-  argv = [python, "-m", module, f"--config={config}", f"--workdir={workdir}"]
+  argv = [python, "-m", module,
+          *(f"--{name}={format_value(value)}" for name, value in dict(entry_flags).items()),
+          f"--config={config}", f"--workdir={workdir}"]
   for key, value in dict(overrides).items():
     argv.append(f"--config.{key}={format_value(value)}")
   return argv

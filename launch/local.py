@@ -36,10 +36,12 @@ from launch import common  # noqa: E402
 FAILURE_GRACE_S = 30.0
 
 
-def build(config, workdir, overrides, module="sage_jax.train", cpu_devices=0, gpus=None):
-  """(environment additions, argv) for one local run."""
+def build(config, workdir, overrides, module="sage_jax.train", cpu_devices=0, gpus=None,
+          entry_flags=()):
+  """(environment additions, argv) for one local run; `entry_flags`: the entry point's own."""
   return device_env(cpu_devices, gpus), common.entry_command(
-      config, workdir, overrides, module=module, python=sys.executable)
+      config, workdir, overrides, module=module, python=sys.executable,
+      entry_flags=entry_flags)
 
 
 def device_env(cpu_devices: int = 0, gpus: str | None = None) -> dict[str, str]:

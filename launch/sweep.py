@@ -1,8 +1,11 @@
 """Expands a sweep (configs/sweeps/*.py) into runs and hands each to a launcher.
 
-A sweep file defines `get_sweep(arg)` returning
+A sweep file defines `get_sweep(*args)` (the `:`-separated words after the file name)
+returning
   {"config": "configs/sage.py:<preset>", "axes": [{name: overrides, ...}, ...]}
-and the runs are the product of its axes: one run per combination, named by joining the
+and optionally "module" (the entry point, default sage_jax.train) and "flags" (that entry
+point's own flags, the same for every run: `sage_jax.evaluate`'s --run and --step). The
+runs are the product of its axes: one run per combination, named by joining the
 chosen names, with the overrides merged. An arm's overrides may name a stage config of its
 own under "config" (e.g. the GRPO baseline's `configs/grpo.py:<preset>`), so that the arm is
 exactly that stage's command plus the swept keys. Every run gets its own workdir under
@@ -10,6 +13,8 @@ exactly that stage's command plus the swept keys. Every run gets its own workdir
 
   python launch/sweep.py --sweep=configs/sweeps/reward_ablation.py:qwen2.5-7b \\
       --workdir_root=runs/reward_ablation --launcher=slurm --dry_run
+  python launch/sweep.py --sweep=configs/sweeps/retrieval.py:runs/sage7b \\
+      --workdir_root=runs/sage7b_retrieval --dry_run     # evaluations of one trained run
 """
 
 from __future__ import annotations
@@ -38,16 +43,19 @@ class Run:
   config: str
   overrides: dict
   workdir: str
+  module: str = "sage_jax.train"
+  flags: dict = dataclasses.field(default_factory=dict)  # the entry point's own
 
 
 def load_sweep(spec: str) -> dict:
-  path, _, arg = spec.partition(":")
+  """`path[:arg[:arg...]]` -> the sweep its `get_sweep(*args)` returns."""
+  path, *args = spec.split(":")
   if not os.path.exists(path):
     raise FileNotFoundError(f"sweep file {path!r} does not exist")
   module_spec = importlib.util.spec_from_file_location("sweep_definition", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  sweep = module.get_sweep(arg) if arg else module.get_sweep()
+  sweep = module.get_sweep(*args)
   for key in ("config", "axes"):
     if key not in sweep:
       raise ValueError(f"{path}: get_sweep() must return a dict with {key!r}")
@@ -66,19 +74,23 @@ def expand(sweep: dict, workdir_root: str) -> list[Run]:
         raise ValueError(f"run {name!r}: axes set {sorted(clash)} twice")
       overrides.update(o)
     config = overrides.pop("config", sweep["config"])
-    runs.append(Run(name, config, overrides, os.path.join(workdir_root, name)))
+    runs.append(Run(name, config, overrides, os.path.join(workdir_root, name),
+                    sweep.get("module", "sage_jax.train"), dict(sweep.get("flags", {}))))
   names = [r.name for r in runs]
   if len(set(names)) != len(names):
     raise ValueError(f"sweep has duplicate run names: {names}")
   return runs
 
 
-def commands_for(run: Run, launcher: str, module: str = "sage_jax.train", *, project=None,
-                 zone=None, tpu=None) -> list[list[str]]:
+def commands_for(run: Run, launcher: str, *, project=None, zone=None,
+                 tpu=None) -> list[list[str]]:
   """The exact commands that start `run` with `launcher`."""
-  args = common.entry_command(run.config, run.workdir, run.overrides, module=module)[3:]
+  module = run.module
+  args = common.entry_command(run.config, run.workdir, run.overrides, module=module,
+                              entry_flags=run.flags)[3:]
   if launcher == "local":
-    return [local.build(run.config, run.workdir, run.overrides, module)[1]]
+    return [local.build(run.config, run.workdir, run.overrides, module,
+                        entry_flags=run.flags)[1]]
   if launcher == "slurm":
     return [["sbatch", f"--job-name={run.name}", f"--export=ALL,SAGE_JAX_MODULE={module}",
              os.path.join(REPO, "launch", "slurm.sbatch"), *args]]
@@ -91,16 +103,21 @@ def commands_for(run: Run, launcher: str, module: str = "sage_jax.train", *, pro
       raise ValueError(f"launcher tpu_pod needs --{', --'.join(missing)}")
     return tpu_pod.build(project=project, zone=zone, tpu=tpu.format(name=run.name),
                          config=run.config, workdir=run.workdir, overrides=run.overrides,
-                         module=module)
+                         module=module, entry_flags=run.flags)
   raise ValueError(f"unknown launcher {launcher!r}; choose from {LAUNCHERS}")
 
 
 def main(argv):
   del argv
-  runs = expand(load_sweep(FLAGS.sweep), FLAGS.workdir_root)
+  sweep = load_sweep(FLAGS.sweep)
+  if FLAGS["module"].present:
+    if "module" in sweep and sweep["module"] != FLAGS.module:
+      raise app.UsageError(f"--module={FLAGS.module}: {FLAGS.sweep} runs {sweep['module']}")
+    sweep = {**sweep, "module": FLAGS.module}
+  runs = expand(sweep, FLAGS.workdir_root)
   for run in runs:
-    commands = commands_for(run, FLAGS.launcher, FLAGS.module, project=FLAGS.project,
-                            zone=FLAGS.zone, tpu=FLAGS.tpu)
+    commands = commands_for(run, FLAGS.launcher, project=FLAGS.project, zone=FLAGS.zone,
+                            tpu=FLAGS.tpu)
     print(f"# {run.name}")
     print(common.show(commands))
     if not FLAGS.dry_run:
@@ -112,7 +129,8 @@ def define_flags():
   flags.DEFINE_string("sweep", None, "configs/sweeps/<file>.py[:arg]", required=True)
   flags.DEFINE_string("workdir_root", None, "Parent of the runs' workdirs.", required=True)
   flags.DEFINE_enum("launcher", "local", LAUNCHERS, "Where each run goes.")
-  flags.DEFINE_string("module", "sage_jax.train", "Entry point module.")
+  flags.DEFINE_string("module", "sage_jax.train",
+                      "Entry point module (a sweep may name its own).")
   flags.DEFINE_string("project", None, "tpu_pod: GCP project.")
   flags.DEFINE_string("zone", None, "tpu_pod: zone.")
   flags.DEFINE_string("tpu", None, "tpu_pod: TPU name; '{name}' becomes the run name.")

@@ -34,9 +34,9 @@ ARCHIVE = "/tmp/sage_jax_code.tar.gz"
 
 
 def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax.train",
-          create=False, accelerator_type="v5p-64", runtime_version="v2-alpha-tpuv5",
-          remote_dir="sage_jax", jax_tpu="jax[tpu]==0.10.2", queued=False,
-          spot=False) -> list[list[str]]:
+          entry_flags=(), create=False, accelerator_type="v5p-64",
+          runtime_version="v2-alpha-tpuv5", remote_dir="sage_jax",
+          jax_tpu="jax[tpu]==0.10.2", queued=False, spot=False) -> list[list[str]]:
   """The full list of commands, in order."""
   where = [f"--zone={zone}", f"--project={project}"]
   gcloud = ["gcloud", "compute", "tpus", "tpu-vm"]
@@ -65,7 +65,8 @@ def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax
       "appworld install",
   ])
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={setup}"])
-  entry = shlex.join(common.entry_command(config, workdir, overrides, module=module))
+  entry = shlex.join(common.entry_command(config, workdir, overrides, module=module,
+                                          entry_flags=entry_flags))
   run = (f"cd {remote_dir} && . .venv/bin/activate && "
          f"setsid nohup {entry} > logs/$(hostname).log 2>&1 < /dev/null &")
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={run}"])

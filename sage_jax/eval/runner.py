@@ -114,10 +114,14 @@ def _sections(config: Any) -> dict[str, Any]:
 
 
 def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
-             policy: Any = None, tokenizer: Tokenizer | None = None) -> dict:
+             policy: Any = None, engine: Any = None,
+             tokenizer: Tokenizer | None = None, checkpoint: dict | None = None) -> dict:
   """Runs the evaluation described by `config` (a ConfigDict or mapping of sections) and
   writes the reports into `workdir`; returns the report. `pool` / `policy` / `tokenizer`
-  may be given (tests share them); otherwise they are built from the config."""
+  may be given (tests and the training pipeline share them); otherwise they are built from
+  the config. `engine`: the sampler engine to evaluate (a trained run's), or the one a given
+  `policy` samples from; the policy embedding of retrieval reads its weights.
+  `checkpoint`: which trained checkpoint the engine holds (run, stage, step), for the report."""
   s = _sections(config)
   ev, retrieval_cfg = s["eval"], s["retrieval"]
   agent_cfg = ev.agent(s["agent"])
@@ -128,21 +132,22 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   share = multihost.share(len(scenarios))
   own_task_ids = [t for ids in scenarios[share] for t in ids]
   tokenizer = tokenizer or Tokenizer()
-  driver = model = None
+  driver = None
   if policy is None:
     if ev.policy == "scripted":
       policy = ScriptedPolicy(root, tokenizer)
     else:
       from sage_jax.sampler import AsyncEngine, Engine, EngineConfig
 
-      model = loader.build_model(
-          configurable.build(loader.ModelSpec, s["model"] or {}, "config.model"))
-      engine_cfg = configurable.build(EngineConfig, s["engine"] or {}, "config.engine")
-      engine = Engine(model, engine_cfg, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
-                      detokenize=tokenizer.decode)
+      if engine is None:
+        model = loader.build_model(
+            configurable.build(loader.ModelSpec, s["model"] or {}, "config.model"))
+        engine_cfg = configurable.build(EngineConfig, s["engine"] or {}, "config.engine")
+        engine = Engine(model, engine_cfg, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
+                        detokenize=tokenizer.decode)
       driver = AsyncEngine(engine)
       policy = rollout.SamplerPolicy(driver, agent_cfg)
-  embedder = make_embedder(retrieval_cfg, model=model, tokenizer=tokenizer)
+  embedder = make_embedder(retrieval_cfg, engine=engine, tokenizer=tokenizer)
   retriever = Retriever(retrieval_cfg, embedder)
   max_concurrent = ev.max_concurrent_scenarios or (
       0 if retrieval_cfg.strategy in ("same_scenario", "none") else 1)
@@ -175,6 +180,8 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   report = {"split": ev.split, "data_root": root, "experiment": ev.experiment,
             "policy": ev.policy, "retrieval": retrieval_cfg.strategy,
             "temperature": agent_cfg.temperature, "elapsed_s": elapsed, "metrics": metrics}
+  if checkpoint is not None:
+    report["checkpoint"] = checkpoint
   if ev.appworld_check:
     theirs = _combine_scores(multihost.allgather_objects(
         (own_scores, len(own_task_ids), len(scenarios[share]))))

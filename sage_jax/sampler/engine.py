@@ -272,6 +272,12 @@ class Engine:
                        "(structure, shapes or dtypes differ)")
     self._params = self._placed(state)
 
+  @property
+  def weights(self) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graph, params) of the model the engine samples with now, for other read-only uses of
+    the same weights (the policy's embedding in retrieval)."""
+    return self._graphdef, self._params
+
   def warmup(self) -> None:
     """Compiles every prefill and decode shape the engine can use (no cache writes)."""
     cfg = self.config

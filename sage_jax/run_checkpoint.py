@@ -1,0 +1,67 @@
+"""A training run read back from its workdir: its config, its checkpoint steps and the model
+of one step (what `sage_jax.evaluate --run` evaluates and `sage_jax.export` exports).
+
+A run's workdir holds config.json (the resolved config with its derived seeds), the orbax
+train states under checkpoints/ (RL) and sft/checkpoints/ (SFT), and, for a model with
+`model.vocabulary="compact"`, its own tokenizer under tokenizer/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+from flax import nnx
+
+from sage_jax import compact_tokenizer, run_config
+from sage_jax import sharding as shd
+from sage_jax.weights import loader
+from sage_jax.tokenizer import Tokenizer
+from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
+from sage_jax.train.optimizer import make_optimizer
+from sage_jax.train.state import abstract_train_state, state_shardings
+
+STAGE_DIRS = {"rl": "checkpoints", "sft": os.path.join("sft", "checkpoints")}
+
+
+def read_config(run_dir: str) -> ml_collections.ConfigDict:
+  """The run's config.json; a directory without one is not a training run."""
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{run_dir}: not a training run's workdir (no config.json)")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def tokenizer_dir(run_dir: str, run: run_config.RunConfig) -> str:
+  return str(compact_tokenizer.run_tokenizer_dir(run_dir, run.model.vocabulary))
+
+
+def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = None,
+                  stage: str = "rl") -> tuple[nnx.Module, int]:
+  """(model, step) of checkpoint `step` (default: the latest) of the run's `stage`, its
+  weights sharded over every device of this job (however many processes it has, whatever
+  mesh trained it). A missing step is an error that lists the steps there are."""
+  ckpt_dir = os.path.join(run_dir, STAGE_DIRS[stage])
+  if not os.path.isdir(ckpt_dir):
+    raise FileNotFoundError(f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist)")
+  checkpointer = Checkpointer(CheckpointConfig(directory=ckpt_dir, keep_best=0,
+                                               async_save=False))
+  try:
+    steps = checkpointer.all_steps()
+    step = (steps[-1] if steps else None) if step is None else step
+    if step not in steps:
+      raise FileNotFoundError(f"{ckpt_dir}: no checkpoint step {step}; available steps: "
+                              f"{steps or 'none'}")
+    vocab_size = (Tokenizer(tokenizer_dir(run_dir, run)).vocab_size
+                  if run.model.vocabulary == "compact" else None)
+    model = nnx.eval_shape(lambda: loader.build_model(run.model, vocab_size=vocab_size))
+    params = nnx.state(model)
+    tx, _ = make_optimizer(run.sft_optimizer if stage == "sft" else run.optimizer)
+    mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
+    state, _ = checkpointer.restore(abstract_train_state(
+        params, tx, shardings=state_shardings(params, tx, mesh)), step)
+  finally:
+    checkpointer.close()
+  return nnx.merge(nnx.graphdef(model), state.params), step

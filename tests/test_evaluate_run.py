@@ -1,0 +1,94 @@
+"""A trained run evaluated after training (`python -m sage_jax.evaluate --run --step`), and the
+policy's own hidden states as the retrieval embedding in training rollouts, in the
+pipeline's dev evaluation and in the evaluation of a run.
+
+One small run of the real pipeline (RL only, 1 step, 1 chain of 2 rollouts, a compact
+vocabulary) with query-embedding retrieval over the policy's embedding; its checkpoint is
+then evaluated by the entry point."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sage_jax import pipeline
+
+pytestmark = pytest.mark.slow
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from configs import sage as sage_configs  # noqa: E402
+
+POLICY_RETRIEVAL = dict(strategy="query_embedding", embedding_model="policy", top_k=2)
+
+
+@pytest.fixture(scope="module")
+def run_dir(mini_root, tmp_path_factory):
+  c = sage_configs.get_config("demo")
+  c.pipeline.update(stages=("rl",), chains_per_step=1, train_scenarios=1, eval_before=False,
+                    eval_after=True, eval_train=False, export=False, plot=False)
+  c.grpo.group_size = 2
+  c.rl.total_steps = 1
+  c.agent.update(max_turn_tokens=16)
+  c.eval.max_scenarios = 1
+  c.retrieval.update(POLICY_RETRIEVAL)
+  workdir = tmp_path_factory.mktemp("run")
+  summary = pipeline.run(c, str(workdir))
+  # Training rollouts and the dev evaluation ran with the policy's embedding (a random-init
+  # model saves no skill, so nothing is embedded: tests/test_agent.py embeds with an engine
+  # sharded like the pipeline's).
+  assert summary["after"]["num_tasks"] == 3
+  report = json.load(open(workdir / "eval_after" / "eval_dev.json"))
+  assert report["config"]["retrieval"]["embedding_model"] == "policy"
+  assert report["retrieval"] == "query_embedding"
+  assert os.path.isdir(workdir / "checkpoints" / "1")
+  return workdir
+
+
+def _evaluate(*args):
+  return subprocess.run([sys.executable, "-m", "sage_jax.evaluate", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_evaluate_run_is_the_runs_last_model(run_dir, tmp_path):
+  """The checkpoint evaluated under the run's own retrieval and greedy sampling writes the
+  same conversations as the run's evaluation after training."""
+  out = tmp_path / "eval"
+  done = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",  # the latest step
+                   *(f"--config.retrieval.{k}={v}" for k, v in POLICY_RETRIEVAL.items()),
+                   "--config.eval.max_scenarios=1", f"--workdir={out}")
+  assert done.returncode == 0, done.stderr[-4000:]
+  report = json.load(open(out / "eval_dev.json"))
+  assert report["checkpoint"] == {"run": str(run_dir), "stage": "rl", "step": 1}
+  run_config = json.load(open(run_dir / "config.json"))
+  for section in ("model", "agent", "engine"):  # the run's own, not the preset's
+    assert report["config"][section] == run_config[section], section
+  assert report["config"]["retrieval"]["embedding_model"] == "policy"
+  transcripts = [open(d / "transcripts_dev.jsonl").read()
+                 for d in (run_dir / "eval_after", out)]
+  assert transcripts[0] == transcripts[1]
+
+
+def test_evaluate_run_errors_are_clear(run_dir, tmp_path):
+  missing = _evaluate(f"--run={run_dir}", "--step=7", "--stage=rl",
+                      "--config=configs/eval.py:run", f"--workdir={tmp_path}")
+  assert missing.returncode != 0
+  assert "no checkpoint step 7; available steps: [1]" in missing.stderr
+  not_a_run = _evaluate(f"--run={tmp_path}", "--config=configs/eval.py:run",
+                        f"--workdir={tmp_path}")
+  assert not_a_run.returncode != 0 and "not a training run's workdir" in not_a_run.stderr
+  bad_value = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",
+                        "--config.retrieval.strategy=random", f"--workdir={tmp_path}")
+  assert bad_value.returncode != 0 and "config.retrieval" in bad_value.stderr
+  misspelt = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",
+                       "--config.retrieval.stratgy=query_ngram", f"--workdir={tmp_path}")
+  assert misspelt.returncode != 0 and "'config.retrieval.stratgy'" in misspelt.stderr
+  own_model = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",
+                        "--config.model.preset=mini", f"--workdir={tmp_path}")
+  assert own_model.returncode != 0 and "are the run's own" in own_model.stderr
+  scripted = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:demo",
+                       f"--workdir={tmp_path}")
+  assert scripted.returncode != 0 and "config.eval.policy must be 'model'" in scripted.stderr
