@@ -169,8 +169,9 @@ def test_component_seeds_derive_from_the_run_seed():
                                    "(Did you mean \"group_size\" instead of \"group_sise\"?)"),
     ("--config.rollout.nothing_like_it=4", "unknown config key 'config.rollout.nothing_like_it'")])
 def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_path):
-  done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
-                         f"--workdir={tmp_path}", override], capture_output=True, text=True,
+  # The pipeline's own entry point (sage_jax.train delegates to it).
+  done = subprocess.run([sys.executable, "-m", "sage_jax.pipeline",
+                         "--config=configs/sage.py:demo", f"--workdir={tmp_path}", override], capture_output=True, text=True,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         timeout=120)
   assert done.returncode != 0
