@@ -18,10 +18,16 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The demo's shape at a fraction of its cost: one SFT step, short turns, one training and
+# one dev scenario evaluated, without AppWorld's own re-scoring (tests/test_evaluate.py has it).
+SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
+         "--config.pool.num_workers=2", "--config.agent.max_turn_tokens=48",
+         "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false")
+
+
 def _train(workdir, *overrides, config="configs/sage.py:demo"):
   cmd = [sys.executable, "-m", "sage_jax.train", f"--config={config}",
-         f"--workdir={workdir}", "--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
-         "--config.pool.num_workers=2", *overrides]
+         f"--workdir={workdir}", *SHORT, *overrides]
   out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
   return out.stdout
