@@ -75,6 +75,10 @@ def main(argv) -> None:
   config, workdir, run_dir = FLAGS.config, FLAGS.workdir, FLAGS.run
   if config is None or not workdir:
     raise app.UsageError("--config=configs/eval.py:<preset> and --workdir=DIR are required")
+  unknown = sorted(set(config) - set(RUN_SECTIONS) - set(EVAL_SECTIONS))
+  if unknown:  # a misspelt section would otherwise leave its settings at their defaults
+    raise app.UsageError(f"config.{unknown[0]}: unknown section of an evaluation config; "
+                         f"known: {sorted(RUN_SECTIONS + EVAL_SECTIONS)}")
   if run_dir is None and (FLAGS.step is not None or FLAGS["stage"].present):
     raise app.UsageError("--step and --stage choose a checkpoint of --run=RUN_DIR")
   from_run = [a for a in sys.argv if a.startswith(tuple(f"--config.{s}." for s in RUN_SECTIONS))]

@@ -99,6 +99,20 @@ def test_cli_needs_config_and_workdir():
   assert done.returncode != 0 and "--workdir" in done.stderr
 
 
+def test_misspelt_section_of_an_eval_config_is_named(tmp_path):
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = tmp_path / "my_eval.py"
+  config.write_text(f"import sys\nsys.path.insert(0, {repo!r})\nfrom configs import eval as e\n\n"
+                    "def get_config():\n  c = e.get_config('demo')\n"
+                    "  c.retreival = dict(strategy='query_ngram')\n  return c\n")
+  done = subprocess.run([sys.executable, "-m", "sage_jax.evaluate", f"--config={config}",
+                         f"--workdir={tmp_path / 'out'}"], cwd=repo, capture_output=True,
+                        text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+  assert done.returncode != 0
+  assert "config.retreival: unknown section of an evaluation config" in done.stderr
+  assert not (tmp_path / "out").exists()
+
+
 def test_eval_presets_build():
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
   from configs import eval as eval_configs
