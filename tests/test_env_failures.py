@@ -7,6 +7,7 @@ import pytest
 
 from sage_jax.model import get_preset, init_model
 from sage_jax.rl import advantages, grpo, rollout
+from sage_jax.rl import metrics as rl_metrics
 from sage_jax.rl import batch as B
 from sage_jax.train import rl_loop
 from sage_jax.train.optimizer import OptimizerConfig
@@ -28,7 +29,7 @@ def test_failed_episodes_are_left_out_of_normalisation():
   # Population std of [1, 0] is 0.5: the failed episode's 0 is not a peer's outcome.
   assert np.allclose([r.advantage for r in group], [1.0, -1.0, 0.0], atol=1e-5)
   assert stats.num_env_failures == 1 and stats.num_groups == 1
-  metrics = rollout.rollout_metrics(group)
+  metrics = rl_metrics.task_metrics(group, unit="chain")
   assert metrics["env_failure_rate"] == pytest.approx(100 / 3)
 
 

@@ -10,6 +10,7 @@ import pytest
 from sage_jax.agent import AgentConfig, Retriever, ScriptedPolicy
 from sage_jax.envs import appworld
 from sage_jax.rl import advantages, rewards, rollout
+from sage_jax.rl import metrics as rl_metrics
 from sage_jax.tokenizer import Tokenizer
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
@@ -92,7 +93,7 @@ def test_scripted_sequential_rollout_events_and_rewards(pool, mini_root, tok):
         assert [x.reward for x in records] == (k2 if len(records) == 2 else k3), variant
         assert all(x.advantage == 0.0 for x in records)
     assert stats.num_groups == 7 and stats.num_constant_groups == 7
-  metrics = rollout.rollout_metrics(batch.flat())
+  metrics = rl_metrics.task_metrics(batch.flat(), unit="chain")
   assert metrics["tgc"] == metrics["chain_success"] == 100.0
   assert metrics["skill_usage_rate"] == metrics["success_skill_usage_rate"] == 100.0
   # A failed second task in one rollout: only that rollout loses the bonuses.

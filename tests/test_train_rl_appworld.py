@@ -43,9 +43,9 @@ def test_rl_loop_with_the_appworld_sequential_rollout(tmp_path):
         metrics=MetricsConfig(log_dir=str(tmp_path / "log"), progress=False))
   (h,) = result.history
   # One chain of 2 tasks, 2 rollouts: the expert defines the skill in task 1, uses it in task 2.
-  assert h["episodes"] == 4 and h["success"] == h["tgc"] == h["chain_success"] == 1.0
-  assert h["skill_generation_rate"] == 0.5 and h["skill_usage_rate"] == 1.0
-  assert h["no_code_rate"] == 0.0 and h["steps/mean"] == 1.0
+  assert h["episodes"] == 4 and h["success"] == 1.0 and h["steps/mean"] == 1.0
+  assert h["rollout/skill_usage_rate"] == 100.0 and h["rollout/skills_generated"] == 2
+  assert h["rollout/no_code_rate"] == 0.0 and "skill_usage_rate" not in h
   assert h["reward/pos0/mean"] == 2.0 and h["reward/pos1/mean"] == 2.0  # SAGE bonuses
   assert h["advantage/zero_frac"] == 1.0 and h["loss"] == 0.0  # identical rollouts
   assert h["rollout/tgc"] == 100.0 and h["rollout/chain_success"] == 100.0

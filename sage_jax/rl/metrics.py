@@ -19,6 +19,11 @@ All rates are percentages (None when their denominator is empty):
   token limit before any code; also per chain position (`.../pos<k>`).
 - env_failure_rate: tasks on which the environment failed (left out of training).
 
+`batch_metrics` is the RL loop's per-step statistics of any episodes (AppWorld's or the
+synthetic task's; fractions, not percentages): reward and success overall and per chain
+position, steps, generated tokens, advantages. Training logs `task_metrics` of its AppWorld
+episodes beside them, under "rollout/": skill and chain metrics have that one definition.
+
 `compute_counts` is what an RL step spent, so that runs of different methods can be matched
 on compute: episodes, and tokens read as context, generated and trained on.
 """
@@ -26,7 +31,7 @@ on compute: episodes, and tokens read as context, generated and trained on.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -118,3 +123,61 @@ def compute_counts(episodes: Sequence[Any]) -> dict[str, float]:
   return {"compute/episodes": float(len(episodes)), "compute/prompt_tokens": float(prompt),
           "compute/generated_tokens": float(generated),
           "compute/trained_tokens": float(trained)}
+
+
+def field(episode: Any, name: str) -> Any:
+  """An episode's field, whether the episode is a record or a mapping (None if absent)."""
+  if isinstance(episode, Mapping):
+    return episode.get(name)
+  return getattr(episode, name, None)
+
+
+def _mean_std(prefix: str, values: Sequence[float], out: dict) -> None:
+  arr = np.asarray(values, np.float64)
+  out[f"{prefix}/mean"] = float(arr.mean())
+  out[f"{prefix}/std"] = float(arr.std())
+
+
+def _by_position(values: Sequence[Any], positions: Sequence[Any]) -> dict[int, list]:
+  """`values` grouped by chain position, in position order ({} without positions)."""
+  if not all(p is not None for p in positions):
+    return {}
+  at = collections.defaultdict(list)
+  for v, p in zip(values, positions):
+    at[int(p)].append(v)
+  return dict(sorted(at.items()))
+
+
+def batch_metrics(episodes: Sequence[Any]) -> dict[str, float]:
+  """Per-step statistics of episodes, from whichever fields they carry: `episodes`;
+  reward/mean|std, also per chain position (reward/pos<k>/...); success (the share of
+  episodes that succeeded), also per position; steps/mean; generated_tokens/mean|total
+  (from the loss mask when not recorded); advantage/abs_mean and zero_frac."""
+  out: dict[str, float] = {"episodes": float(len(episodes))}
+  if not episodes:
+    return out
+  get = lambda name: [field(e, name) for e in episodes]
+  positions = get("chain_position")
+  rewards, successes = get("reward"), get("success")
+  if all(r is not None for r in rewards):
+    _mean_std("reward", rewards, out)
+    for p, values in _by_position(rewards, positions).items():
+      _mean_std(f"reward/pos{p}", values, out)
+  if all(s is not None for s in successes):
+    out["success"] = float(np.mean([bool(s) for s in successes]))
+    for p, values in _by_position([bool(s) for s in successes], positions).items():
+      out[f"success/pos{p}"] = float(np.mean(values))
+  steps = get("num_steps")
+  if all(s is not None for s in steps):
+    out["steps/mean"] = float(np.mean(steps))
+  generated = get("generated_tokens")
+  if not all(g is not None for g in generated):
+    generated = [int(np.sum(np.asarray(field(e, "loss_mask")))) for e in episodes]
+  out["generated_tokens/mean"] = float(np.mean(generated))
+  out["generated_tokens/total"] = float(np.sum(generated))
+  adv = get("advantage")
+  if all(a is not None for a in adv):
+    adv = np.asarray(adv, np.float64)
+    out["advantage/abs_mean"] = float(np.abs(adv).mean())
+    out["advantage/zero_frac"] = float(np.mean(adv == 0))
+  return out

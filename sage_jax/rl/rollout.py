@@ -30,7 +30,6 @@ from sage_jax.agent.policy import Policy, PolicyTurn, TaskContext, TurnRequest
 from sage_jax.agent.retrieval import Retriever
 from sage_jax.envs.appworld import dataset
 from sage_jax.rl import advantages as advantages_lib
-from sage_jax.rl import metrics as metrics_lib
 from sage_jax.rl import rewards as rewards_lib
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.tokenizer import Tokenizer
@@ -270,16 +269,3 @@ class SamplerPolicy:
 
   def session(self, context: TaskContext) -> _SamplerSession:
     return _SamplerSession(self.engine, context, self._sampling, self._max_len)
-
-
-
-def rollout_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
-  """A batch's `rl.metrics.task_metrics` (per rollout chain: `chain_success`, not SGC), its
-  mean reward and skills saved per episode; undefined rates are left out (for logging)."""
-  if not records:
-    return {}
-  out = {k: float(v) for k, v in metrics_lib.task_metrics(records, unit="chain").items()
-         if v is not None}
-  out["reward"] = float(np.mean([r.reward for r in records]))
-  out["skills_saved"] = float(np.mean([len(r.events.saved) for r in records]))
-  return out

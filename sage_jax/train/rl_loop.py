@@ -14,10 +14,9 @@ the learning test:
       hands the freshly updated nnx.State to the sampler (e.g. `Engine.update_params`): the
       arrays stay on device, no host copy. Called after every update and after a restore.
 
-Episodes are duck-typed: the batch fields of `rl.batch` plus, for metrics, whichever of
-`reward`, `chain_position`, `group`, `rollout`, `scenario`, `success`, `num_steps`,
-`generated_tokens`, `events` (with `.generated`), `used_skill`, `no_code` they carry
-(`rl.episode.EpisodeRecord` carries all).
+Episodes are duck-typed: the batch fields of `rl.batch` plus, for metrics
+(`rl.metrics.batch_metrics`), whichever of `reward`, `chain_position`, `success`,
+`num_steps`, `generated_tokens` they carry (`rl.episode.EpisodeRecord` carries all).
 
 Strictly on-policy by default: one optimiser update per rollout batch; with
 `GRPOConfig.num_mini_batches > 1` the batch is split and each part is one update, all
@@ -26,7 +25,6 @@ against the same pi_old (the rollout's logprobs, or recomputed before the first 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -82,93 +80,6 @@ def frozen_copy(params: nnx.State) -> nnx.State:
   return jax.tree.map(jnp.copy, params)
 
 
-# --- Metrics of a batch of episodes -------------------------------------------------------
-
-
-def _field(episode: Any, name: str) -> Any:
-  if isinstance(episode, Mapping):
-    return episode.get(name)
-  return getattr(episode, name, None)
-
-
-def _mean_std(prefix: str, values: Sequence[float], out: dict) -> None:
-  arr = np.asarray(values, np.float64)
-  out[f"{prefix}/mean"] = float(arr.mean())
-  out[f"{prefix}/std"] = float(arr.std())
-
-
-def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
-  """Batch statistics of episodes (whatever fields they carry; see the module doc).
-
-  reward/mean|std and per chain position reward/pos<k>/mean|std; success (share of tasks
-  whose tests all pass, i.e. the batch TGC) and chain_success (share of rollout chains, or
-  scenarios without chain ids, whose tasks all pass: SGC is a per-scenario evaluation
-  metric); steps, generated tokens; skill generation rate (episodes that defined a new
-  skill), skill usage rate (among episodes after the first of their chain, the only ones
-  with a library: those that used a library skill), no-code rate; advantage statistics.
-  Fractions in [0, 1]; `rl.metrics` holds the paper's metrics of AppWorld episodes.
-  """
-  out: dict[str, float] = {"episodes": float(len(episodes))}
-  if not episodes:
-    return out
-  get = lambda name: [_field(e, name) for e in episodes]
-  rewards, positions = get("reward"), get("chain_position")
-  if all(r is not None for r in rewards):
-    _mean_std("reward", rewards, out)
-    if all(p is not None for p in positions):
-      by_pos = collections.defaultdict(list)
-      for r, p in zip(rewards, positions):
-        by_pos[int(p)].append(r)
-      for p, rs in sorted(by_pos.items()):
-        _mean_std(f"reward/pos{p}", rs, out)
-  success = get("success")
-  if all(s is not None for s in success):
-    out["success"] = out["tgc"] = float(np.mean([bool(s) for s in success]))
-    groups, rollouts, scenarios = get("group"), get("rollout"), get("scenario")
-    if all(g is not None for g in groups) and all(r is not None for r in rollouts):
-      keys = list(zip(groups, rollouts))
-    elif all(s is not None for s in scenarios):
-      keys = scenarios
-    else:
-      keys = None
-    if keys is not None:
-      chains = collections.defaultdict(list)
-      for k, s in zip(keys, success):
-        chains[k].append(bool(s))
-      out["chain_success"] = float(np.mean([all(v) for v in chains.values()]))
-    if all(p is not None for p in positions):
-      by_pos = collections.defaultdict(list)
-      for s, p in zip(success, positions):
-        by_pos[int(p)].append(bool(s))
-      for p, ss in sorted(by_pos.items()):
-        out[f"success/pos{p}"] = float(np.mean(ss))
-  steps = get("num_steps")
-  if all(s is not None for s in steps):
-    out["steps/mean"] = float(np.mean(steps))
-  generated = get("generated_tokens")
-  if not all(g is not None for g in generated):
-    generated = [int(np.sum(np.asarray(_field(e, "loss_mask")))) for e in episodes]
-  out["generated_tokens/mean"] = float(np.mean(generated))
-  out["generated_tokens/total"] = float(np.sum(generated))
-  events = get("events")
-  if all(e is not None and hasattr(e, "generated") for e in events):
-    out["skill_generation_rate"] = float(np.mean([bool(e.generated) for e in events]))
-  used = get("used_skill")
-  if all(u is not None for u in used) and all(p is not None for p in positions):
-    later = [bool(u) for u, p in zip(used, positions) if p > 0]
-    if later:
-      out["skill_usage_rate"] = float(np.mean(later))
-  no_code = get("no_code")
-  if all(n is not None for n in no_code):
-    out["no_code_rate"] = float(np.mean([bool(n) for n in no_code]))
-  adv = get("advantage")
-  if all(a is not None for a in adv):
-    adv = np.asarray(adv, np.float64)
-    out["advantage/abs_mean"] = float(np.abs(adv).mean())
-    out["advantage/zero_frac"] = float(np.mean(adv == 0))
-  return out
-
-
 def gather_episodes(episodes: Sequence[Any]) -> list[Any]:
   """Every process's episodes, for metrics (per-token arrays left behind: they are large and
   metrics read `generated_tokens` instead); the episodes themselves with one process."""
@@ -177,7 +88,7 @@ def gather_episodes(episodes: Sequence[Any]) -> list[Any]:
   empty = np.zeros(0, np.float32)
   light = [dataclasses.replace(e, tokens=empty, loss_mask=empty, sampler_logprobs=empty,
                                model_logprobs=empty, turns=[])
-           if dataclasses.is_dataclass(e) and _field(e, "generated_tokens") is not None
+           if dataclasses.is_dataclass(e) and metrics_lib.field(e, "generated_tokens") is not None
            else e for e in episodes]
   return [e for part in multihost.allgather_objects(light) for e in part]
 
@@ -192,7 +103,7 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
   returns the update metrics (means over mini-batches) and batch layout statistics.
   Episodes on which the environment failed (`env_failed`) are left out of the loss; when no
   process has any other episode, there is no update."""
-  episodes = [e for e in episodes if not _field(e, "env_failed")]
+  episodes = [e for e in episodes if not metrics_lib.field(e, "env_failed")]
   trainable = np.asarray(multihost.allgather(np.asarray([len(episodes)], np.int64))).sum()
   if trainable == 0:
     return {"updates": 0.0, "batch/positions": 0.0, "batch/real_positions": 0.0}
@@ -257,8 +168,8 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
     batch = rollout_lib.collect(ctx, chains[share], config, reward_config, advantage_config,
                                 first_group=share.start)
     episodes = batch.flat()
-    values = {f"rollout/{k}": v
-              for k, v in rollout_lib.rollout_metrics(gather_episodes(episodes)).items()}
+    values = {f"rollout/{k}": float(v) for k, v in metrics_lib.task_metrics(
+        gather_episodes(episodes), unit="chain").items() if v is not None}
     stats = batch.advantage_stats
     values["constant_groups"] = float(sum(multihost.allgather_objects(
         stats.num_constant_groups if stats is not None else 0)))
@@ -298,7 +209,7 @@ def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopC
     values.update(zip(counts, map(float, totals)))
     if score is not None:
       values.update(score(episodes) or {})
-    values.update(episode_metrics(gather_episodes(episodes)))
+    values.update(metrics_lib.batch_metrics(gather_episodes(episodes)))
     t2 = time.perf_counter()
     values.update(grpo_update(trainer, episodes, grpo_config, batch_config, seed=seed,
                               reference_params=reference_params))
