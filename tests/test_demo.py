@@ -25,10 +25,16 @@ SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
          "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false")
 
 
+# The demo as the README runs it, on one CPU device (not the test session's 8 simulated ones,
+# which only slow a 2-core machine down; tests/test_multihost.py runs it sharded).
+ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
 def _train(workdir, *overrides, config="configs/sage.py:demo"):
   cmd = [sys.executable, "-m", "sage_jax.train", f"--config={config}",
          f"--workdir={workdir}", *SHORT, *overrides]
-  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500,
+                       env=ONE_DEVICE)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
   return out.stdout
 
@@ -58,7 +64,7 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   # The export command writes what transformers loads; it equals the run's own export.
   out = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}",
                         f"--out={tmp_path / 'export'}"], cwd=REPO, capture_output=True,
-                       text=True, timeout=600)
+                       text=True, timeout=600, env=ONE_DEVICE)
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
   assert "Dev evaluation" in open(tmp_path / "export" / "README.md").read()
@@ -79,7 +85,7 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   # The SFT stage's checkpoint exports too.
   out = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}",
                         "--stage=sft", "--step=1", f"--out={tmp_path / 'sft_export'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+                       cwd=REPO, capture_output=True, text=True, timeout=600, env=ONE_DEVICE)
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.loads(out.stdout.strip().splitlines()[-1]) == {
       "out": str(tmp_path / "sft_export"), "stage": "sft", "step": 1}
