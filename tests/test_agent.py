@@ -7,6 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from sage_jax import configurable
 from sage_jax.agent import agent as agent_lib
 from sage_jax.agent import gold_solutions, parsing, prompts, retrieval, skills
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
@@ -253,9 +254,10 @@ def test_configs_reject_bad_values():
     RetrievalConfig(strategy="random")
   with pytest.raises(ValueError, match="max_steps"):
     AgentConfig(max_steps=0)
-  with pytest.raises(ValueError, match="unknown_key"):
-    AgentConfig.from_dict({"unknown_key": 1})
-  assert AgentConfig.from_dict({"stop_strings": ["```\n"]}).stop_strings == ("```\n",)
+  with pytest.raises(ValueError, match="config.agent.unknown_key: unknown key"):
+    configurable.build(AgentConfig, {"unknown_key": 1}, "config.agent")
+  built = configurable.build(AgentConfig, {"stop_strings": ["```\n"]}, "config.agent")
+  assert built.stop_strings == ("```\n",)
 
 
 # --- prompt and expert -----------------------------------------------------------------------

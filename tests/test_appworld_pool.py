@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from sage_jax import configurable
 from sage_jax.envs import appworld
 from tests.appworld_fixtures import all_task_ids
 from tests.appworld_fixtures import appworld_metrics
@@ -51,10 +52,11 @@ def test_importing_the_pool_does_not_import_appworld():
 
 
 def test_config_rejects_unknown_keys_and_bad_values():
-  config = appworld.EnvPoolConfig.from_dict({"num_workers": 3, "use_servers": True})
+  config = configurable.build(appworld.EnvPoolConfig, {"num_workers": 3, "use_servers": True},
+                              "config.pool")
   assert config.num_workers == 3 and config.use_servers
-  with pytest.raises(ValueError, match="num_wrokers"):
-    appworld.EnvPoolConfig.from_dict({"num_wrokers": 3})
+  with pytest.raises(ValueError, match="config.pool.num_wrokers: unknown key"):
+    configurable.build(appworld.EnvPoolConfig, {"num_wrokers": 3}, "config.pool")
   with pytest.raises(ValueError, match="call_timeout_s"):
     appworld.EnvPoolConfig(timeout_seconds=100, call_timeout_s=50)
   with pytest.raises(ValueError, match="num_workers"):

@@ -1,16 +1,12 @@
 """Configuration of the Skill Library Agent and of skill retrieval.
 
 Frozen dataclasses with documented defaults; the project's ml_collections configs fill them
-field by field with the same names (`from_dict`).
+field by field with the same names (`sage_jax.configurable.build`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, TypeVar
-
-_T = TypeVar("_T")
 
 RETRIEVAL_STRATEGIES = ("same_scenario", "query_ngram", "query_embedding", "skill_embedding",
                         "none")
@@ -18,20 +14,6 @@ EMBEDDING_MODELS = ("minilm", "policy", "hashing")
 NO_CODE_MODES = ("any", "all")
 
 
-def from_dict(cls: type[_T], values: Mapping[str, Any]) -> _T:
-  """Builds a config dataclass from a mapping, rejecting unknown keys with their names."""
-  known = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(values) - known)
-  if unknown:
-    raise ValueError(f"Unknown {cls.__name__} keys: {unknown}; known: {sorted(known)}.")
-  kwargs = {}
-  for f in dataclasses.fields(cls):
-    if f.name in values:
-      value = values[f.name]
-      if isinstance(value, list):
-        value = tuple(value)
-      kwargs[f.name] = value
-  return cls(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +52,6 @@ class AgentConfig:
       raise ValueError("max_observation_chars must be >= 1")
     object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
 
-  @classmethod
-  def from_dict(cls, values: Mapping[str, Any]) -> "AgentConfig":
-    return from_dict(cls, values)
-
 
 @dataclasses.dataclass(frozen=True)
 class RetrievalConfig:
@@ -108,7 +86,3 @@ class RetrievalConfig:
                        f"{EMBEDDING_MODELS}")
     if self.top_k < 1 or self.ngram < 1 or self.embedding_dim < 8:
       raise ValueError("top_k and ngram must be >= 1, embedding_dim >= 8")
-
-  @classmethod
-  def from_dict(cls, values: Mapping[str, Any]) -> "RetrievalConfig":
-    return from_dict(cls, values)

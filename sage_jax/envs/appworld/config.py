@@ -1,8 +1,6 @@
 """Configuration of the AppWorld environment pool."""
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 from sage_jax.envs.appworld import data_root
 
@@ -73,14 +71,6 @@ class EnvPoolConfig:
     if self.max_interactions < 1 or self.max_output_chars < 1:
       raise ValueError("max_interactions and max_output_chars must be >= 1.")
 
-  @classmethod
-  def from_dict(cls, values: Mapping[str, Any]) -> "EnvPoolConfig":
-    """Builds a config from a mapping (e.g. an ml_collections ConfigDict's to_dict())."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-      raise ValueError(f"Unknown EnvPoolConfig keys: {unknown}; known: {sorted(known)}.")
-    return cls(**values)
 
   def data_root(self) -> str:
     """The AppWorld root to run (`data_root.resolve` of `appworld_root`)."""
