@@ -37,9 +37,9 @@ from absl import app, flags  # noqa: E402
 
 from sage_jax import assets  # noqa: E402
 from sage_jax import tokenizer as tokenizer_lib  # noqa: E402
-from sage_jax.weights import gguf_import, hf  # noqa: E402
 from sage_jax.model.config import Qwen2Config  # noqa: E402
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams  # noqa: E402
+from sage_jax.weights import gguf_import, hf  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint directory; default: the bundled "
                              "real Qwen2.5-Coder-0.5B-Instruct, converted once and cached.")

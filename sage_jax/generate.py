@@ -18,8 +18,8 @@ from absl import app, flags, logging
 
 from sage_jax import multihost
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.weights import loader
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
+from sage_jax.weights import loader
 
 _MODEL = flags.DEFINE_string("model", None, "HF directory, .gguf file or bundled model name.")
 _PROMPT = flags.DEFINE_string("prompt", None, "The prompt text.")

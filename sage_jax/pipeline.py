@@ -49,7 +49,6 @@ from flax import nnx
 from sage_jax import compact_tokenizer, export, multihost, plot, run_config
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
-from sage_jax.weights import loader
 from sage_jax.envs import appworld
 from sage_jax.eval import runner
 from sage_jax.rl import rollout
@@ -62,6 +61,7 @@ from sage_jax.tools import memory_plan
 from sage_jax.train import rl_loop
 from sage_jax.train.checkpoint import Checkpointer
 from sage_jax.train.metrics import MetricsConfig
+from sage_jax.weights import loader
 
 SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate")
 

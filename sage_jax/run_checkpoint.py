@@ -16,11 +16,11 @@ from flax import nnx
 
 from sage_jax import compact_tokenizer, run_config
 from sage_jax import sharding as shd
-from sage_jax.weights import loader
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.optimizer import make_optimizer
 from sage_jax.train.state import abstract_train_state, state_shardings
+from sage_jax.weights import loader
 
 STAGE_DIRS = {"rl": "checkpoints", "sft": os.path.join("sft", "checkpoints")}
 

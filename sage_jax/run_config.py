@@ -17,10 +17,10 @@ import ml_collections
 from absl import flags
 
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
-from sage_jax.weights.loader import ModelSpec
 from sage_jax.configurable import ConfigError, build
 from sage_jax.envs.appworld.config import EnvPoolConfig
 from sage_jax.eval.runner import EvalConfig
+from sage_jax.multihost import SamplerMeshConfig
 from sage_jax.rl.advantages import AdvantageConfig
 from sage_jax.rl.batch import BatchConfig
 from sage_jax.rl.grpo import GRPOConfig
@@ -29,13 +29,13 @@ from sage_jax.rl.rollout import RolloutConfig
 from sage_jax.sampler import EngineConfig
 from sage_jax.sft.expert import ExpertConfig
 from sage_jax.sft.loop import SFTConfig
-from sage_jax.multihost import SamplerMeshConfig
 from sage_jax.sharding import MeshConfig
 from sage_jax.train.checkpoint import CheckpointConfig
 from sage_jax.train.metrics import MetricsConfig
 from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.rl_loop import RLLoopConfig
 from sage_jax.train.step import TrainerConfig
+from sage_jax.weights.loader import ModelSpec
 
 STAGES = ("sft", "rl")
 TASKS_PER_SCENARIO = 3  # AppWorld's official splits and the mini world alike

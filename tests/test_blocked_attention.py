@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from sage_jax.weights import hf
 from sage_jax.weights.loader import ModelSpec
-from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from tests.hf_reference import tiny_hf_model
 
 

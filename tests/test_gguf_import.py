@@ -14,8 +14,8 @@ import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.weights import gguf_import
 from sage_jax.model.config import Qwen2Config
+from sage_jax.weights import gguf_import
 
 _TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
          "        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"

@@ -12,9 +12,9 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file
 
+from sage_jax.model import lora
 from sage_jax.weights import hf
 from sage_jax.weights.peft_adapter import save_peft_adapter
-from sage_jax.model import lora
 from tests.hf_reference import hf_logits, tiny_hf_model
 
 TOKENS = np.random.RandomState(0).randint(0, 512, (2, 16))

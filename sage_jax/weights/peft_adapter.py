@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from sage_jax.weights.hf import _to_host, path_to_hf
 from sage_jax.model import lora
 from sage_jax.model.qwen2 import Qwen2
+from sage_jax.weights.hf import _to_host, path_to_hf
 
 _PREFIX = "base_model.model."
 
