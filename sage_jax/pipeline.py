@@ -63,7 +63,8 @@ from sage_jax.train.checkpoint import Checkpointer
 from sage_jax.train.metrics import MetricsConfig
 from sage_jax.weights import loader
 
-SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate")
+SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate",
+                "later_skill_usage_rate")
 
 
 def _done(path: str) -> dict | None:

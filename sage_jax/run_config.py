@@ -109,6 +109,7 @@ GRPO_KNOBS: dict[str, tuple[str, str]] = {
     "group_size": ("rollout", "group_size"),  # G rollouts of each chain
     "chain_length": ("rollout", "chain_length"),  # K tasks per chain
     "single_task": ("rollout", "single_task"),  # K = 1 without a library (the baseline)
+    "max_redraws": ("rollout", "max_redraws"),  # dynamic sampling: redraw no-signal chains
     "advantage_estimator": ("advantage", "estimator"),
     "advantage_std": ("advantage", "std"),
     "advantage_epsilon": ("advantage", "epsilon"),

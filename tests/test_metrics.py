@@ -27,6 +27,8 @@ def test_task_metrics_definitions():
   # Tasks with library skills: r1, r3, r5; used: r1, r3; used and succeeded: r1.
   assert m["skill_usage_rate"] == pytest.approx(200 / 3)
   assert m["success_skill_usage_rate"] == pytest.approx(100 / 3)
+  # Later-position tasks: r1, r3, r5; used a skill: r1, r3 (r5 saw one and did not use it).
+  assert m["later_skill_usage_rate"] == pytest.approx(200 / 3)
   assert m["p_success_given_use"] == 50.0
   assert m["w_use_rate"] == m["w_gen_rate"] == pytest.approx(100 / 6)  # r1 and r0
   assert m["no_code_rate"] == m["truncation_rate"] == pytest.approx(100 / 6)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sage_jax.agent import AgentConfig, Retriever, ScriptedPolicy
+from sage_jax.agent.gold_solutions import TextTurnsSession
 from sage_jax.envs import appworld
 from sage_jax.model import get_preset, init_model
 from sage_jax.rl import batch as B
@@ -63,3 +64,57 @@ def test_rl_loop_with_the_appworld_sequential_rollout(tmp_path):
   assert not np.array_equal(before, np.asarray(trainer.params["norm"]["weight"][...]))
   assert [r["step"] for r in read_jsonl(str(tmp_path / "log"))] == [1]
   assert ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(tmp_path / "ck"))).all_steps() == [1]
+
+
+class _FailsOddRollouts:
+  """The scripted expert, except that in `scenario` every rollout with an odd seed answers
+  without code: its groups (consecutive rollout seeds) always mix success and failure, while
+  every other scenario's groups succeed throughout (zero advantage)."""
+
+  def __init__(self, root, tokenizer, scenario):
+    self._expert = ScriptedPolicy(root, tokenizer)
+    self._tok = tokenizer
+    self._scenario = scenario
+
+  def session(self, context):
+    if context.scenario == self._scenario and (context.seed // 1000) % 2:
+      return TextTurnsSession(["I cannot do this task."] * 20, self._tok)
+    return self._expert.session(context)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_redraws_chains_without_signal(tmp_path):
+  root = appworld.ensure_mini_world()
+  tok = Tokenizer()
+  scenarios = appworld.group_by_scenario(appworld.read_split(root, "train"))
+  steady, mixed = sorted(scenarios)[:2]
+  pool_config = appworld.EnvPoolConfig(num_workers=2, appworld_root=root,
+                                       outputs_root=str(tmp_path / "outputs"),
+                                       timeout_seconds=20, call_timeout_s=90.0,
+                                       max_interactions=20)
+  config = rollout.RolloutConfig(chain_length=2, group_size=2, max_redraws=2)
+  with appworld.EnvPool(pool_config) as pool:
+    ctx = rollout.RolloutContext(_FailsOddRollouts(root, tok, mixed), pool, tok,
+                                 AgentConfig(max_steps=2), Retriever(), root)
+    # Two scenarios, two chains a draw: each draw has one chain of each. The first draw keeps
+    # the mixed scenario's chain; a second draw completes the two chains with a signal.
+    run = rl_loop.appworld_rollout(ctx, scenarios[steady] + scenarios[mixed], config,
+                                   rewards.RewardConfig(), num_chains=2)
+    episodes, values = run(0, 7)
+    assert values["sampling/draws"] == 2 and values["sampling/kept_chains"] == 2
+    assert {appworld.scenario_id(e.task_id) for e in episodes} == {mixed}
+    assert len(episodes) == 2 * 2 * 2 and all(e.advantage != 0 for e in episodes)
+    assert len({e.group for e in episodes}) == 2  # group ids stay unique across draws
+    # What was sampled, not only what is trained on: 2 draws x 2 chains x G x K episodes.
+    assert values["compute/episodes"] == 16 and values["constant_groups"] == 4
+    assert values["rollout/tgc"] == 75.0 and values["rollout/reward/pos0"] < 2.0
+    # Only chains without a signal: every draw is spent and the step trains on nothing.
+    run = rl_loop.appworld_rollout(ctx, scenarios[steady], config, rewards.RewardConfig(),
+                                   num_chains=1)
+    trainer = rl_loop.grpo_trainer(init_model(get_preset("tiny"), seed=0))
+    result = rl_loop.run_rl(trainer, rollout=run, config=rl_loop.RLLoopConfig(total_steps=1),
+                            metrics=MetricsConfig(log_dir=str(tmp_path / "log"),
+                                                  progress=False))
+  (h,) = result.history
+  assert h["sampling/draws"] == 3 and h["sampling/kept_chains"] == 0
+  assert h["episodes"] == 0 and h["updates"] == 0 and h["compute/episodes"] == 12

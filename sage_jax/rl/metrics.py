@@ -9,6 +9,9 @@ All rates are percentages (None when their denominator is empty):
 - avg_steps, avg_generated_tokens: assistant turns and model tokens per task.
 - skill_usage_rate: among tasks that had library skills, those that used one (ran a library
   skill successfully; `agent.skills`).
+- later_skill_usage_rate: among tasks at chain positions > 0 (those that could reuse a skill
+  an earlier task of their chain saved), those that used one; a task whose chain saved no
+  skill counts as not using one, so this rises as a policy both saves and reuses skills.
 - success_skill_usage_rate: among tasks that had library skills, those that used one and
   succeeded.
 - p_success_given_use: among tasks that used a library skill, those that succeeded.
@@ -69,6 +72,7 @@ def task_metrics(records: Sequence[EpisodeRecord], *, unit: str = "scenario") ->
     completion[r.scenario if unit == "scenario" else (r.group, r.rollout)].append(r.success)
   with_library = [r for r in records if r.visible_skills]
   users = [r for r in records if r.used_skill]
+  later = [r for r in records if r.chain_position > 0]
   w_gen = sum(generation_credited(c, k) for c in chains for k in range(len(c)))
   out = {
       "num_tasks": len(records),
@@ -79,6 +83,7 @@ def task_metrics(records: Sequence[EpisodeRecord], *, unit: str = "scenario") ->
       "avg_steps": _mean([r.num_steps for r in records]),
       "avg_generated_tokens": _mean([r.generated_tokens for r in records]),
       "skill_usage_rate": _pct(sum(r.used_skill for r in with_library), len(with_library)),
+      "later_skill_usage_rate": _pct(sum(bool(r.used_skill) for r in later), len(later)),
       "success_skill_usage_rate": _pct(sum(r.used_skill and r.success for r in with_library),
                                        len(with_library)),
       "p_success_given_use": _pct(sum(r.success for r in users), len(users)),
@@ -138,7 +143,7 @@ def _mean_std(prefix: str, values: Sequence[float], out: dict) -> None:
   out[f"{prefix}/std"] = float(arr.std())
 
 
-def _by_position(values: Sequence[Any], positions: Sequence[Any]) -> dict[int, list]:
+def by_position(values: Sequence[Any], positions: Sequence[Any]) -> dict[int, list]:
   """`values` grouped by chain position, in position order ({} without positions)."""
   if not all(p is not None for p in positions):
     return {}
@@ -161,11 +166,11 @@ def batch_metrics(episodes: Sequence[Any]) -> dict[str, float]:
   rewards, successes = get("reward"), get("success")
   if all(r is not None for r in rewards):
     _mean_std("reward", rewards, out)
-    for p, values in _by_position(rewards, positions).items():
+    for p, values in by_position(rewards, positions).items():
       _mean_std(f"reward/pos{p}", values, out)
   if all(s is not None for s in successes):
     out["success"] = float(np.mean([bool(s) for s in successes]))
-    for p, values in _by_position([bool(s) for s in successes], positions).items():
+    for p, values in by_position([bool(s) for s in successes], positions).items():
       out[f"success/pos{p}"] = float(np.mean(values))
   steps = get("num_steps")
   if all(s is not None for s in steps):

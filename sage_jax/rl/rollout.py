@@ -47,7 +47,10 @@ class RolloutConfig:
   chain_order: "random" (K distinct tasks of the scenario in random order) or "ordered"
   (K consecutive tasks by task number, starting at a random one). experiment_prefix: AppWorld
   experiment names are `<prefix>_g<group>_r<rollout>`. seed: the sampler's per-rollout seeds
-  (the RL loop gives step s `step_seed(seed, s)`; the chains come from the loop's own seed)."""
+  (the RL loop gives step s `step_seed(seed, s)`; the chains come from the loop's own seed).
+  max_redraws: dynamic sampling (DAPO): chains whose G rollouts all got the same rewards
+  (no gradient) are dropped and new chains drawn, at most this many more times per step
+  (`train.rl_loop.appworld_rollout`); 0 = off, every drawn chain is trained on (the paper)."""
 
   chain_length: int = 2
   group_size: int = 8
@@ -55,8 +58,11 @@ class RolloutConfig:
   chain_order: str = "random"
   experiment_prefix: str = "rollout"
   seed: int = 0
+  max_redraws: int = 0
 
   def __post_init__(self):
+    if self.max_redraws < 0:
+      raise ValueError(f"max_redraws must be >= 0, got {self.max_redraws}")
     for name in ("chain_length", "group_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

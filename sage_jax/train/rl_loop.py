@@ -149,30 +149,64 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
   (a `random.Random` of the step's seed, the same on every process), runs this process's
   share of them (a chain's G rollouts stay on one host, with their rewards and advantages)
   through the Sequential Rollout (`rl.rollout`) with the context's policy, sampling seeds
-  `step_seed(rollout_config.seed, s)`. Returns this process's episode records and the
-  metrics of every process's episodes (`rl.metrics`, under "rollout/")."""
+  `step_seed(rollout_config.seed, s)`.
+
+  With `rollout_config.max_redraws` > 0 (dynamic sampling, as in DAPO) a chain whose every
+  reward set is constant (zero advantages: no gradient) is dropped, and up to `max_redraws`
+  more draws of `num_chains` chains follow until `num_chains` chains with a learning signal
+  are kept (the first ones, in process order). The step then trains on those; a step where
+  no draw has any trains on nothing.
+
+  Returns this process's episodes to train on, and metrics of every episode that every
+  process sampled: `rl.metrics.task_metrics` and the mean reward (also per chain position)
+  under "rollout/", the compute counts, the draws and the kept chains."""
   import random
 
   from sage_jax.rl import advantages as advantages_lib
   from sage_jax.rl import rollout as rollout_lib
 
   advantage_config = advantage_config or advantages_lib.AdvantageConfig()
+  filtering = rollout_config.max_redraws > 0
 
   def run(step: int, seed: int):
-    chains = rollout_lib.sample_chains(task_ids, rollout_config.effective_chain_length,
-                                       num_chains, random.Random(seed),
-                                       order=rollout_config.chain_order)
-    share = multihost.share(len(chains))
     config = dataclasses.replace(rollout_config, seed=step_seed(rollout_config.seed, step),
                                  experiment_prefix=f"{rollout_config.experiment_prefix}_s{step}")
-    batch = rollout_lib.collect(ctx, chains[share], config, reward_config, advantage_config,
-                                first_group=share.start)
-    episodes = batch.flat()
+    sampled, informative, constant_sets, draws = [], [], 0, 0
+    while draws <= rollout_config.max_redraws:
+      rng = random.Random(seed if draws == 0 else step_seed(seed, draws))
+      chains = rollout_lib.sample_chains(task_ids, rollout_config.effective_chain_length,
+                                         num_chains, rng, order=rollout_config.chain_order)
+      share = multihost.share(len(chains))
+      batch = rollout_lib.collect(ctx, chains[share], config, reward_config, advantage_config,
+                                  first_group=draws * num_chains + share.start)
+      draws += 1
+      sampled.extend(batch.flat())
+      constant_sets += batch.advantage_stats.num_constant_groups
+      informative.extend([r for rollout in group for r in rollout] for group in batch.records
+                         if not filtering or any(r.advantage != 0 for rollout in group
+                                                 for r in rollout))
+      if not filtering:
+        break
+      counts = multihost.allgather(np.asarray([len(informative)], np.int64))[:, 0]
+      if counts.sum() >= num_chains:
+        break
+    if filtering:  # the first num_chains informative chains, in process order
+      before = int(counts[:jax.process_index()].sum())
+      informative = informative[:max(0, num_chains - before)]
+    episodes = [r for group in informative for r in group]
+    everyone = gather_episodes(sampled)
     values = {f"rollout/{k}": float(v) for k, v in metrics_lib.task_metrics(
-        gather_episodes(episodes), unit="chain").items() if v is not None}
-    stats = batch.advantage_stats
-    values["constant_groups"] = float(sum(multihost.allgather_objects(
-        stats.num_constant_groups if stats is not None else 0)))
+        everyone, unit="chain").items() if v is not None}
+    rewards = [e.reward for e in everyone]
+    values["rollout/reward"] = float(np.mean(rewards))
+    for p, at in metrics_lib.by_position(rewards, [e.chain_position for e in everyone]).items():
+      values[f"rollout/reward/pos{p}"] = float(np.mean(at))
+    totals = multihost.allgather(np.asarray(
+        list(metrics_lib.compute_counts(sampled).values()), np.float64)).sum(0)
+    values.update(zip(metrics_lib.compute_counts([]), map(float, totals)))
+    values["constant_groups"] = float(sum(multihost.allgather_objects(constant_sets)))
+    values["sampling/draws"] = float(draws)
+    values["sampling/kept_chains"] = float(sum(multihost.allgather_objects(len(informative))))
     return episodes, values
 
   return run
@@ -204,9 +238,12 @@ def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopC
     t0 = time.perf_counter()
     episodes, values = _unpack_rollout(rollout(step, seed))
     t1 = time.perf_counter()
-    counts = metrics_lib.compute_counts(episodes)
-    totals = multihost.allgather(np.asarray(list(counts.values()), np.float64)).sum(0)
-    values.update(zip(counts, map(float, totals)))
+    # A rollout that sampled more episodes than it returns (dynamic sampling) reports the
+    # compute counts of all it sampled itself.
+    if not any(k.startswith("compute/") for k in values):
+      counts = metrics_lib.compute_counts(episodes)
+      totals = multihost.allgather(np.asarray(list(counts.values()), np.float64)).sum(0)
+      values.update(zip(counts, map(float, totals)))
     if score is not None:
       values.update(score(episodes) or {})
     values.update(metrics_lib.batch_metrics(gather_episodes(episodes)))
@@ -217,7 +254,7 @@ def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopC
     values.update({
         "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
         "tokens_per_s": values["batch/real_positions"] / max(t3 - t2, 1e-9),
-        "rollout_tokens_per_s": values["generated_tokens/total"] / max(t1 - t0, 1e-9),
+        "rollout_tokens_per_s": values["compute/generated_tokens"] / max(t1 - t0, 1e-9),
     })
     return values
 
