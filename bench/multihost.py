@@ -51,7 +51,8 @@ def demo_step(processes: int, devices: int) -> dict:
   _launch(processes, devices, workdir, [
       sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
       f"--workdir={workdir}", "--config.sft.total_steps=1",
-      f"--config.rl.total_steps={_RL_STEPS.value}", "--config.pipeline.eval_before=False",
+      f"--config.rl.total_steps={_RL_STEPS.value}", "--config.grpo.max_redraws=0",
+      "--config.pipeline.eval_before=False",
       "--config.pipeline.eval_after=False", "--config.pipeline.export=False",
       "--config.pipeline.plot=False"])
   with open(os.path.join(workdir, "metrics.jsonl")) as f:

@@ -19,10 +19,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The demo's shape at a fraction of its cost: one SFT step, short turns, one training and
-# one dev scenario evaluated, without AppWorld's own re-scoring (tests/test_evaluate.py has it).
+# one dev scenario evaluated, without AppWorld's own re-scoring (tests/test_evaluate.py has it)
+# and without redraws (after one SFT step no rollout writes code: every chain would be
+# redrawn; tests/test_train_rl_appworld.py covers dynamic sampling).
 SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
          "--config.pool.num_workers=2", "--config.agent.max_turn_tokens=48",
-         "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false")
+         "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false",
+         "--config.grpo.max_redraws=0")
 
 
 # The demo as the README runs it, on one CPU device (not the test session's 8 simulated ones,
@@ -47,7 +50,7 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   assert set(first["before"]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}
   assert os.path.isdir(workdir / "checkpoints" / "1")
   config = json.load(open(workdir / "config.json"))
-  assert config["grpo"]["chain_length"] == 2
+  assert config["grpo"]["chain_length"] == 3
   # Dev evaluation samples greedily (the eval section), training at the agent's temperature.
   assert config["agent"]["temperature"] > 0 and config["eval"]["temperature"] == 0.0
   assert json.load(open(workdir / "eval_before" / "eval_dev.json"))["temperature"] == 0.0
@@ -58,7 +61,7 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   assert [r["step"] for r in rows] == [1, 2]
   assert os.path.isdir(workdir / "checkpoints" / "2")
   # chains_per_step x group_size x chain_length episodes per SAGE step.
-  assert all(r["compute/episodes"] == 2 * 4 * 2 for r in rows)
+  assert all(r["compute/episodes"] == 2 * 4 * 3 for r in rows)
   assert os.path.exists(workdir / "plots" / "training.png")
 
   # The export command writes what transformers loads; it equals the run's own export.

@@ -149,7 +149,7 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   overrides = ["--config.sft.total_steps=2", "--config.rl.total_steps=2",
                "--config.eval.max_scenarios=1", "--config.pool.num_workers=2",
                "--config.checkpoint.save_every=1", "--config.agent.max_turn_tokens=48",
-               "--config.pipeline.train_scenarios=1"]
+               "--config.pipeline.train_scenarios=1", "--config.grpo.max_redraws=0"]
   command = [sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
              "--config=configs/sage.py:demo", f"--workdir={workdir}", "--",
              sys.executable, os.path.join(REPO, "tests", "delayed_train.py"),
@@ -162,8 +162,8 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   rl = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   sft = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
   assert [r["step"] for r in rl] == [1, 2] and [r["step"] for r in sft] == [1, 2]
-  # Every process ran its own share of each step's 2 chains x 4 rollouts x 2 tasks.
-  assert all(r["episodes"] == 16 and r["time/sync_s"] > 0 for r in rl)
+  # Every process ran its own share of each step's 2 chains x 4 rollouts x 3 tasks.
+  assert all(r["episodes"] == 24 and r["time/sync_s"] > 0 for r in rl)
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "config.json"]
   for name in ("eval_before", "eval_after"):
     report = json.load(open(workdir / name / "eval_dev.json"))
