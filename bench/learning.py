@@ -61,7 +61,9 @@ def run_arm(seed: str, variant: str) -> dict:
   started = time.time()
   if not os.path.exists(summary_path):
     if not os.path.exists(workdir):
-      shutil.copytree(sft_only, workdir)
+      # The SFT result only (AppWorld's data link and outputs, and the summary, stay).
+      shutil.copytree(sft_only, workdir, symlinks=True,
+                      ignore=shutil.ignore_patterns("appworld", "summary.json"))
     _pipeline(workdir, seed, f"--config.reward.variant={variant}")
   with open(summary_path) as f:
     summary = json.load(f)
