@@ -10,7 +10,8 @@ differ only in their reward. Each run evaluates the training scenarios greedily 
 and after RL (`pipeline.eval_train`). A run already finished in DIR is read, not rerun.
 
 Reported per run: training-scenario TGC and later_skill_usage_rate (tasks at chain positions
-> 0 that used a library skill) after SFT and after RL, the RL steps with a zero gradient, and
+> 0 that used a library skill) after SFT and after RL, the RL steps with a zero gradient or
+no update, and
 the sampled reward (`rollout/reward`) of the first and last steps. Across seeds, per variant:
 mean and sample std of each after-RL value and of its improvement over SFT.
 """
@@ -74,7 +75,8 @@ def run_arm(seed: str, variant: str) -> dict:
     out[f"{key}_after_sft"] = summary["train_after_sft"].get(key) or 0.0
     out[f"{key}_after_rl"] = summary["train_after"].get(key) or 0.0
     out[f"{key}_gain"] = out[f"{key}_after_rl"] - out[f"{key}_after_sft"]
-  out["zero_grad_steps"] = sum(r["grad_norm"] == 0 for r in rows)
+  # A step without an update (no draw had a signal) logs no gradient norm.
+  out["zero_grad_steps"] = sum(r.get("grad_norm", 0.0) == 0.0 for r in rows)
   out["rollout_reward_first"] = rows[0]["rollout/reward"]
   out["rollout_reward_last"] = rows[-1]["rollout/reward"]
   out["rollout_reward_by_step"] = [round(r["rollout/reward"], 3) for r in rows]
