@@ -11,9 +11,8 @@ and after RL (`pipeline.eval_train`). A run already finished in DIR is read, not
 
 Reported per run: training-scenario TGC and later_skill_usage_rate (tasks at chain positions
 > 0 that used a library skill) after SFT and after RL, the RL steps with a zero gradient or
-no update, and
-the sampled reward (`rollout/reward`) of the first and last steps. Across seeds, per variant:
-mean and sample std of each after-RL value and of its improvement over SFT.
+no update, and the sampled reward (`rollout/reward`) of every step. Across seeds, per variant:
+mean and sample std of each after-SFT and after-RL value and of its improvement over SFT.
 """
 
 import json

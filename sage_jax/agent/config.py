@@ -14,8 +14,6 @@ EMBEDDING_MODELS = ("minilm", "policy", "hashing")
 NO_CODE_MODES = ("any", "all")
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
   """How one task episode runs.

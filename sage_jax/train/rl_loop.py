@@ -6,6 +6,8 @@ the learning test:
   rollout(step, seed) -> episodes | (episodes, metrics)
       samples the step's chains and runs them with the current policy. `seed` is a pure
       function of (loop seed, step): a resumed run samples the same data with the same RNG.
+      A rollout that samples more than it returns (dynamic sampling) puts the `compute/`
+      counts of everything it sampled in its metrics; otherwise the loop counts `episodes`.
   score(episodes) -> metrics | None
       rewards and advantages; sets `episode.advantage` (and usually `.reward`) in place.
   evaluate(step) -> metrics
@@ -93,6 +95,13 @@ def gather_episodes(episodes: Sequence[Any]) -> list[Any]:
   return [e for part in multihost.allgather_objects(light) for e in part]
 
 
+def compute_counts(episodes: Sequence[Any]) -> dict[str, float]:
+  """`rl.metrics.compute_counts` of every process's `episodes` (this process's given)."""
+  counts = metrics_lib.compute_counts(episodes)
+  totals = multihost.allgather(np.asarray(list(counts.values()), np.float64)).sum(0)
+  return dict(zip(counts, map(float, totals)))
+
+
 # --- Update ---------------------------------------------------------------------------------
 
 
@@ -171,7 +180,7 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
   def run(step: int, seed: int):
     config = dataclasses.replace(rollout_config, seed=step_seed(rollout_config.seed, step),
                                  experiment_prefix=f"{rollout_config.experiment_prefix}_s{step}")
-    sampled, informative, constant_sets, draws = [], [], 0, 0
+    sampled, kept, constant_sets, draws = [], [], 0, 0
     while draws <= rollout_config.max_redraws:
       rng = random.Random(seed if draws == 0 else step_seed(seed, draws))
       chains = rollout_lib.sample_chains(task_ids, rollout_config.effective_chain_length,
@@ -182,18 +191,18 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
       draws += 1
       sampled.extend(batch.flat())
       constant_sets += batch.advantage_stats.num_constant_groups
-      informative.extend([r for rollout in group for r in rollout] for group in batch.records
-                         if not filtering or any(r.advantage != 0 for rollout in group
-                                                 for r in rollout))
+      kept.extend([r for rollout in group for r in rollout] for group in batch.records
+                  if not filtering or any(r.advantage != 0 for rollout in group
+                                          for r in rollout))
       if not filtering:
         break
-      counts = multihost.allgather(np.asarray([len(informative)], np.int64))[:, 0]
+      counts = multihost.allgather(np.asarray([len(kept)], np.int64))[:, 0]
       if counts.sum() >= num_chains:
         break
     if filtering:  # the first num_chains informative chains, in process order
       before = int(counts[:jax.process_index()].sum())
-      informative = informative[:max(0, num_chains - before)]
-    episodes = [r for group in informative for r in group]
+      kept = kept[:max(0, num_chains - before)]
+    episodes = [r for group in kept for r in group]
     everyone = gather_episodes(sampled)
     values = {f"rollout/{k}": float(v) for k, v in metrics_lib.task_metrics(
         everyone, unit="chain").items() if v is not None}
@@ -201,12 +210,10 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
     values["rollout/reward"] = float(np.mean(rewards))
     for p, at in metrics_lib.by_position(rewards, [e.chain_position for e in everyone]).items():
       values[f"rollout/reward/pos{p}"] = float(np.mean(at))
-    totals = multihost.allgather(np.asarray(
-        list(metrics_lib.compute_counts(sampled).values()), np.float64)).sum(0)
-    values.update(zip(metrics_lib.compute_counts([]), map(float, totals)))
+    values.update(compute_counts(sampled))
     values["constant_groups"] = float(sum(multihost.allgather_objects(constant_sets)))
     values["sampling/draws"] = float(draws)
-    values["sampling/kept_chains"] = float(sum(multihost.allgather_objects(len(informative))))
+    values["sampling/kept_chains"] = float(sum(multihost.allgather_objects(len(kept))))
     return episodes, values
 
   return run
@@ -238,12 +245,8 @@ def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopC
     t0 = time.perf_counter()
     episodes, values = _unpack_rollout(rollout(step, seed))
     t1 = time.perf_counter()
-    # A rollout that sampled more episodes than it returns (dynamic sampling) reports the
-    # compute counts of all it sampled itself.
     if not any(k.startswith("compute/") for k in values):
-      counts = metrics_lib.compute_counts(episodes)
-      totals = multihost.allgather(np.asarray(list(counts.values()), np.float64)).sum(0)
-      values.update(zip(counts, map(float, totals)))
+      values.update(compute_counts(episodes))
     if score is not None:
       values.update(score(episodes) or {})
     values.update(metrics_lib.batch_metrics(gather_episodes(episodes)))

@@ -71,7 +71,6 @@ class EnvPoolConfig:
     if self.max_interactions < 1 or self.max_output_chars < 1:
       raise ValueError("max_interactions and max_output_chars must be >= 1.")
 
-
   def data_root(self) -> str:
     """The AppWorld root to run (`data_root.resolve` of `appworld_root`)."""
     return data_root.resolve(self.appworld_root)
