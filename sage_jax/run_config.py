@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
+import typing
 import zlib
 from typing import Any
 
@@ -188,8 +190,24 @@ def _asdict(instance: Any) -> dict:
   return {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance)}
 
 
+def _overridable(name: str, values: dict) -> dict:
+  """Section `name`'s `values` with each None replaced by a typed placeholder (None until
+  set): the command line can then set it (`--config.rollout.seed=1`), which it cannot do for
+  a plain None."""
+  out = dict(values)
+  for key, value in values.items():
+    if value is None:
+      cls, field = (SECTIONS[GRPO_KNOBS[key][0]], GRPO_KNOBS[key][1]) if (
+          name == "grpo" and key in GRPO_KNOBS) else (SECTIONS[name], key)
+      hint = typing.get_type_hints(cls)[field]
+      kinds = [t for t in typing.get_args(hint) if t is not type(None)] if isinstance(
+          hint, types.UnionType) or typing.get_origin(hint) is typing.Union else [hint]
+      out[key] = ml_collections.config_dict.placeholder(kinds[0] if len(kinds) == 1 else object)
+  return out
+
+
 def defaults() -> ml_collections.ConfigDict:
-  """Every section at its dataclass defaults; None-valued fields accept any later type."""
+  """Every section at its dataclass defaults; unset (None) fields are typed placeholders."""
   config = ml_collections.ConfigDict()
   config.seed = 0
   sections = {}
@@ -202,7 +220,8 @@ def defaults() -> ml_collections.ConfigDict:
   for name in CONFIG_SECTIONS:
     if name in SEEDED_SECTIONS:
       sections[name]["seed"] = None  # derived from config.seed
-    config[name] = ml_collections.ConfigDict(sections[name], type_safe=False)
+    config[name] = ml_collections.ConfigDict(_overridable(name, sections[name]),
+                                             type_safe=False)
   return config
 
 

@@ -178,16 +178,20 @@ def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_pat
   assert done.stderr.strip() == f"{override}: {named}."
 
 
-def test_tuple_keys_can_be_overridden_on_the_command_line(tmp_path):
+def test_tuple_and_unset_keys_can_be_overridden_on_the_command_line(tmp_path):
   """Sequence-valued keys (stages, length and prefill buckets, splits) stay tuples, the type
-  ml_collections overrides from flags; a bad value still fails naming its key."""
+  ml_collections overrides from flags; a bad value still fails naming its key. Keys unset by
+  default (component seeds, optional GRPO clamps, AppWorld paths) are typed placeholders,
+  which flags can set too (a plain None cannot be overridden)."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   base = [sys.executable, "-m", "sage_jax.tools.memory_plan", "--config=configs/sage.py:demo",
           "--hosts=1", "--devices_per_host=1"]
   done = subprocess.run(base + ["--config.pipeline.stages=('rl',)",
                                 "--config.batch.length_buckets=(256, 512, 4096)",
                                 "--config.engine.prefill_buckets=(32, 128)",
-                                "--config.expert.splits=('train', 'dev')"],
+                                "--config.expert.splits=('train', 'dev')",
+                                "--config.rollout.seed=7", "--config.grpo.dual_clip_c=3",
+                                "--config.pool.outputs_root=/tmp/outputs"],
                         capture_output=True, text=True, cwd=repo, timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
   config = _config("sage", "demo")
@@ -195,6 +199,12 @@ def test_tuple_keys_can_be_overridden_on_the_command_line(tmp_path):
   config.batch.length_buckets = (256, 512, 4096)
   run = run_config.resolve(config)
   assert run.pipeline.stages == ("rl",) and run.batch.length_buckets == (256, 512, 4096)
+  assert run.grpo.dual_clip_c is None and run.pool.outputs_root is None
+  assert run.rollout.seed == run_config.component_seed(0, "rollout")
+  config.grpo.dual_clip_c, config.rollout.seed = 3, 7  # a float key takes an int
+  run = run_config.resolve(config)
+  assert run.grpo.dual_clip_c == 3.0 and run.rollout.seed == 7
   config.pipeline.stages = ("rl", "eval")
   with pytest.raises(ConfigError, match="stages"):
     run_config.resolve(config)
+
