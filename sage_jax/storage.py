@@ -78,19 +78,19 @@ def open_workdir(workdir: PathLike) -> epath.Path:
 
 def read_json(p: PathLike) -> Any | None:
   """The JSON value of file `p`, or None if there is none."""
-  p = epath.Path(p)
-  return json.loads(p.read_text()) if p.exists() else None
+  p = path(p)
+  return json.loads(p.read_text(encoding="utf-8")) if p.exists() else None
 
 
 def write_text(p: PathLike, text: str) -> None:
   """Writes `p` whole: a reader never sees part of it (see the module doc)."""
-  p = epath.Path(p)
+  p = path(p)
   if is_remote(p):
-    p.write_text(text)
+    p.write_text(text, encoding="utf-8")
     return
   p.parent.mkdir(parents=True, exist_ok=True)
   tmp = p.with_name(f"{p.name}.tmp-{os.getpid()}")
-  with open(tmp, "w") as f:
+  with open(tmp, "w", encoding="utf-8") as f:
     f.write(text)
     f.flush()
     os.fsync(f.fileno())
