@@ -46,10 +46,11 @@ def path(p: PathLike) -> epath.Path:
   if not is_remote(p):
     return epath.Path(os.path.abspath(p))
   scheme = os.fspath(p).split("://", 1)[0]
-  result = epath.Path(p)
-  if not os.fspath(result).startswith(f"{scheme}://"):  # epath took it for a local path
+  try:
+    result = epath.Path(p)
+  except KeyError:  # epath's registry of schemes
     raise WorkdirError(f"{p}: unknown scheme {scheme}://; use a local path or a URL that "
-                       f"etils.epath handles (gs://, s3://, az://, hf://)")
+                       f"etils.epath handles (gs://, s3://, az://, hf://)") from None
   if scheme == "gs":
     import fsspec
     fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
