@@ -5,8 +5,9 @@
 completed steps first drops the lines of later steps, which it will redo (TensorBoard purges
 them too), so the logs of an interrupted + resumed run read like those of a straight run.
 With several processes only process 0 writes (the values it gets are already global).
-In a remote log_dir (gs://...), both files are written locally and copied up after each step
-(`storage.LocalMirror`).
+In a remote log_dir (gs://...), both files are written locally and copied up whole after each
+step (`storage.LocalMirror`): a bucket cannot append, and tensorboardX's own gs:// writer
+would serve gs:// alone, through a second client.
 """
 
 from __future__ import annotations
