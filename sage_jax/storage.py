@@ -108,27 +108,22 @@ def local_subdir(workdir: PathLike, name: str) -> str | None:
   return None if is_remote(workdir) else os.path.join(os.path.abspath(workdir), name)
 
 
-def _upload(local: str, target: epath.Path) -> None:
-  with open(local, "rb") as f:
-    target.write_bytes(f.read())
-
-
 def copy_tree(src: PathLike, dst: PathLike) -> None:
   """Copies every file under `src` to the same relative path under `dst` (either may be
   remote)."""
-  src, dst = epath.Path(src), epath.Path(dst)
+  src, dst = path(src), path(dst)
+  if not is_remote(dst):
+    dst.mkdir(parents=True, exist_ok=True)
   for entry in src.iterdir():
     if entry.is_dir():
       copy_tree(entry, dst / entry.name)
     else:
-      if not is_remote(dst):
-        dst.mkdir(parents=True, exist_ok=True)
       (dst / entry.name).write_bytes(entry.read_bytes())
 
 
 def file_sizes(root: PathLike) -> dict[str, int]:
   """Relative path -> size in bytes of every file under `root`."""
-  root = epath.Path(root)
+  root = path(root)
   sizes = {}
   for entry in root.iterdir():
     if entry.is_dir():
@@ -179,7 +174,7 @@ class LocalMirror:
         stat = os.stat(local)
         relative = os.path.relpath(local, self.local)
         if self._synced.get(relative) != (stat.st_size, stat.st_mtime_ns):
-          _upload(local, self.target / relative)
+          (self.target / relative).write_bytes(epath.Path(local).read_bytes())
           self._synced[relative] = (stat.st_size, stat.st_mtime_ns)
 
   def close(self) -> None:
