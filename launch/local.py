@@ -11,7 +11,8 @@ multi-process JAX run (how to try a multi-host run on one machine).
 With --num_processes=N, process i gets JAX_COORDINATOR_ADDRESS (127.0.0.1 and a free port),
 JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i, which `multihost.initialize()` in every entry
 point reads; with --cpu_devices=D each simulates D CPU devices and collectives go over gloo.
-Process 0 prints to this terminal, process i > 0 to <workdir>/logs/process_<i>.log. A
+Process 0 prints to this terminal, process i > 0 to <workdir>/logs/process_<i>.log (./logs/
+for a remote workdir such as gs://bucket/run). A
 SIGTERM or SIGINT here is passed to every process (they save one checkpoint and stop
 together); when one process fails, the others are stopped and its exit code is returned.
 """
@@ -31,6 +32,7 @@ FLAGS = flags.FLAGS
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import common  # noqa: E402
+from sage_jax import storage  # noqa: E402
 
 # Seconds the other processes get to exit on their own after one has failed.
 FAILURE_GRACE_S = 30.0
@@ -128,7 +130,7 @@ def main(argv):
     print(common.show([(["env", *(f"{k}={v}" for k, v in e.items())] if e else []) + cmd
                        for e in envs]))
     return
-  log_dir = os.path.join(FLAGS.workdir or ".", "logs")
+  log_dir = storage.local_subdir(FLAGS.workdir or ".", "logs") or "logs"
   raise SystemExit(run_processes(cmd, envs, log_dir))
 
 

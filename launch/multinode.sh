@@ -5,7 +5,8 @@
 #       --workdir=/shared/runs/sage7b [--config.key=value ...]
 #
 # The first host runs the JAX coordinator. Every host needs the code at SAGE_JAX_DIR (default:
-# this checkout's path) with its venv in .venv, and the workdir on a shared filesystem.
+# this checkout's path) with its venv in .venv, and the workdir on a shared filesystem or in a
+# bucket every host reaches (--workdir=gs://bucket/run).
 # Logs: $SAGE_JAX_DIR/logs/<host>.log on each host. DRY_RUN=1 prints the ssh commands.
 set -euo pipefail
 

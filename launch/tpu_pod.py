@@ -5,14 +5,15 @@ same command starts on all workers at once (`--worker=all`); `jax.distributed.in
 (called by the entry points) finds the other workers by itself. The run is detached from the
 ssh session (`setsid nohup`), so a dropped connection does not stop it; each worker writes its
 output to `<remote_dir>/logs/<hostname>.log` (the last command printed shows how to follow
-worker 0's). The workdir must be a filesystem every worker mounts (Filestore, or a bucket
-through gcsfuse): every host writes its shards of each checkpoint there.
+worker 0's). The workdir is a bucket every worker reaches (gs://bucket/run, with the workers'
+service account) or a filesystem every worker mounts (Filestore): every host writes its shards
+of each checkpoint there.
 
 `--create` makes the slice first; with `--queued` it asks for it as a queued resource
 (`--spot` for spot capacity) and waits until the slice is ACTIVE.
 
   python launch/tpu_pod.py --project=P --zone=us-east5-a --tpu=sage-v5p --accelerator_type=v5p-64 \\
-      --config=configs/sage.py:qwen2.5-32b --workdir=/mnt/shared/runs/sage32b [--create [--queued]]
+      --config=configs/sage.py:qwen2.5-32b --workdir=gs://my-bucket/runs/sage32b [--create [--queued]]
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def define_flags():
   flags.DEFINE_bool("queued", False, "With --create: as a queued resource, waiting until ACTIVE.")
   flags.DEFINE_bool("spot", False, "With --queued: spot capacity.")
   flags.DEFINE_string("config", None, "configs/<file>.py:<preset>", required=True)
-  flags.DEFINE_string("workdir", None, "Run directory on a filesystem every worker mounts.", required=True)
+  flags.DEFINE_string("workdir", None, "Run directory: gs://bucket/run, or a path every worker "
+                      "mounts.", required=True)
   flags.DEFINE_string("module", "sage_jax.train", "Entry point module.")
   flags.DEFINE_multi_string("override", [], "KEY=VALUE config overrides.")
   flags.DEFINE_string("remote_dir", "sage_jax", "Code directory on the workers.")

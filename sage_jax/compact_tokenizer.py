@@ -17,7 +17,9 @@ import pathlib
 from typing import Iterable
 
 import tokenizers
+from etils import epath
 
+from sage_jax import storage
 from sage_jax import tokenizer as qwen_tokenizer
 
 
@@ -52,9 +54,9 @@ def compact_spec(full: dict, used_ids: Iterable[int]) -> dict:
 
 
 def write_compact_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike,
-                            source: str | os.PathLike | None = None) -> pathlib.Path:
-  """Writes the tokenizer of `source` (default Qwen2.5) cut down to what `texts` use; returns
-  the directory."""
+                            source: str | os.PathLike | None = None) -> epath.Path:
+  """Writes the tokenizer of `source` (default Qwen2.5) cut down to what `texts` use into
+  `out_dir` (local or remote); returns the directory."""
   source = pathlib.Path(source or qwen_tokenizer.ensure_qwen25_tokenizer_dir())
   full = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
   encoder = tokenizers.Tokenizer.from_str(json.dumps(full))
@@ -63,25 +65,21 @@ def write_compact_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike,
     used.update(encoder.encode(text, add_special_tokens=False).ids)
   spec = compact_spec(full, used)
   first_added = len(spec["model"]["vocab"])
-  out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
-  (out / "vocab.json").write_text(json.dumps(spec["model"]["vocab"], ensure_ascii=False),
-                                  encoding="utf-8")
-  (out / "merges.txt").write_text(
-      "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in spec["model"]["merges"]),
-      encoding="utf-8")
-  (out / "tokenizer_config.json").write_text(
-      json.dumps(qwen_tokenizer.tokenizer_config(first_added), indent=2, ensure_ascii=False),
-      encoding="utf-8")
+  out = storage.path(out_dir)
+  storage.write_text(out / "tokenizer.json", json.dumps(spec, ensure_ascii=False))
+  storage.write_text(out / "vocab.json", json.dumps(spec["model"]["vocab"], ensure_ascii=False))
+  storage.write_text(out / "merges.txt", "#version: 0.2\n" + "".join(
+      f"{a} {b}\n" for a, b in spec["model"]["merges"]))
+  storage.write_text(out / "tokenizer_config.json", json.dumps(
+      qwen_tokenizer.tokenizer_config(first_added), indent=2, ensure_ascii=False))
   return out
 
 
 RUN_SUBDIR = "tokenizer"  # where a run with a compact vocabulary keeps its tokenizer
 
 
-def run_tokenizer_dir(workdir: str | os.PathLike, vocabulary: str) -> pathlib.Path:
+def run_tokenizer_dir(workdir: str | os.PathLike, vocabulary: str) -> epath.Path:
   """The tokenizer directory of the run in `workdir` (its model section's `vocabulary`)."""
   if vocabulary == "compact":
-    return pathlib.Path(workdir) / RUN_SUBDIR
-  return qwen_tokenizer.ensure_qwen25_tokenizer_dir()
+    return storage.path(workdir) / RUN_SUBDIR
+  return epath.Path(qwen_tokenizer.ensure_qwen25_tokenizer_dir())

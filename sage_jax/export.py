@@ -7,7 +7,8 @@ config.json, generation_config.json, sharded safetensors and the tokenizer files
 (`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads them; a LoRA run's
 adapters merged in, and also in PEFT's format under HF_DIR/lora_adapter), plus the run's
 resolved config (sage_jax_config.json) and a model card (README.md) with the training
-summary.
+summary. RUN and HF_DIR may be remote (gs://...): the files are written locally, then
+uploaded (`sage_jax.storage`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import ml_collections
 from absl import app, flags
 
-from sage_jax import multihost, run_checkpoint, run_config
+from sage_jax import multihost, run_checkpoint, run_config, storage
 from sage_jax.weights import hf
 from sage_jax.weights.peft_adapter import save_peft_adapter
 
@@ -30,10 +31,12 @@ ADAPTER_DIR = "lora_adapter"
 def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
                 base_model: str = "") -> None:
   """The HF directory of `model` with its tokenizer; with LoRA, the adapters merged in and
-  also alone under `out/lora_adapter` in PEFT's format (for `base_model`)."""
-  hf.save_hf(model, out, tokenizer_dir=str(tokenizer_dir))
-  if model.config.lora.enabled:
-    save_peft_adapter(model, os.path.join(out, ADAPTER_DIR), base_model=base_model)
+  also alone under `out/lora_adapter` in PEFT's format (for `base_model`). Every process
+  calls it (the gathers are collective); process 0 writes."""
+  with storage.staged_dir(out, writer=jax.process_index() == 0) as local:
+    hf.save_hf(model, local, tokenizer_dir=os.fspath(tokenizer_dir))
+    if model.config.lora.enabled:
+      save_peft_adapter(model, os.path.join(local, ADAPTER_DIR), base_model=base_model)
 
 
 def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -> dict:
@@ -44,13 +47,10 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -
   model, step = run_checkpoint.restore_model(workdir, run, step, stage)
   write_model(model, out, run_checkpoint.tokenizer_dir(workdir, run),
               base_model=config.model.spec)
-  summary_path = os.path.join(workdir, "summary.json")
-  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+  summary = storage.read_json(storage.path(workdir) / "summary.json") or {}
   if jax.process_index() == 0:
-    with open(os.path.join(out, "sage_jax_config.json"), "w") as f:
-      json.dump(config.to_dict(), f, indent=2)
-    with open(os.path.join(out, "README.md"), "w") as f:
-      f.write(model_card(config, stage, step, summary))
+    storage.write_json(storage.path(out) / "sage_jax_config.json", config.to_dict())
+    storage.write_text(storage.path(out) / "README.md", model_card(config, stage, step, summary))
   return {"out": out, "stage": stage, "step": step}
 
 

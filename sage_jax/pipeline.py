@@ -18,6 +18,9 @@ under the workdir:
   <workdir>/plots/training.png       curves
   <workdir>/summary.json             the before/after table
 
+DIR is a local path or a URL that etils.epath handles, e.g. gs://bucket/run (`sage_jax.storage`;
+AppWorld's working files then stay on each host).
+
 A run that is interrupted resumes where it stopped: finished stages are skipped and the
 loops continue from their latest checkpoint.
 
@@ -31,7 +34,6 @@ DIR/config.json, and an invalid config fails before anything compiles.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -46,7 +48,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sage_jax import compact_tokenizer, export, multihost, plot, run_config
+from sage_jax import compact_tokenizer, export, multihost, plot, run_config, storage
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
 from sage_jax.envs import appworld
@@ -67,21 +69,10 @@ SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_
                 "later_skill_usage_rate")
 
 
-def _done(path: str) -> dict | None:
-  if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
-  return None
-
-
-def _write_json(path: str, value: Any) -> None:
-  """Writes atomically, from process 0 only."""
-  if not multihost.is_lead():
-    return
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=2, default=str)
-  os.replace(tmp, path)
+def _write_json(path, value: Any) -> None:
+  """Writes whole, from process 0 only."""
+  if multihost.is_lead():
+    storage.write_json(path, value, default=str)
 
 
 class Pipeline:
@@ -91,15 +82,12 @@ class Pipeline:
     self.config = config
     self.run = run_config.resolve(config, jax.device_count(), jax.local_device_count())
     memory_plan.check_fits(self.run, jax.local_devices()[0])
-    if "://" in workdir:
-      raise ValueError(
-          f"--workdir={workdir}: object-store URLs are not supported; the run writes its "
-          f"files with local file I/O. Use a filesystem every host mounts (NFS, Filestore, "
-          f"Lustre, or the bucket through gcsfuse).")
-    self.workdir = os.path.abspath(workdir)
-    os.makedirs(self.workdir, exist_ok=True)
+    try:
+      self.workdir = storage.open_workdir(workdir)
+    except storage.WorkdirError as e:
+      raise storage.WorkdirError(f"--workdir={e}") from None
     self.config_dict = run_config.with_seeds(config, self.run)
-    _write_json(os.path.join(self.workdir, "config.json"), self.config_dict)
+    _write_json(self.workdir / "config.json", self.config_dict)
     p = self.run.pipeline
     self.root = appworld.resolve_root(p.data)
     self.mesh = shd.make_mesh(self.run.mesh)
@@ -110,7 +98,7 @@ class Pipeline:
           self.batch_config.row_multiple, self.mesh.shape["data"] * self.mesh.shape["fsdp"]))
     pool_cfg = dataclasses.replace(
         self.run.pool, appworld_root=self.root, outputs_root=multihost.outputs_root(
-            self.run.pool.outputs_root, os.path.join(self.workdir, "appworld")))
+            self.run.pool.outputs_root, storage.local_subdir(self.workdir, "appworld")))
     self.pool = appworld.EnvPool(pool_cfg).start()
     self.tokenizer = Tokenizer()
     compact = self.run.model.vocabulary == "compact"
@@ -137,11 +125,11 @@ class Pipeline:
   def evaluate(self, name: str, training_scenarios: bool = False) -> dict:
     """Dev evaluation of the current params, or with `training_scenarios` one on the
     scenarios RL trains on; cached in <workdir>/<name>/ once done."""
-    out = os.path.join(self.workdir, name)
+    out = self.workdir / name
     split, scenarios = ((self.run.pipeline.train_split, self.run.pipeline.train_scenarios)
                         if training_scenarios else (self.run.eval.split,
                                                     self.run.eval.max_scenarios))
-    report = _done(os.path.join(out, f"eval_{split}.json"))
+    report = storage.read_json(out / f"eval_{split}.json")
     if report is None:
       # The run's config with its derived seeds, as config.json holds it.
       config = {**self.config_dict,
@@ -160,15 +148,15 @@ class Pipeline:
       compact_tokenizer.write_compact_tokenizer(
           (self.tokenizer.decode(e.tokens) for e in examples), out)
     multihost.sync_barrier("compact_tokenizer")
-    return str(out)
+    return os.fspath(out)
 
   def expert_trajectories(self) -> str:
     """The SFT data file: the configured one, or made from the gold solutions (or the
     starting policy) of the train split on first use."""
     path = self.run.pipeline.expert_trajectories
     if not path:
-      path = os.path.join(self.workdir, "expert_trajectories.jsonl")
-      if not os.path.exists(path):
+      path = os.fspath(self.workdir / "expert_trajectories.jsonl")
+      if not storage.path(path).exists():
         expert_cfg = dataclasses.replace(self.run.expert, appworld_root=self.root,
                                          outputs_root=self.pool.outputs_root)
         if expert_cfg.source == "self":  # self-distillation from the starting policy
@@ -202,9 +190,9 @@ class Pipeline:
     run = self.run
     trainer = sft_loop.sft_trainer(self.model, run.sft, run.sft_optimizer, run.trainer,
                                    mesh=self.mesh)
-    directory = os.path.join(self.workdir, "sft")
+    directory = self.workdir / "sft"
     checkpointer = Checkpointer(dataclasses.replace(
-        run.checkpoint, directory=os.path.join(directory, "checkpoints"), keep_best=0),
+        run.checkpoint, directory=os.fspath(directory / "checkpoints"), keep_best=0),
         run_config=self.config_dict)
 
     def dev(step: int) -> dict:  # the sampler takes SFT's params only when it evaluates them
@@ -216,7 +204,7 @@ class Pipeline:
                        batch_config=self.batch_config,
                        evaluate=dev if run.sft.eval_every else None,
                        checkpointer=checkpointer,
-                       metrics=dataclasses.replace(run.metrics, log_dir=directory))
+                       metrics=dataclasses.replace(run.metrics, log_dir=os.fspath(directory)))
     finally:
       checkpointer.close()
     self._adopt(trainer.params)
@@ -237,7 +225,7 @@ class Pipeline:
       return self.evaluate(f"eval_step{step}")
 
     checkpointer = Checkpointer(dataclasses.replace(
-        run.checkpoint, directory=os.path.join(self.workdir, "checkpoints"),
+        run.checkpoint, directory=os.fspath(self.workdir / "checkpoints"),
         keep_best=run.checkpoint.keep_best if run.rl.eval_every else 0),
         run_config=self.config_dict)
     # KL's reference is the model RL starts from (the SFT result, also on a resumed run),
@@ -248,7 +236,7 @@ class Pipeline:
                      batch_config=self.batch_config,
                      evaluate=dev if run.rl.eval_every else None,
                      sync_params=self.sync_sampler, checkpointer=checkpointer,
-                     metrics=dataclasses.replace(run.metrics, log_dir=self.workdir),
+                     metrics=dataclasses.replace(run.metrics, log_dir=os.fspath(self.workdir)),
                      reference_params=reference)
     finally:
       checkpointer.close()
@@ -266,7 +254,7 @@ class Pipeline:
     self.sync_sampler(params)
 
   def export(self) -> str:
-    out = os.path.join(self.workdir, "hf")
+    out = os.fspath(self.workdir / "hf")
     export.write_model(self.model, out, compact_tokenizer.run_tokenizer_dir(
         self.workdir, self.run.model.vocabulary), base_model=self.run.model.spec)
     return out
@@ -293,21 +281,21 @@ def run(config: Any, workdir: str) -> dict:
   started = time.time()
   pipe = Pipeline(config, workdir)
   p = pipe.run.pipeline
-  summary: dict[str, Any] = {"workdir": pipe.workdir}
+  summary: dict[str, Any] = {"workdir": os.fspath(pipe.workdir)}
   try:
     if p.eval_before:
       summary["before"] = pipe.evaluate("eval_before")
       if p.eval_train:
         summary["train_before"] = pipe.evaluate("eval_before", training_scenarios=True)
-    sft_marker = os.path.join(pipe.workdir, "sft", "done.json")
-    if "sft" in p.stages and _done(sft_marker) is None:
+    sft_marker = pipe.workdir / "sft" / "done.json"
+    if "sft" in p.stages and storage.read_json(sft_marker) is None:
       pipe.sft()
       _write_json(sft_marker, {"finished": time.time()})
     elif "sft" in p.stages:  # resumed after SFT: its last params are the starting point
       trainer = sft_loop.sft_trainer(pipe.model, pipe.run.sft, pipe.run.sft_optimizer,
                                      pipe.run.trainer, mesh=pipe.mesh)
       checkpointer = Checkpointer(dataclasses.replace(
-          pipe.run.checkpoint, directory=os.path.join(pipe.workdir, "sft", "checkpoints"),
+          pipe.run.checkpoint, directory=os.fspath(pipe.workdir / "sft" / "checkpoints"),
           keep_best=0))
       trainer.state, _ = checkpointer.restore(trainer.abstract_state())
       checkpointer.close()
@@ -326,12 +314,11 @@ def run(config: Any, workdir: str) -> dict:
       pipe.export()  # every process joins the gathers
   finally:
     pipe.close()
-  if (p.plot and multihost.is_lead()
-      and os.path.exists(os.path.join(pipe.workdir, plot.METRICS_FILE))):
-    summary["plot"] = plot.plot_run(pipe.workdir)
+  if p.plot and multihost.is_lead() and (pipe.workdir / plot.METRICS_FILE).exists():
+    summary["plot"] = plot.plot_run(os.fspath(pipe.workdir))
   summary["elapsed_s"] = round(time.time() - started, 1)
   summary["table"] = summary_table(summary)
-  _write_json(os.path.join(pipe.workdir, "summary.json"), summary)
+  _write_json(pipe.workdir / "summary.json", summary)
   return summary
 
 
@@ -365,7 +352,8 @@ def define_flags() -> None:
   """The entry point's flags (defined only when run, so importing this module defines none)."""
   config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<preset>",
                                   lock_config=True)
-  flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, exports).")
+  flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, exports): a local "
+                      "path or a URL such as gs://bucket/run.")
   flags.mark_flags_as_required(["config", "workdir"])
 
 

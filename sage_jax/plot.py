@@ -4,11 +4,12 @@
   python -m sage_jax.plot --sweep_root=SWEEP_DIR   # SWEEP_DIR/comparison.png over its runs
 
 Reads the per-step metrics (`metrics.jsonl`: one JSON object per line with a "step") that the
-training loops write. Panels group metrics by name, so new metrics appear without edits here.
+training loops write. RUN and SWEEP_DIR may be remote (gs://...; `sage_jax.storage`). Panels group metrics by name, so new metrics appear without edits here.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -19,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
+
+from sage_jax import storage  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -36,16 +39,15 @@ _EXCLUDE = ("tokens_per_s", "time")
 
 def read_metrics(workdir: str) -> list[dict]:
   """All metric rows of a run, in file order (a partial last line is skipped)."""
-  path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.exists(path):
+  path = storage.path(workdir) / METRICS_FILE
+  if not path.exists():
     raise FileNotFoundError(f"{path} does not exist: is {workdir!r} a training workdir?")
   rows = []
-  with open(path) as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
+  for line in path.read_text().splitlines():
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
   return rows
 
 
@@ -89,9 +91,13 @@ def _grid(n: int):
 def _save(fig, title: str, out_path: str) -> str:
   fig.suptitle(title)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-  fig.savefig(out_path, dpi=110)
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=110)
   plt.close(fig)
+  out = storage.path(out_path)
+  if not storage.is_remote(out):
+    out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_bytes(png.getvalue())
   return out_path
 
 
@@ -109,17 +115,17 @@ def plot_run(workdir: str, out_path: str | None = None) -> str:
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
-  return _save(fig, os.path.basename(os.path.abspath(workdir)),
-               out_path or os.path.join(workdir, "plots", "training.png"))
+  root = storage.path(workdir)
+  return _save(fig, root.name, out_path or os.fspath(root / "plots" / "training.png"))
 
 
 def plot_sweep(sweep_root: str, out_path: str | None = None) -> str:
   """Overlays the runs under `sweep_root` (each a workdir), one panel per metric group."""
-  runs = sorted(d for d in os.listdir(sweep_root)
-                if os.path.exists(os.path.join(sweep_root, d, METRICS_FILE)))
+  root = storage.path(sweep_root)
+  runs = sorted(d.name for d in root.iterdir() if (d / METRICS_FILE).exists())
   if not runs:
     raise FileNotFoundError(f"{sweep_root}: no run directories with {METRICS_FILE}")
-  per_run = {r: _series(read_metrics(os.path.join(sweep_root, r))) for r in runs}
+  per_run = {r: _series(read_metrics(os.fspath(root / r))) for r in runs}
   panels = _panels(set().union(*per_run.values()))
   fig, axes = _grid(len(panels))
   for ax, title in zip(axes, panels):
@@ -130,8 +136,7 @@ def plot_sweep(sweep_root: str, out_path: str | None = None) -> str:
     ax.set_title(f"{title}: {key}")
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
-  return _save(fig, os.path.basename(os.path.abspath(sweep_root)),
-               out_path or os.path.join(sweep_root, "comparison.png"))
+  return _save(fig, root.name, out_path or os.fspath(root / "comparison.png"))
 
 
 def main(argv):

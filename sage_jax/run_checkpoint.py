@@ -3,18 +3,18 @@ of one step (what `sage_jax.evaluate --run` evaluates and `sage_jax.export` expo
 
 A run's workdir holds config.json (the resolved config with its derived seeds), the orbax
 train states under checkpoints/ (RL) and sft/checkpoints/ (SFT), and, for a model with
-`model.vocabulary="compact"`, its own tokenizer under tokenizer/.
+`model.vocabulary="compact"`, its own tokenizer under tokenizer/. The workdir may be remote
+(gs://...; `sage_jax.storage`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import ml_collections
 from flax import nnx
 
-from sage_jax import compact_tokenizer, run_config
+from sage_jax import compact_tokenizer, run_config, storage
 from sage_jax import sharding as shd
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
@@ -22,20 +22,19 @@ from sage_jax.train.optimizer import make_optimizer
 from sage_jax.train.state import abstract_train_state, state_shardings
 from sage_jax.weights import loader
 
-STAGE_DIRS = {"rl": "checkpoints", "sft": os.path.join("sft", "checkpoints")}
+STAGE_DIRS = {"rl": "checkpoints", "sft": "sft/checkpoints"}
 
 
 def read_config(run_dir: str) -> ml_collections.ConfigDict:
   """The run's config.json; a directory without one is not a training run."""
-  path = os.path.join(run_dir, "config.json")
-  if not os.path.isfile(path):
+  config = storage.read_json(storage.path(run_dir) / "config.json")
+  if config is None:
     raise FileNotFoundError(f"{run_dir}: not a training run's workdir (no config.json)")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(config)
 
 
 def tokenizer_dir(run_dir: str, run: run_config.RunConfig) -> str:
-  return str(compact_tokenizer.run_tokenizer_dir(run_dir, run.model.vocabulary))
+  return os.fspath(compact_tokenizer.run_tokenizer_dir(run_dir, run.model.vocabulary))
 
 
 def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = None,
@@ -43,8 +42,8 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
   """(model, step) of checkpoint `step` (default: the latest) of the run's `stage`, its
   weights sharded over every device of this job (however many processes it has, whatever
   mesh trained it). A missing step is an error that lists the steps there are."""
-  ckpt_dir = os.path.join(run_dir, STAGE_DIRS[stage])
-  if not os.path.isdir(ckpt_dir):
+  ckpt_dir = os.fspath(storage.path(run_dir) / STAGE_DIRS[stage])
+  if not storage.path(ckpt_dir).is_dir():
     raise FileNotFoundError(f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist)")
   checkpointer = Checkpointer(CheckpointConfig(directory=ckpt_dir, keep_best=0,
                                                async_save=False))

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 from typing import NamedTuple, Sequence
 
 import tokenizers
+from etils import epath
 
 from sage_jax import assets
 
@@ -173,14 +173,15 @@ def ensure_qwen25_tokenizer_dir() -> pathlib.Path:
 
 
 def save_tokenizer(out_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
-  """Copies tokenizer files (default: the Qwen2.5 ones) into `out_dir`, e.g. a model export."""
-  source = pathlib.Path(source or ensure_qwen25_tokenizer_dir())
+  """Copies tokenizer files (default: the Qwen2.5 ones; `source` may be a run's remote
+  tokenizer directory) into the local `out_dir`, e.g. a model export."""
+  source = epath.Path(source or ensure_qwen25_tokenizer_dir())
   missing = [name for name in TOKENIZER_FILES if not (source / name).exists()]
   if missing:
     raise FileNotFoundError(f"tokenizer directory {source} lacks {missing}")
   os.makedirs(out_dir, exist_ok=True)
   for name in TOKENIZER_FILES:
-    shutil.copyfile(source / name, os.path.join(out_dir, name))
+    pathlib.Path(out_dir, name).write_bytes((source / name).read_bytes())
 
 
 class Tokenizer:
@@ -191,8 +192,10 @@ class Tokenizer:
   """
 
   def __init__(self, directory: str | os.PathLike | None = None):
-    directory = pathlib.Path(directory or ensure_qwen25_tokenizer_dir())
-    self._tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    """`directory`: local, or a run's remote one (gs://...)."""
+    directory = epath.Path(directory or ensure_qwen25_tokenizer_dir())
+    self._tokenizer = tokenizers.Tokenizer.from_str((directory / "tokenizer.json").read_text(
+        encoding="utf-8"))
 
     def token_id(token: str) -> int:
       token_id = self._tokenizer.token_to_id(token)

@@ -1,6 +1,9 @@
-"""Test-session setup: 8 simulated CPU devices for sharding tests, a persistent compile cache."""
+"""Test-session setup: 8 simulated CPU devices for sharding tests, a persistent compile cache,
+a local fake GCS server for gs:// workdirs."""
 
 import os
+
+from tests import fake_gcs
 
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -10,6 +13,9 @@ os.environ.setdefault(
     os.path.join(os.environ.get("SAGE_JAX_CACHE", os.path.expanduser("~/.cache/sage_jax")),
                  "jax_compile_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# Before fsspec and gcsfs are imported: they read these then.
+for key, value in fake_gcs.CLIENT_ENV.items():
+  os.environ.setdefault(key, value)
 
 
 import pytest  # noqa: E402
@@ -29,3 +35,22 @@ def real_hf_dir(real_gguf_path):
   from sage_jax.weights import gguf_import
   return str(assets.cached_path("models/qwen2.5-coder-0.5b-instruct-hf",
                                 lambda out: gguf_import.export_hf(real_gguf_path, out)))
+
+
+@pytest.fixture(scope="session")
+def gcs_url():
+  """A fake GCS server for the session (gcsfs keeps its endpoint per process, so one server),
+  this process's environment pointed at it; its URL."""
+  server = fake_gcs.Server()
+  env = fake_gcs.server_env(server.url)
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  try:
+    yield server.url
+  finally:
+    server.stop()
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value

@@ -11,7 +11,9 @@ import pytest
 import torch
 import transformers
 
+from sage_jax import storage
 from sage_jax.tokenizer import Tokenizer
+from tests import fake_gcs
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +35,10 @@ SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
 ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
-def _train(workdir, *overrides, config="configs/sage.py:demo"):
+def _train(workdir, *overrides, config="configs/sage.py:demo", env=ONE_DEVICE):
   cmd = [sys.executable, "-m", "sage_jax.train", f"--config={config}",
          f"--workdir={workdir}", *SHORT, *overrides]
-  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500,
-                       env=ONE_DEVICE)
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
   return out.stdout
 
@@ -174,11 +175,53 @@ def test_bad_config_fails_before_compiling(tmp_path):
     assert not os.path.exists(tmp_path / "bad" / "config.json")
 
 
-def test_object_store_workdir_is_refused_by_name(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "sage_jax.train",
-                        f"--config={REPO}/configs/sage.py:demo", "--workdir=gs://bucket/run"],
-                       cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
-  assert out.returncode != 0
-  assert "--workdir=gs://bucket/run: object-store URLs are not supported" in out.stderr
-  assert not os.listdir(tmp_path)  # no local "gs:" directory
+def test_gs_workdir_trains_resumes_evaluates_and_exports(gcs_url, tmp_path):
+  """The short demo with --workdir=gs://... (a fake GCS server): the run's files are in the
+  bucket, none in a local "gs:" directory, and a rerun resumes from the bucket's checkpoint."""
+  fake_gcs.create_bucket(gcs_url, "runs")
+  env = {**ONE_DEVICE, **fake_gcs.server_env(gcs_url)}
+  workdir = "gs://runs/demo"
+  _train(workdir, "--config.rl.total_steps=1", "--config.pipeline.eval_before=false", env=env)
+  root = storage.path(workdir)
+  metrics = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in metrics(root)] == [1]
+  assert storage.read_json(root / "config.json")["grpo"]["chain_length"] == 3
+  assert storage.read_json(root / "summary.json")["workdir"] == workdir
+  for name in ("expert_trajectories.jsonl", "tokenizer/tokenizer.json", "sft/done.json",
+               "sft/checkpoints/1/files.json", "checkpoints/1/files.json",
+               "checkpoints/config.json", "eval_after/eval_dev.json", "plots/training.png",
+               "hf/config.json", "hf/model.safetensors.index.json", "hf/tokenizer.json"):
+    assert (root / name).exists(), name
+  assert any(f.name.startswith("events.out.tfevents") for f in (root / "tb").iterdir())
+  assert not os.path.exists(os.path.join(REPO, "gs:"))
+
+  # Resume: one more RL step from the bucket's checkpoint of step 1; SFT is not redone.
+  _train(workdir, "--config.rl.total_steps=2", "--config.pipeline.eval_before=false",
+         "--config.pipeline.eval_after=false", "--config.pipeline.export=false", env=env)
+  assert [r["step"] for r in metrics(root)] == [1, 2]
+  assert [r["step"] for r in metrics(root / "sft")] == [1]
+  assert (root / "checkpoints" / "2" / "files.json").exists()
+
+  # The export command reads the run from the bucket and writes the model there.
+  out = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}",
+                        "--out=gs://runs/export"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env=env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
+  export = storage.path("gs://runs/export")
+  assert "Dev evaluation" in (export / "README.md").read_text()
+  storage.copy_tree(export, tmp_path / "export")
+  tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+  assert len(tok) == json.load(open(tmp_path / "export" / "config.json"))["vocab_size"]
+
+
+def test_bad_workdir_fails_at_startup_by_name(gcs_url, tmp_path):
+  env = {**os.environ, **fake_gcs.server_env(gcs_url), "PYTHONPATH": REPO}
+  for workdir, problem in (("gs://no-such-bucket/run", "bucket gs://no-such-bucket does not exist"),
+                           ("foo://x/run", "unknown scheme foo://")):
+    out = subprocess.run([sys.executable, "-m", "sage_jax.train",
+                          f"--config={REPO}/configs/sage.py:demo", f"--workdir={workdir}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert f"--workdir={workdir}: {problem}" in out.stderr, out.stderr[-2000:]
+  assert not os.listdir(tmp_path)  # nothing local in the bucket's place

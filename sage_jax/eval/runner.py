@@ -24,12 +24,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from sage_jax import configurable, multihost
+from sage_jax import configurable, multihost, storage
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.gold_solutions import ScriptedPolicy
 from sage_jax.agent.library import SkillLibrary
@@ -125,7 +124,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   s = _sections(config)
   ev, retrieval_cfg = s["eval"], s["retrieval"]
   agent_cfg = ev.agent(s["agent"])
-  os.makedirs(workdir, exist_ok=True)
+  out = storage.open_workdir(workdir)
   root = appworld.resolve_root(ev.data)
   task_ids = appworld.first_scenarios(appworld.read_split(root, ev.split), ev.max_scenarios)
   scenarios = list(appworld.group_by_scenario(task_ids).values())
@@ -154,7 +153,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   pool_cfg = s["pool"]
   if pool is None:  # several processes: each pool keeps its outputs on its own host
     pool_cfg = dataclasses.replace(pool_cfg, outputs_root=multihost.outputs_root(
-        pool_cfg.outputs_root, os.path.join(workdir, "appworld")))
+        pool_cfg.outputs_root, storage.local_subdir(workdir, "appworld")))
   pool_cfg = dataclasses.replace(pool_cfg, appworld_root=root)
   library = SkillLibrary()
   started = time.time()
@@ -197,17 +196,13 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   if not multihost.is_lead():
     return report
   name = f"eval_{ev.split}"
-  with open(os.path.join(workdir, f"{name}.json"), "w") as f:
-    json.dump(report, f, indent=2, default=str)
+  storage.write_json(out / f"{name}.json", report, default=str)
   title = f"{ev.split} split, policy {ev.policy}, retrieval {retrieval_cfg.strategy}"
-  with open(os.path.join(workdir, f"{name}.md"), "w") as f:
-    f.write(metrics_lib.markdown_table(metrics, title))
-  with open(os.path.join(workdir, f"library_{ev.split}.json"), "w") as f:
-    json.dump(skills, f, indent=2)
-  with open(os.path.join(workdir, f"transcripts_{ev.split}.jsonl"), "w") as f:
-    for r in records:
-      f.write(json.dumps({"task_id": r.task_id, "success": r.success,
-                          "conversation": tokenizer.decode(r.tokens.tolist())}) + "\n")
+  storage.write_text(out / f"{name}.md", metrics_lib.markdown_table(metrics, title))
+  storage.write_json(out / f"library_{ev.split}.json", skills)
+  storage.write_text(out / f"transcripts_{ev.split}.jsonl", "".join(
+      json.dumps({"task_id": r.task_id, "success": r.success,
+                  "conversation": tokenizer.decode(r.tokens.tolist())}) + "\n" for r in records))
   return report
 
 

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from sage_jax import storage
 from sage_jax.tokenizer import Conversation, Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -97,8 +98,8 @@ def validate(raw: Any, where: str = "trajectory") -> Trajectory:
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
-  """Trajectories of a JSONL file, validated, in file order."""
-  with open(path) as f:
+  """Trajectories of a JSONL file (local or remote), validated, in file order."""
+  with storage.path(path).open(encoding="utf-8") as f:
     for n, line in enumerate(f, start=1):
       if not line.strip():
         continue
@@ -119,15 +120,10 @@ def read_jsonl(path: str | os.PathLike) -> list[Trajectory]:
 
 
 def write_jsonl(path: str | os.PathLike, trajectories: Iterable[Trajectory]) -> int:
-  """Writes trajectories atomically (a temporary file, then a rename); returns the count."""
-  tmp = f"{path}.tmp-{os.getpid()}"
-  n = 0
-  with open(tmp, "w") as f:
-    for t in trajectories:
-      f.write(json.dumps(t.to_json(), ensure_ascii=False) + "\n")
-      n += 1
-  os.replace(tmp, path)
-  return n
+  """Writes trajectories whole (`storage.write_text`: local or remote); returns the count."""
+  lines = [json.dumps(t.to_json(), ensure_ascii=False) + "\n" for t in trajectories]
+  storage.write_text(path, "".join(lines))
+  return len(lines)
 
 
 def tokenize(trajectory: Trajectory, tokenizer: Tokenizer) -> SFTExample:

@@ -35,7 +35,6 @@ import collections
 import dataclasses
 import json
 import logging
-import os
 import sys
 from typing import Any, Callable, Iterable, Sequence
 
@@ -278,7 +277,6 @@ def main(argv) -> None:
   if duplicates:
     raise data_lib.FormatError(f"several trajectories for {duplicates[:5]}; give each task "
                                "one source")
-  os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
   report["written"] = data_lib.write_jsonl(f.out, kept)
   report["out"] = f.out
   print(json.dumps(report), file=sys.stdout)

@@ -18,6 +18,10 @@ step that fails to read anyway is reported the same way. `restore_newest_intact`
 damaged step aside to `damaged/<step>` (never deletes it) and falls back to the newest step
 that reads.
 
+The directory may be local or remote (`gs://...`: orbax writes the arrays through
+tensorstore, the JSON files here go through `sage_jax.storage`). There a finished step is
+marked by orbax's commit file instead of a rename, and a damaged step is moved aside by copy.
+
 `PreemptionGuard` turns SIGTERM (and SIGINT) into a flag the loops poll after each step:
 they save a checkpoint, wait for it, and return.
 """
@@ -35,9 +39,11 @@ import warnings
 from typing import Any, Literal, Mapping
 
 import jax
+from etils import epath
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
+from sage_jax import storage
 from sage_jax.train.state import TrainState
 
 CONFIG_FILE = "config.json"
@@ -95,15 +101,6 @@ def to_jsonable(value: Any) -> Any:
   return repr(value)
 
 
-def _write_json_atomic(path: str, value: Any) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=2, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 class _OrbaxLeftovers(logging.Filter):
   """Drops asyncio's reports of orbax's abandoned reads: "... exception was never retrieved"
   (tasks name orbax's coroutines; bare futures carry the read's tensorstore error, and only
@@ -156,10 +153,9 @@ class Checkpointer:
     if not config.directory:
       raise ValueError("CheckpointConfig.directory is empty")
     self.config = config
-    self.directory = os.path.abspath(config.directory)
-    os.makedirs(self.directory, exist_ok=True)
+    self.directory = storage.path(config.directory)
     if run_config is not None and jax.process_index() == 0:
-      _write_json_atomic(os.path.join(self.directory, CONFIG_FILE), to_jsonable(run_config))
+      storage.write_json(self.directory / CONFIG_FILE, to_jsonable(run_config), sort_keys=True)
     policies = [cm.LatestN(n=config.keep_last)]
     if config.keep_best:
       metric = config.best_metric
@@ -194,8 +190,8 @@ class Checkpointer:
         best = (step, value)
     return None if best is None else best[0]
 
-  def step_directory(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+  def step_directory(self, step: int) -> epath.Path:
+    return self.directory / str(step)
 
   def _record_files(self) -> None:
     """Writes files.json into every finalised step that lacks one (process 0 only)."""
@@ -203,30 +199,26 @@ class Checkpointer:
       return
     for step in self._manager.all_steps():
       root = self.step_directory(step)
-      record = os.path.join(root, FILES_RECORD)
-      if os.path.isdir(root) and not os.path.exists(record):
-        sizes = {os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
-                 for d, _, files in os.walk(root) for f in files}
-        _write_json_atomic(record, sizes)
+      if root.is_dir() and not (root / FILES_RECORD).exists():
+        storage.write_json(root / FILES_RECORD, storage.file_sizes(root), sort_keys=True)
 
   def check_step(self, step: int) -> None:
     """Raises CheckpointError naming the first file of `step` that is missing or whose size
     differs from the record (a step written before records existed is not checked)."""
     root = self.step_directory(step)
     try:
-      with open(os.path.join(root, FILES_RECORD)) as f:
-        sizes = json.load(f)
+      sizes = json.loads((root / FILES_RECORD).read_text())
     except FileNotFoundError:
       return
     except (OSError, ValueError) as e:
-      raise CheckpointError(step, os.path.join(root, FILES_RECORD), f"unreadable ({e})") from e
+      raise CheckpointError(step, str(root / FILES_RECORD), f"unreadable ({e})") from e
     for relative, size in sorted(sizes.items()):
-      path = os.path.join(root, relative)
-      if not os.path.exists(path):
-        raise CheckpointError(step, path, "missing")
-      actual = os.path.getsize(path)
+      path = root / relative
+      if not path.exists():
+        raise CheckpointError(step, str(path), "missing")
+      actual = path.stat().length
       if actual != size:
-        raise CheckpointError(step, path, f"{actual} bytes, {size} when it was written"
+        raise CheckpointError(step, str(path), f"{actual} bytes, {size} when it was written"
                               + (" (truncated)" if actual < size else ""))
 
   def should_save(self, step: int) -> bool:
@@ -273,7 +265,7 @@ class Checkpointer:
           state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
       first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      raise CheckpointError(step, self.step_directory(step), first_line[:500]) from e
+      raise CheckpointError(step, str(self.step_directory(step)), first_line[:500]) from e
     return restored.state, dict(restored.meta)
 
   def restore_newest_intact(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
@@ -293,20 +285,25 @@ class Checkpointer:
         logging.warning("%s; resuming from step %d instead.", moved, step)
       return state, meta
     if damaged:
-      raise CheckpointError(damaged[-1].step, self.directory,
+      raise CheckpointError(damaged[-1].step, str(self.directory),
                             "no step reads: " + "; ".join(map(str, damaged)))
     return None
 
   def _move_aside(self, step: int) -> str:
-    aside = os.path.join(self.directory, DAMAGED_DIR, str(step))
+    aside = self.directory / DAMAGED_DIR / str(step)
     if jax.process_index() == 0:
-      os.makedirs(os.path.dirname(aside), exist_ok=True)
       base, n = aside, 1
-      while os.path.exists(aside):  # that step was damaged before
-        aside, n = f"{base}.{n}", n + 1
-      os.rename(self.step_directory(step), aside)
+      while aside.exists():  # that step was damaged before
+        aside, n = base.with_name(f"{step}.{n}"), n + 1
+      source = self.step_directory(step)
+      if storage.is_remote(aside):  # an object store has no directories to rename
+        storage.copy_tree(source, aside)
+        source.rmtree()
+      else:
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(aside)
     self._manager.reload()
-    return aside
+    return str(aside)
 
   def wait(self) -> None:
     """Blocks until every started save is finalised."""

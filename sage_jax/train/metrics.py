@@ -5,6 +5,9 @@
 completed steps first drops the lines of later steps, which it will redo (TensorBoard purges
 them too), so the logs of an interrupted + resumed run read like those of a straight run.
 With several processes only process 0 writes (the values it gets are already global).
+In a remote log_dir (gs://...), both files are written locally and copied up whole after each
+step (`storage.LocalMirror`): a bucket cannot append, and tensorboardX's own gs:// writer
+would serve gs:// alone, through a second client.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from sage_jax import multihost
+from sage_jax import multihost, storage
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -51,22 +54,18 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
-def _truncate_jsonl(path: str, start_step: int) -> None:
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = [line for line in f if line.strip()]
+def _kept_lines(path, start_step: int) -> list[str]:
+  """The lines of metrics file `path` up to step `start_step` (a line cut by a kill dropped)."""
+  if not path.exists():
+    return []
   kept = []
-  for line in lines:
+  for line in path.read_text().splitlines(keepends=True):
     try:
-      if json.loads(line).get("step", -1) <= start_step:
+      if line.strip() and json.loads(line).get("step", -1) <= start_step:
         kept.append(line)
-    except json.JSONDecodeError:  # a line cut by a kill: drop it
+    except json.JSONDecodeError:
       continue
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
+  return kept
 
 
 class MetricsWriter:
@@ -78,16 +77,18 @@ class MetricsWriter:
     self._jsonl = None
     self._tb = None
     self._bar = None
+    self._mirror = None
     lead = multihost.is_lead()
     if config.log_dir and lead:
-      os.makedirs(config.log_dir, exist_ok=True)
+      self._mirror = storage.LocalMirror(config.log_dir)
       if config.jsonl:
-        path = os.path.join(config.log_dir, METRICS_FILE)
-        _truncate_jsonl(path, start_step)
+        path = os.path.join(self._mirror.local, METRICS_FILE)
+        storage.write_text(path, "".join(_kept_lines(self._mirror.target / METRICS_FILE,
+                                                     start_step)))
         self._jsonl = open(path, "a")
       if config.tensorboard:
         from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(config.log_dir, "tb"),
+        self._tb = SummaryWriter(os.path.join(self._mirror.local, "tb"),
                                  purge_step=start_step + 1 if start_step else None)
     if config.progress and lead:
       from tqdm import tqdm
@@ -107,6 +108,8 @@ class MetricsWriter:
         if math.isfinite(v):
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
+    if self._mirror is not None:
+      self._mirror.sync()
     return values
 
   def progress(self, step: int, values: Mapping[str, float]) -> None:
@@ -128,9 +131,12 @@ class MetricsWriter:
     if self._bar is not None:
       self._bar.close()
       self._bar = None
+    if self._mirror is not None:
+      self._mirror.close()
+      self._mirror = None
 
 
 def read_jsonl(log_dir: str) -> list[dict]:
   """The records of `log_dir/metrics.jsonl`."""
-  with open(os.path.join(log_dir, METRICS_FILE)) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  text = (storage.path(log_dir) / METRICS_FILE).read_text()
+  return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -1,0 +1,80 @@
+"""sage_jax.storage on a local directory and on a fake GCS bucket: whole-file writes, reads,
+mirrors of growing files, staged directories, and the checks a workdir gets at startup."""
+
+import json
+import os
+import uuid
+
+import pytest
+
+from sage_jax import storage
+from tests import fake_gcs
+
+
+@pytest.fixture(params=["local", "gcs"])
+def root(request, tmp_path):
+  if request.param == "local":
+    return str(tmp_path / "run")
+  url = request.getfixturevalue("gcs_url")
+  bucket = f"unit-{uuid.uuid4().hex[:8]}"
+  fake_gcs.create_bucket(url, bucket)
+  return f"gs://{bucket}/run"
+
+
+def test_json_and_text_round_trip(root):
+  top = storage.open_workdir(root)
+  assert storage.read_json(top / "config.json") is None
+  storage.write_json(top / "config.json", {"a": [1, 2]})
+  storage.write_json(top / "config.json", {"a": "ä"})  # a second write replaces the first
+  assert storage.read_json(top / "config.json") == {"a": "ä"}
+  storage.write_text(top / "eval" / "report.md", "| x |\n")
+  assert (top / "eval" / "report.md").read_text() == "| x |\n"
+  assert storage.file_sizes(top) == {"config.json": len(json.dumps({"a": "ä"}, indent=2)),
+                                     "eval/report.md": 6}
+
+
+def test_mirror_uploads_each_change_whole(root):
+  mirror = storage.LocalMirror(root)
+  assert storage.is_remote(root) != (mirror.local == os.path.abspath(root))
+  target = storage.path(root) / "metrics.jsonl"
+  with open(os.path.join(mirror.local, "metrics.jsonl"), "a") as f:
+    for step in (1, 2):
+      f.write(f'{{"step": {step}}}\n')
+      f.flush()
+      mirror.sync()
+      assert target.read_text().splitlines()[-1] == f'{{"step": {step}}}'
+  mirror.close()
+  assert target.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_staged_dir_replaces_a_remote_target(root, tmp_path):
+  target = storage.path(root) / "hf"
+  storage.write_text(target / "stale.json", "{}")
+  with storage.staged_dir(target) as local:
+    # Locally the target itself (its writer replaces it); else a fresh directory, uploaded.
+    assert (local == os.fspath(target)) != storage.is_remote(root)
+    if os.path.exists(local):
+      os.remove(os.path.join(local, "stale.json"))
+    os.makedirs(os.path.join(local, "sub"))
+    open(os.path.join(local, "sub", "weights.bin"), "wb").write(b"123")
+    open(os.path.join(local, "config.json"), "w").write("{}")
+  assert storage.file_sizes(target) == {"config.json": 2, "sub/weights.bin": 3}
+  copy = tmp_path / "copy"
+  storage.copy_tree(target, copy)
+  assert (copy / "sub" / "weights.bin").read_bytes() == b"123"
+
+
+def test_local_relative_paths_become_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert os.fspath(storage.open_workdir("runs/a")) == str(tmp_path / "runs" / "a")
+  assert (tmp_path / "runs" / "a").is_dir()
+  assert storage.local_subdir("runs/a", "appworld") == str(tmp_path / "runs" / "a" / "appworld")
+  assert storage.local_subdir("gs://b/run", "appworld") is None
+
+
+def test_bad_workdirs_are_named(gcs_url):
+  with pytest.raises(storage.WorkdirError, match=r"foo://x/run: unknown scheme foo://"):
+    storage.open_workdir("foo://x/run")
+  with pytest.raises(storage.WorkdirError,
+                     match=r"gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist"):
+    storage.open_workdir("gs://no-such-bucket/run")
