@@ -58,7 +58,8 @@ def apply_preset(c, preset: str):
     c.model.update(preset="mini", spec="", vocabulary="compact", attention_block=512)
     c.mesh.update(data=1, fsdp=-1, tensor=1)
     c.pool.update(num_workers=2, timeout_seconds=20, call_timeout_s=60.0, max_interactions=20)
-    c.engine.update(num_slots=8, max_len=2048, prefill_buckets=(64, 256, 1024),
+    # 12 slots: a step's 3 chains x 4 rollouts decode together at each chain position.
+    c.engine.update(num_slots=12, max_len=2048, prefill_buckets=(64, 256, 1024),
                     min_attend=512, steps_per_call=8)
     # One turn per task: the gold trajectories solve each task in one reply.
     c.agent.update(max_steps=1, max_turn_tokens=384, max_episode_tokens=2048, temperature=0.6)
@@ -66,20 +67,26 @@ def apply_preset(c, preset: str):
     # Chains are whole scenarios in order (K=3): the gold trajectories define a scenario's
     # skill at its first task, and a chain that starts at a later task asks for a skill SFT
     # never showed being written (after SFT, 0 of 8 such rollouts succeed: nothing to learn
-    # from). Dynamic sampling redraws a chain whose 4 rollouts all score alike (at most twice
-    # a step), so that every step trains on chains with a learning signal.
-    c.grpo.update(chain_length=3, max_redraws=2)
+    # from). Every step draws all 3 training scenarios, so that steps compare (with 2 of 3,
+    # a step's success depends on which pair it drew); a chain whose 4 rollouts all score
+    # alike is redrawn (at most once a step), so that every step trains on chains with a
+    # learning signal.
+    c.grpo.update(chain_length=3, max_redraws=1)
     c.rollout.chain_order = "ordered"
-    c.pipeline.update(chains_per_step=2, train_scenarios=3, eval_train=True)
+    c.pipeline.update(chains_per_step=3, train_scenarios=3, eval_train=True)
     c.eval.update(max_scenarios=2, split="dev")
     c.batch.update(micro_batch_tokens=2048, length_buckets=(1024, 2048))
     c.grpo.logprob_chunk = 0
     c.sft.logprob_chunk = 0
-    c.optimizer.update(learning_rate=3e-4, warmup_steps=0, max_grad_norm=1.0)
+    # RL at 1e-4, 30x below SFT: at 1e-3 one step took the sampled success from 39% to 3%
+    # (Adam's first steps move every weight by about the learning rate, whatever its
+    # gradient); at 1e-4 it rises over the 12 steps (BENCHMARKS.md, "Learning on the mini
+    # AppWorld").
+    c.optimizer.update(learning_rate=1e-4, warmup_steps=0, max_grad_norm=1.0)
     c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=0)
     # At seed 0, 160 steps leave the sampled policy between failing and solving the
-    # scenarios (the spread RL's group advantages need); by 200 most groups succeed
-    # throughout. SFT is steep here: at seed 1, 160 steps solve nothing (BENCHMARKS.md).
+    # scenarios (39% of sampled tasks succeed: the spread RL's group advantages need); by 200
+    # most groups succeed throughout. SFT is steep here: at seed 1, 160 steps solve nothing.
     c.sft.update(total_steps=160, batch_size=2)
     c.rl.update(total_steps=12, eval_every=0)
     c.checkpoint.update(save_every=4, keep_last=2, async_save=False)

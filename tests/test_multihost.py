@@ -162,8 +162,8 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   rl = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   sft = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
   assert [r["step"] for r in rl] == [1, 2] and [r["step"] for r in sft] == [1, 2]
-  # Every process ran its own share of each step's 2 chains x 4 rollouts x 3 tasks.
-  assert all(r["episodes"] == 24 and r["time/sync_s"] > 0 for r in rl)
+  # Every process ran its own share of each step's 3 chains x 4 rollouts x 3 tasks (1 and 2).
+  assert all(r["episodes"] == 36 and r["time/sync_s"] > 0 for r in rl)
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "config.json"]
   for name in ("eval_before", "eval_after"):
     report = json.load(open(workdir / name / "eval_dev.json"))
