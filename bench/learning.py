@@ -1,12 +1,12 @@
 r"""How much the demo's RL improves its sampled policy on the training chains, against the
 run-to-run noise of a policy that does not learn; prints JSON.
 
-  python bench/learning.py --seeds=0 --rollout_seeds=0,1,2 --variants=sage,outcome,frozen \
+  python bench/learning.py --seeds=0 --rollout_seeds=derived,1,2 --variants=sage,outcome,frozen \
       --workdir=DIR [--steps=12] [--overrides=key=value,...]
 
 Per run seed s, the demo's SFT runs once (`DIR/seed<s>/sft_only`); each RL arm starts from a
 copy of it (`DIR/seed<s>/<variant>_r<r>`) with rollout seed r (which chains are drawn and how
-rollouts sample). Variants: `sage` and `outcome` set `reward.variant`; `frozen` is the SAGE
+rollouts sample; `derived`: the one the run seed derives, as the demo runs). Variants: `sage` and `outcome` set `reward.variant`; `frozen` is the SAGE
 run with learning rate 0: its steps sample the SFT policy, so the spread of its numbers is
 the noise a learning run has to clear. A run already finished in DIR is read, not rerun.
 
@@ -31,8 +31,9 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Run seeds (each one SFT).")
-_ROLLOUT_SEEDS = flags.DEFINE_list("rollout_seeds", ["0", "1", "2"],
-                                   "Rollout seeds of the RL arms started from each SFT.")
+_ROLLOUT_SEEDS = flags.DEFINE_list(
+    "rollout_seeds", ["derived", "1", "2"],
+    "Rollout seeds of the RL arms started from each SFT (`derived`: the run seed's).")
 _VARIANTS = flags.DEFINE_list("variants", ["sage", "outcome", "frozen"],
                               "reward.variant of each arm, or `frozen` (SAGE, learning rate 0).")
 _STEPS = flags.DEFINE_integer("steps", 12, "RL steps of every run.")
@@ -71,10 +72,12 @@ def run_arm(seed: str, rollout_seed: str, variant: str) -> dict:
                       ignore=shutil.ignore_patterns("appworld", "summary.json"))
     arm = (("--config.reward.variant=sage", "--config.optimizer.learning_rate=0.0")
            if variant == "frozen" else (f"--config.reward.variant={variant}",))
-    _pipeline(workdir, seed, f"--config.rollout.seed={rollout_seed}", *arm)
+    if rollout_seed != "derived":
+      arm += (f"--config.rollout.seed={rollout_seed}",)
+    _pipeline(workdir, seed, *arm)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  out = {"seed": int(seed), "rollout_seed": int(rollout_seed), "variant": variant,
+  out = {"seed": int(seed), "rollout_seed": rollout_seed, "variant": variant,
          "wall_s": round(time.time() - started, 1)}
   for name, key in METRICS.items():
     values = [r[key] for r in rows]

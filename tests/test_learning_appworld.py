@@ -11,13 +11,14 @@ step 1 samples before any update, step 2 after one).
 Noise, measured with the runs in BENCHMARKS.md ("Learning on the mini AppWorld"; the arms
 `bench/learning.py` runs): the `frozen` arm is the same run at learning rate 0, so its numbers
 move only with sampling. Its success per step has a standard deviation of 0.12-0.13 (12 steps,
-rollout seeds 0 and 1; a step is 3 chains x 4 rollouts, and a chain that fails its first task
-rarely solves the later ones), which makes this statistic's own spread about 0.10. Last 4
-minus first 2, success (skill use): frozen +0.06 (+0.07) and +0.10 (+0.10); SAGE +0.25
-(+0.24) and +0.21 (+0.24). The margins, 0.15, lie between the two: 1.5 spreads above zero,
-with SAGE's seed-0 run (this test; its numbers are deterministic on a given machine) 0.10
-above them. A margin this close to the noise is what 12 steps of 36 episodes on a 2-core CPU
-allow; the frozen and SAGE arms do not overlap in either seed.
+the demo's rollout seed and seed 1; a step is 3 chains x 4 rollouts, and a chain that fails
+its first task rarely solves the later ones), which makes this statistic's own spread about
+0.10. Last 4 minus first 2, success (skill use), those two seeds: frozen +0.06 (+0.07) and
++0.10 (+0.10); SAGE +0.25 (+0.24) and +0.21 (+0.24). The margins, 0.15, lie between the two,
+1.5 spreads above zero, with SAGE's run at the demo's seeds (this test; its numbers are
+deterministic on a given machine) 0.10 above them. A margin this close to the noise is what
+12 steps of 36 episodes on a 2-core CPU allow; the frozen and SAGE arms do not overlap in
+either seed.
 """
 
 import json
