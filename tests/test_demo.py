@@ -216,7 +216,7 @@ def test_gs_workdir_trains_resumes_evaluates_and_exports(gcs_url, tmp_path):
 
 
 def test_bad_workdir_fails_at_startup_by_name(gcs_url, tmp_path):
-  env = {**os.environ, **fake_gcs.server_env(gcs_url), "PYTHONPATH": REPO}
+  env = {**ONE_DEVICE, **fake_gcs.server_env(gcs_url), "PYTHONPATH": REPO}
   for workdir, problem in (("gs://no-such-bucket/run", "bucket gs://no-such-bucket does not exist"),
                            ("foo://x/run", "unknown scheme foo://")):
     out = subprocess.run([sys.executable, "-m", "sage_jax.train",

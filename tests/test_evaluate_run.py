@@ -31,6 +31,7 @@ def run_dir(mini_root, tmp_path_factory):
   c.pipeline.update(stages=("rl",), chains_per_step=1, train_scenarios=1, eval_before=False,
                     eval_after=True, eval_train=False, export=False, plot=False)
   c.grpo.group_size = 2
+  c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
   c.rl.total_steps = 1
   c.agent.update(max_turn_tokens=16)
   c.eval.max_scenarios = 1
