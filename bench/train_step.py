@@ -106,6 +106,9 @@ def main():
   p.add_argument("--vocab_size", type=int, default=0, help="0 = the preset's")
   p.add_argument("--seq_len", type=int, default=512)
   p.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
+  p.add_argument("--pack", type=int, default=1,
+                 help="sequences packed per row (RL batches pack episodes); the torch peer "
+                      "attends over the whole row, causal only")
   p.add_argument("--micro_batches", type=int, default=2)
   p.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
   p.add_argument("--remat", default="none")
@@ -133,15 +136,18 @@ def main():
   config = grpo.GRPOConfig(logprob_chunk=args.logprob_chunk)
   trainer = grpo_trainer(model, config, OptimizerConfig(learning_rate=1e-6), mesh=mesh)
 
-  # Sequences of exactly seq_len + 1 tokens fill rows of seq_len positions with no padding.
+  # `pack` sequences of exactly seq_len / pack + 1 tokens fill a row of seq_len positions
+  # with no padding.
   rng = np.random.default_rng(0)
-  n_seq = args.rows * args.micro_batches
+  if args.seq_len % args.pack:
+    p.error(f"--pack={args.pack} must divide --seq_len={args.seq_len}")
+  n_seq, seq_tokens = args.rows * args.micro_batches * args.pack, args.seq_len // args.pack + 1
   records = []
   for _ in range(n_seq):
-    mask = (rng.random(args.seq_len + 1) < 0.5).astype(np.int8)
+    mask = (rng.random(seq_tokens) < 0.5).astype(np.int8)
     mask[0] = 0
     lp = np.where(mask, -np.log(cfg.vocab_size), 0).astype(np.float32)
-    records.append(dict(tokens=rng.integers(0, cfg.vocab_size, args.seq_len + 1),
+    records.append(dict(tokens=rng.integers(0, cfg.vocab_size, seq_tokens),
                         loss_mask=mask, model_logprobs=lp, sampler_logprobs=lp,
                         advantage=float(rng.normal())))
   batch_config = B.BatchConfig(micro_batch_tokens=args.rows * args.seq_len,
@@ -159,7 +165,7 @@ def main():
   matmul = matmul_timer(args.peak_n, peak_dtype)
   times, peaks, mfus = [], [], []
   tokens = info.real_positions
-  flops_tok = model_flops_per_token(cfg, args.seq_len)
+  flops_tok = model_flops_per_token(cfg, args.seq_len // args.pack)
   for _ in range(args.steps):
     t = time.perf_counter()
     jax.block_until_ready(trainer.step(device_batch))
@@ -180,7 +186,7 @@ def main():
       "preset": args.preset, "params": cfg.num_params(), "vocab_size": cfg.vocab_size,
       "dtype": args.dtype, "remat": args.remat, "logprob_chunk": args.logprob_chunk,
       "attention_block": args.attention_block, "temp_bytes": temp_bytes,
-      "seq_len": args.seq_len, "rows": args.rows, "micro_batches": args.micro_batches,
+      "seq_len": args.seq_len, "pack": args.pack, "rows": args.rows, "micro_batches": args.micro_batches,
       "tokens_per_step": tokens,
       "compile_s": round(compile_s, 2),
       "step_s_median": round(step_s, 4),

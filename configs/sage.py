@@ -57,7 +57,10 @@ def apply_preset(c, preset: str):
     # which makes SFT and the update ~30% faster than dense attention on 2048-token rows.
     c.model.update(preset="mini", spec="", vocabulary="compact", attention_block=512)
     c.mesh.update(data=1, fsdp=-1, tensor=1)
-    c.pool.update(num_workers=2, timeout_seconds=20, call_timeout_s=60.0, max_interactions=20)
+    # 6 AppWorld workers, so that half of a chain position's 12 episodes run at once: with 2,
+    # episodes waited for a worker and a step's 36 took 28 s; with 6 or 12, 20 s (the 2 cores
+    # are then busy with decoding and the workers' code).
+    c.pool.update(num_workers=6, timeout_seconds=20, call_timeout_s=60.0, max_interactions=20)
     # 12 slots: a step's 3 chains x 4 rollouts decode together at each chain position.
     c.engine.update(num_slots=12, max_len=2048, prefill_buckets=(64, 256, 1024),
                     min_attend=512, steps_per_call=8)

@@ -32,9 +32,18 @@ def _inputs(b=2, t=37, kv=2, g=3, d=8, dtype=jnp.float32):
   return q, k, v, weights, segments
 
 
+# Row 0 packs four sequences and padding, so most blocks below the diagonal are skipped;
+# row 1 reuses ids out of order (1 comes back after 2), which only a superset may skip.
+_MANY_SEGMENTS = [[1] * 7 + [2] * 9 + [3] * 5 + [4] * 10 + [0] * 6,
+                  [1] * 6 + [2] * 6 + [1] * 6 + [3] * 19]
+
+
 @pytest.mark.parametrize("block", [4, 16, 64])  # 37 tokens: ragged blocks, and one block
-def test_values_and_gradients_match_dense(block):
+@pytest.mark.parametrize("layout", ["two_rows", "many_segments"])
+def test_values_and_gradients_match_dense(block, layout):
   q, k, v, weights, segments = _inputs()
+  if layout == "many_segments":
+    segments = jnp.asarray(_MANY_SEGMENTS)
   blocked = lambda q, k, v: blocked_attention(q, k, v, BlockedCausal(segments, block))
   dense = lambda q, k, v: _dense(q, k, v, segments)
   np.testing.assert_allclose(blocked(q, k, v), dense(q, k, v), atol=2e-6)
@@ -42,6 +51,19 @@ def test_values_and_gradients_match_dense(block):
            for f in (blocked, dense)]
   for name, a, b in zip("qkv", *grads):
     np.testing.assert_allclose(a, b, atol=5e-6, err_msg=f"d{name}")
+
+
+def test_skips_exactly_the_blocks_whose_queries_and_keys_share_no_segment():
+  from sage_jax.model.blocked_attention import _overlap
+  block = 4
+  segments = np.asarray([[1] * 7 + [2] * 9 + [3] * 5 + [4] * 11,
+                         [0] * 3 + [1] * 7 + [2] * 9 + [3] * 5 + [4] * 8])
+  blocks = lambda row, i: set(segments[row, i * block:(i + 1) * block])
+  n = segments.shape[1] // block
+  shared = [[any(blocks(r, i) & blocks(r, j) for r in range(2)) for j in range(n)]
+            for i in range(n)]
+  np.testing.assert_array_equal(_overlap(jnp.asarray(segments), block), shared)
+  assert not np.all(shared)  # something is skipped
 
 
 def test_bfloat16_inputs_keep_their_dtype():

@@ -4,7 +4,9 @@ Dense attention keeps [heads, T, T] scores per layer: 30 GB for one 16k-token ro
 model. Here queries and keys are taken `block` at a time with an online softmax (the flash
 attention algorithm, in plain JAX so it runs on every backend), and the backward pass
 recomputes each block's probabilities from the saved log-sum-exp, so memory grows with
-T x block instead of T x T, and blocks above the diagonal are never computed.
+T x block instead of T x T, and blocks above the diagonal are never computed. Nor are
+blocks below it whose queries and keys cannot share a segment: rows packed with several
+sequences (RL batches) skip most of the off-diagonal work.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ def _blocks(x, i, block):
   return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=1)
 
 
+def _overlap(segments, block):
+  """[n, n] bool: whether query block i and key block j may hold a pair of one segment in
+  some row (their id ranges meet). Exact for packed rows, whose ids run in order; for ids in
+  any other layout it keeps every block that is needed (a superset)."""
+  b, t = segments.shape
+  per_block = segments.reshape(b, t // block, block)
+  lo, hi = per_block.min(-1), per_block.max(-1)  # [b, n]
+  meet = (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
+  return meet.any(0)
+
+
 def _scores(q_blk, k_blk, seg_q, seg_k, i, j, block):
   """Scaled scores [b, kv, g, bq, bk] of query block i against key block j, and where the
   mask allows them (causal by index, same segment)."""
@@ -64,11 +77,15 @@ def _forward(q, k, v, segments, block):
   """Output [b, t, kv, g, d] and log-sum-exp [b, kv, g, t] (f32)."""
   b, t, kv, g, d = q.shape
   n = t // block
+  overlap = _overlap(segments, block)
 
   def query_block(i):
     q_blk, seg_q = _blocks(q, i, block), _blocks(segments, i, block)
 
     def key_block(j, carry):
+      return jax.lax.cond(overlap[i, j], add_key_block, lambda j, carry: carry, j, carry)
+
+    def add_key_block(j, carry):
       m, l, acc = carry
       scores, allowed = _scores(q_blk, _blocks(k, j, block), seg_q,
                                 _blocks(segments, j, block), i, j, block)
@@ -108,6 +125,7 @@ def _attention_bwd(block, residuals, d_out):
   b, t, kv, g, d = q.shape
   n = t // block
   scale = d ** -0.5
+  overlap = _overlap(segments, block)
   # D_i = sum_d dO_i * O_i, the softmax backward's per-row term.
   delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(_F32), out.astype(_F32))
 
@@ -116,6 +134,9 @@ def _attention_bwd(block, residuals, d_out):
     k_blk, v_blk, seg_k = _blocks(k, j, block), _blocks(v, j, block), _blocks(segments, j, block)
 
     def query_block(i, carry):
+      return jax.lax.cond(overlap[i, j], add_query_block, lambda i, carry: carry, i, carry)
+
+    def add_query_block(i, carry):
       dq, dk_j, dv_j = carry
       q_blk, d_out_i = _blocks(q, i, block), _blocks(d_out, i, block)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, i * block, block, axis=3)
