@@ -56,14 +56,18 @@ def test_values_and_gradients_match_dense(block, layout):
 def test_skips_exactly_the_blocks_whose_queries_and_keys_share_no_segment():
   from sage_jax.model.blocked_attention import _overlap
   block = 4
-  segments = np.asarray([[1] * 7 + [2] * 9 + [3] * 5 + [4] * 11,
-                         [0] * 3 + [1] * 7 + [2] * 9 + [3] * 5 + [4] * 8])
-  blocks = lambda row, i: set(segments[row, i * block:(i + 1) * block])
+  # Packed rows (ids in order, padding 0 last or first) and one sequence split at a block.
+  segments = np.asarray([[1] * 7 + [2] * 9 + [3] * 5 + [4] * 6 + [0] * 5,
+                         [0] * 3 + [1] * 7 + [2] * 9 + [3] * 5 + [4] * 8,
+                         [1] * 14 + [2] * 18])
   n = segments.shape[1] // block
-  shared = [[any(blocks(r, i) & blocks(r, j) for r in range(2)) for j in range(n)]
-            for i in range(n)]
-  np.testing.assert_array_equal(_overlap(jnp.asarray(segments), block), shared)
-  assert not np.all(shared)  # something is skipped
+  blocks = lambda row, i: set(segments[row, i * block:(i + 1) * block])
+  shared = np.asarray([[[bool(blocks(r, i) & blocks(r, j)) for j in range(n)] for i in range(n)]
+                       for r in range(len(segments))])
+  for r in range(len(segments)):
+    np.testing.assert_array_equal(_overlap(jnp.asarray(segments[r:r + 1]), block), shared[r])
+    assert not shared[r].all()  # something is skipped in every row
+  np.testing.assert_array_equal(_overlap(jnp.asarray(segments), block), shared.any(0))
 
 
 def test_bfloat16_inputs_keep_their_dtype():

@@ -41,8 +41,10 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: BlockedCau
   if pad:
     widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
     q, k, v = (jnp.pad(x, widths(x)) for x in (q, k, v))
-  # Padding keys sit after every real query, so causality already hides them.
-  segments = jnp.pad(mask.segment_ids.astype(jnp.int32), [(0, 0), (0, pad)], constant_values=-1)
+  # Padding keys sit after every real query, so causality already hides them; they repeat
+  # the row's last id so that the last block's id range (which decides the blocks it skips)
+  # stays the real one.
+  segments = jnp.pad(mask.segment_ids.astype(jnp.int32), [(0, 0), (0, pad)], mode="edge")
   out = _attention(q, k, v, segments, block)
   return out[:, :t]
 
@@ -53,12 +55,18 @@ def _blocks(x, i, block):
 
 def _overlap(segments, block):
   """[n, n] bool: whether query block i and key block j may hold a pair of one segment in
-  some row (their id ranges meet). Exact for packed rows, whose ids run in order; for ids in
-  any other layout it keeps every block that is needed (a superset)."""
+  some row: the ranges of their ids other than 0 meet, or both hold a 0 (the batch's padding,
+  which would otherwise stretch the range of a row's last block down to every earlier one).
+  Exact for packed rows, whose ids run in order with padding last; for ids in any other
+  layout it keeps every block that is needed (a superset)."""
   b, t = segments.shape
   per_block = segments.reshape(b, t // block, block)
-  lo, hi = per_block.min(-1), per_block.max(-1)  # [b, n]
-  meet = (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
+  real, limits = per_block != 0, jnp.iinfo(per_block.dtype)
+  lo = jnp.where(real, per_block, limits.max).min(-1)  # [b, n]; no real id: an empty range
+  hi = jnp.where(real, per_block, limits.min).max(-1)
+  pad = (~real).any(-1)
+  meet = ((lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
+          | (pad[:, :, None] & pad[:, None, :]))
   return meet.any(0)
 
 
