@@ -20,14 +20,14 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# The demo's shape at a fraction of its cost: one SFT step, short turns, one training and
-# one dev scenario evaluated, without AppWorld's own re-scoring (tests/test_evaluate.py has it)
-# and without redraws (after one SFT step no rollout writes code: every chain would be
+# The demo's shape at a fraction of its cost: one SFT step, short turns, 2 chains a step, one
+# training and one dev scenario evaluated, without AppWorld's own re-scoring
+# (tests/test_evaluate.py has it) and without redraws (after one SFT step no rollout writes code: every chain would be
 # redrawn; tests/test_train_rl_appworld.py covers dynamic sampling).
 SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
          "--config.pool.num_workers=2", "--config.agent.max_turn_tokens=48",
          "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false",
-         "--config.grpo.max_redraws=0")
+         "--config.grpo.max_redraws=0", "--config.pipeline.chains_per_step=2")
 
 
 # The demo as the README runs it, on one CPU device (not the test session's 8 simulated ones,
@@ -62,7 +62,7 @@ def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
   assert [r["step"] for r in rows] == [1, 2]
   assert os.path.isdir(workdir / "checkpoints" / "2")
   # chains_per_step x group_size x chain_length episodes per SAGE step.
-  assert all(r["compute/episodes"] == 3 * 4 * 3 for r in rows)
+  assert all(r["compute/episodes"] == 2 * 4 * 3 for r in rows)
   assert os.path.exists(workdir / "plots" / "training.png")
 
   # The export command writes what transformers loads; it equals the run's own export.
@@ -121,7 +121,7 @@ def test_grpo_baseline_config(tmp_path):
   assert any(k.startswith("reward/pos0") for k in row)
   assert not any(k.startswith("reward/pos1") for k in row)
   # chains_per_step x group_size single-task episodes, every one logged with its tokens.
-  assert row["compute/episodes"] == 3 * 4 and row["compute/trained_tokens"] > 0
+  assert row["compute/episodes"] == 2 * 4 and row["compute/trained_tokens"] > 0
   assert row["compute/prompt_tokens"] > row["compute/generated_tokens"] > 0
 
 
