@@ -22,8 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The demo's shape at a fraction of its cost: one SFT step, short turns, 2 chains a step, one
 # training and one dev scenario evaluated, without AppWorld's own re-scoring
-# (tests/test_evaluate.py has it) and without redraws (after one SFT step no rollout writes code: every chain would be
-# redrawn; tests/test_train_rl_appworld.py covers dynamic sampling).
+# (tests/test_evaluate.py has it) and without redraws (after one SFT step no rollout writes
+# code: every chain would be redrawn; tests/test_train_rl_appworld.py covers dynamic sampling).
 SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
          "--config.pool.num_workers=2", "--config.agent.max_turn_tokens=48",
          "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false",
