@@ -322,10 +322,13 @@ class Qwen2(nnx.Module):
     x = self.norm(x)
     return x, (None if cache is None else KVCache(new_k, new_v))
 
+  def head_weight(self) -> jax.Array:
+    """The output embedding [vocab, embed]: the input one when the two are tied."""
+    return (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
+
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Float32 logits [..., vocab] of final hidden states."""
-    head = self.embed_tokens if self.lm_head is None else self.lm_head  # both [vocab, embed]
-    out = project(hidden, head[...].astype(hidden.dtype), preferred_element_type=_F32)
+    out = project(hidden, self.head_weight().astype(hidden.dtype), preferred_element_type=_F32)
     return constrain(out, ("act_batch", "act_len", "act_vocab")) if out.ndim == 3 else out
 
   def __call__(self, tokens, positions, *, cache: KVCache | None = None, segment_ids=None):
