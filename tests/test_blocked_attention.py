@@ -39,11 +39,13 @@ _MANY_SEGMENTS = [[1] * 7 + [2] * 9 + [3] * 5 + [4] * 10 + [0] * 6,
 
 
 @pytest.mark.parametrize("block", [4, 16, 64])  # 37 tokens: ragged blocks, and one block
-@pytest.mark.parametrize("layout", ["two_rows", "many_segments"])
+@pytest.mark.parametrize("layout", ["two_rows", "many_segments", "one_sequence"])
 def test_values_and_gradients_match_dense(block, layout):
   q, k, v, weights, segments = _inputs()
   if layout == "many_segments":
     segments = jnp.asarray(_MANY_SEGMENTS)
+  if layout == "one_sequence":  # pairs below the diagonal run without a mask
+    segments = jnp.ones_like(segments)
   blocked = lambda q, k, v: blocked_attention(q, k, v, BlockedCausal(segments, block))
   dense = lambda q, k, v: _dense(q, k, v, segments)
   np.testing.assert_allclose(blocked(q, k, v), dense(q, k, v), atol=2e-6)
@@ -68,6 +70,20 @@ def test_skips_exactly_the_blocks_whose_queries_and_keys_share_no_segment():
     np.testing.assert_array_equal(_overlap(jnp.asarray(segments[r:r + 1]), block), shared[r])
     assert not shared[r].all()  # something is skipped in every row
   np.testing.assert_array_equal(_overlap(jnp.asarray(segments), block), shared.any(0))
+
+
+def test_pairs_below_the_diagonal_within_one_sequence_run_unmasked():
+  from sage_jax.model.blocked_attention import _FULL, _MASKED, _SKIP, _pair_kinds
+  one = jnp.asarray([[3] * 16, [3] * 16])
+  expected = np.where(np.tri(4, k=-1, dtype=bool), _FULL, np.where(np.tri(4, dtype=bool),
+                                                                   _MASKED, _SKIP))
+  np.testing.assert_array_equal(_pair_kinds(one, 4), expected)
+  # Ids change inside block 1 of row 0: its pairs keep the mask; a second id in row 1 only
+  # (another row's sequence) masks the pairs of the blocks it touches, in every row.
+  mixed = jnp.asarray([[1] * 6 + [2] * 10, [5] * 16])
+  kinds = np.asarray(_pair_kinds(mixed, 4))
+  assert kinds[1, 0] == _MASKED and kinds[2, 1] == _MASKED and kinds[3, 2] == _FULL
+  assert kinds[2, 0] == _MASKED  # row 0 would skip it; row 1 needs it
 
 
 def test_bfloat16_inputs_keep_their_dtype():
