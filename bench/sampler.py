@@ -34,8 +34,10 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from sage_jax import assets  # noqa: E402
+from sage_jax import multihost  # noqa: E402
 from sage_jax import tokenizer as tokenizer_lib  # noqa: E402
 from sage_jax.model.config import Qwen2Config  # noqa: E402
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -53,7 +55,9 @@ _TUNIX_PATH = flags.DEFINE_string(
     "tunix_path", str(assets.cache_root() / "bench" / "tunix_site"),
     "Extra import path holding google-tunix (pip install --no-deps --target=PATH "
     "-r bench/requirements.txt); ignored when missing.")
-_SYSTEMS = flags.DEFINE_list("systems", ["ours", "transformers", "tunix"], "Systems to run.")
+_SYSTEMS = flags.DEFINE_list("systems", ["ours", "transformers", "tunix"],
+                             "Systems to run: ours, ours_bf16 (our engine on bfloat16 weights), "
+                             "transformers, tunix.")
 _MULTITURN = flags.DEFINE_bool("multiturn", True, "Run the multi-turn benchmark.")
 _OUT = flags.DEFINE_string("out", None, "Also write the JSON here.")
 
@@ -168,6 +172,19 @@ class Ours:
     return [r.tokens for r in results]
 
 
+class OursBfloat16(Ours):
+  """Our engine on a bfloat16 copy of the weights, as the sampler keeps with
+  `sampler_mesh.param_dtype="bfloat16"`: half the bytes per decode step."""
+
+  name = "ours_bf16"
+
+  def __init__(self, model_dir: str):
+    super().__init__(model_dir)
+    weights = multihost.WeightSync(nnx.state(self.model), multihost.SamplerMeshConfig(
+        param_dtype="bfloat16"))
+    nnx.update(self.model, weights(nnx.state(self.model)))
+
+
 class Transformers:
   name = "transformers"
 
@@ -228,7 +245,8 @@ def load_systems(model_dir: str) -> tuple[list, dict]:
     if name == "tunix" and os.path.isdir(_TUNIX_PATH.value):
       sys.path.append(_TUNIX_PATH.value)
     try:
-      systems.append({"ours": Ours, "transformers": Transformers, "tunix": Tunix}[name](model_dir))
+      systems.append({"ours": Ours, "ours_bf16": OursBfloat16, "transformers": Transformers,
+                      "tunix": Tunix}[name](model_dir))
     except ImportError as error:
       skipped[name] = f"not importable: {error}"
   return systems, skipped
