@@ -77,8 +77,9 @@ def _overlap(segments, block):
 
 def _pair_kinds(segments, block):
   """[n, n] int32: `_SKIP`, `_FULL` or `_MASKED` for query block i and key block j (above
-  the diagonal: skipped). A pair strictly below the diagonal whose blocks hold one and the same id in every row needs no
-  mask (the usual case within a long sequence): its selects are skipped."""
+  the diagonal: skipped). A pair strictly below the diagonal whose blocks hold one and the
+  same id in every row needs no mask (the usual case within a long sequence): its selects
+  are skipped."""
   b, t = segments.shape
   n = t // block
   per_block = segments.reshape(b, n, block)
@@ -96,8 +97,7 @@ def _allowed(seg_q, seg_k, i, j, block):
   """[b, bq, bk]: causal by index and within one segment."""
   rows = i * block + jnp.arange(block)
   cols = j * block + jnp.arange(block)
-  allowed = (cols[None, :] <= rows[:, None])[None] & (seg_q[:, :, None] == seg_k[:, None, :])
-  return allowed
+  return (cols[None, :] <= rows[:, None])[None] & (seg_q[:, :, None] == seg_k[:, None, :])
 
 
 def _layouts(q, k, v):

@@ -4,7 +4,7 @@ The LM head, log-softmax and entropy are one operation with a hand-written gradi
 (`head_logprobs`). Left to autodiff, XLA:CPU materialises the [tokens, vocab] float32 logits
 four more times (probabilities, the entropy's products, the logits' gradient and its
 transpose for the head's weight gradient) and runs the entropy's sum of products as a slow
-library reduction: 1.5x the time of the same head without entropy (bench/train_step.py).
+library reduction: 2.2x the time of this operation (bench/train_kernels.py).
 Here the forward pass keeps the logits and reduces them in one pass (max, then the sum of
 exponentials and of their products with the logits together); the backward pass forms the
 logits' gradient once and contracts it in the orders the matmul wants.
@@ -22,23 +22,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sage_jax.model.qwen2 import Qwen2
+from sage_jax.model.qwen2 import LOGIT_AXES, Qwen2
 from sage_jax.sharding import constrain
 
 _F32 = jnp.float32
-_LOGIT_AXES = ("act_batch", "act_len", "act_vocab")
 
 
 def _logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
   """Float32 logits [rows, t, vocab] of hidden [rows, t, embed] under head [vocab, embed]."""
   out = jnp.einsum("rte,ve->rtv", hidden, head.astype(hidden.dtype),
                    preferred_element_type=_F32)
-  return constrain(out, _LOGIT_AXES)
+  return constrain(out, LOGIT_AXES)
 
 
 def _head_forward(hidden, head, targets):
   logits = _logits(hidden, head)
-  top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  top = jnp.max(logits, axis=-1, keepdims=True)
   shifted = logits - top
   exps = jnp.exp(shifted)
   # One pass for both sums: sum(e^z) and sum(e^z * z).
@@ -60,7 +59,7 @@ def _head_backward(residuals, cotangents):
   # d logprob / d logits = onehot - p;  d entropy / d logits = -p (log p + entropy).
   d_logits = (d_logprob[..., None] * (target - p)
               - d_entropy[..., None] * p * (log_p + entropy[..., None]))
-  d_logits = constrain(d_logits.astype(hidden.dtype), _LOGIT_AXES)
+  d_logits = constrain(d_logits.astype(hidden.dtype), LOGIT_AXES)
   rows_t, vocab, embed = hidden.shape[:-1], head.shape[0], head.shape[1]
   flat_d, flat_h = d_logits.reshape(-1, vocab), hidden.reshape(-1, embed)
   d_hidden = jnp.dot(flat_d, head.astype(hidden.dtype),

@@ -24,6 +24,8 @@ _F32 = jnp.float32
 # Up to this many rows (a decode step, a short prefill chunk), XLA:CPU multiplies faster when
 # the product is written as [out, rows] (see `project`).
 _FEW_ROWS = 64
+# Logical axes of [rows, t, vocab] logits (and their gradient in model/logprobs.py).
+LOGIT_AXES = ("act_batch", "act_len", "act_vocab")
 
 
 def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
@@ -329,7 +331,7 @@ class Qwen2(nnx.Module):
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Float32 logits [..., vocab] of final hidden states."""
     out = project(hidden, self.head_weight().astype(hidden.dtype), preferred_element_type=_F32)
-    return constrain(out, ("act_batch", "act_len", "act_vocab")) if out.ndim == 3 else out
+    return constrain(out, LOGIT_AXES) if out.ndim == 3 else out
 
   def __call__(self, tokens, positions, *, cache: KVCache | None = None, segment_ids=None):
     hidden, cache = self.hidden_states(tokens, positions, cache=cache, segment_ids=segment_ids)
