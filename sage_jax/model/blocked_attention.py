@@ -190,7 +190,7 @@ def _attention_bwd(block, residuals, d_out):
     v_blk, seg_k = _blocks(v, j, block, axis=2), _blocks(segments, j, block)
 
     def add_query_block(i, carry, masked):
-      dq_t, dk_j, dv_j = carry
+      dq_i, dk_j, dv_j = carry
       blk = lambda x, axis: _blocks(x, i, block, axis=axis)
       scores_t = jnp.einsum("bksd,bkdqg->bksqg", k_blk, blk(q_t, 3),
                             preferred_element_type=_F32)
@@ -201,17 +201,27 @@ def _attention_bwd(block, residuals, d_out):
       dp_t = jnp.einsum("bksd,bkdqg->bksqg", v_blk, blk(d_out_t, 3),
                         preferred_element_type=_F32)
       ds_t = p_t * (dp_t - blk(delta, 2)[:, :, None])  # d loss / d scaled scores
-      dv_j = dv_j + jnp.einsum("bksqg,bkqgd->bksd", p_t.astype(v.dtype), blk(d_out_h, 2),
+      # The (query, group) pairs as one contracted axis: given as two, XLA:CPU transposes
+      # both operands to (group, query) order at every pair.
+      rows = lambda x: x.reshape(b, kv, block, block * g)
+      pairs = lambda x: x.reshape(b, kv, block * g, d)
+      dv_j = dv_j + jnp.einsum("bksr,bkrd->bksd", rows(p_t).astype(v.dtype),
+                               pairs(blk(d_out_h, 2)), preferred_element_type=_F32)
+      dk_j = dk_j + jnp.einsum("bksr,bkrd->bksd", rows(ds_t).astype(q.dtype),
+                               pairs(blk(q, 2)), preferred_element_type=_F32)
+      dq_i = dq_i + jnp.einsum("bkds,bksqg->bkdqg", k_t_blk, ds_t.astype(k.dtype),
                                preferred_element_type=_F32)
-      dk_j = dk_j + jnp.einsum("bksqg,bkqgd->bksd", ds_t.astype(q.dtype), blk(q, 2),
-                               preferred_element_type=_F32)
-      dq_i = blk(dq_t, 3) + jnp.einsum("bkds,bksqg->bkdqg", k_t_blk, ds_t.astype(k.dtype),
-                                       preferred_element_type=_F32)
-      return jax.lax.dynamic_update_slice_in_dim(dq_t, dq_i, i * block, axis=3), dk_j, dv_j
+      return dq_i, dk_j, dv_j
 
     def query_block(i, carry):
-      return _switch(kinds[i, j], lambda i, c: add_query_block(i, c, True),
-                     lambda i, c: add_query_block(i, c, False), lambda i, c: c, i, carry)
+      # Only query block i's slice of dq passes through the switch and is written back
+      # after it: a conditional that updated all of dq would copy it at every pair.
+      dq_t, dk_j, dv_j = carry
+      dq_i = _blocks(dq_t, i, block, axis=3)
+      dq_i, dk_j, dv_j = _switch(kinds[i, j], lambda i, c: add_query_block(i, c, True),
+                                 lambda i, c: add_query_block(i, c, False), lambda i, c: c,
+                                 i, (dq_i, dk_j, dv_j))
+      return jax.lax.dynamic_update_slice_in_dim(dq_t, dq_i, i * block, axis=3), dk_j, dv_j
 
     dq_t, dk, dv = grads
     zeros = jnp.zeros((b, kv, block, d), _F32)
