@@ -88,7 +88,7 @@ def apply_preset(c, preset: str):
     c.optimizer.update(learning_rate=1e-4, warmup_steps=0, max_grad_norm=1.0)
     c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=0)
     # SFT is steep here: at seed 0, 140 steps leave a policy whose samples solve 7% of the
-    # tasks and 160 steps one that solves 79% (39% before a change of float rounding); at
+    # tasks and 160 steps one that solves 67-79% (39% before a change of float rounding); at
     # seed 1, 160 steps solve nothing.
     c.sft.update(total_steps=160, batch_size=2)
     c.rl.update(total_steps=12, eval_every=0)
