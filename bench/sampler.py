@@ -390,6 +390,7 @@ def main(argv):
   report["decode"] = [decode_benchmark(systems, prompts, int(b)) for b in _BATCHES.value]
   if _MULTITURN.value and any(s.name == "ours" for s in systems):
     report["multiturn"] = multiturn_benchmark(systems, tok)
+  if any(s.name == "ours" for s in systems):
     report["bound"] = bound(report["decode"], model_dir,
                             max(report["bandwidth_gb_s"].values()))
   report["machine"]["load_average_end"] = os.getloadavg()
