@@ -180,6 +180,17 @@ def test_processes_forked_by_agent_code_end_with_the_episode(pool, mini_root):  
   assert not os.path.exists(f"/proc/{pid}")
 
 
+def test_a_fork_that_returns_from_agent_code_never_answers_for_the_episode(pool, mini_root):  # noqa: F811
+  # The child returns from agent code into the episode process's own code: it must end there,
+  # not save over the episode's databases or send the pool a second answer.
+  code = ("o = __import__('pos' + 'ix')\npid = getattr(o, 'fo' + 'rk')()\n"
+          "print('child' if pid == 0 else 'parent')")
+  with pool.episode(all_task_ids(mini_root)[0], "fork_returns") as ep:
+    for i in range(3):
+      assert "parent" in ep.execute(code).result()
+      assert f"step {i}" in ep.execute(f"print('step {i}')").result()
+
+
 def test_steps_count_every_execution_once(pool, mini_root):  # noqa: F811
   task_id = all_task_ids(mini_root)[0]
   with pool.episode(task_id, "steps") as ep:

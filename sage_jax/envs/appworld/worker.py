@@ -83,6 +83,7 @@ class Session:
                      max_interactions=s["max_interactions"],
                      timeout_seconds=s["timeout_seconds"], random_seed=s["random_seed"],
                      load_ground_truth=False)
+    _saves_only_in(world, os.getpid())
     self.world = world
     self.tracer = calltrace.CallTracer()
     descriptions = world.requester.request("api_docs", "show_app_descriptions", track=False)
@@ -113,6 +114,7 @@ class Session:
 
   def serve(self, channel: Connection) -> None:
     """Answers the worker's requests until it closes the channel."""
+    own_pid = os.getpid()
     while True:
       try:
         request = json.loads(channel.recv_bytes())
@@ -124,7 +126,26 @@ class Session:
                                  "execute": self.execute}[op](**request)}
       except Exception as e:  # noqa: BLE001 - AppWorld's refusals go back to the pool
         answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+      if os.getpid() != own_pid:  # a fork of agent code: it must not answer for the episode
+        os._exit(0)
       channel.send_bytes(json.dumps(answer).encode())
+
+
+def _saves_only_in(world, pid: int) -> None:
+  """A process that agent code forks is a copy of the episode process, and AppWorld saves
+  the world's databases and logs (deleting what is there first) after every execution: in
+  such a copy, the first save ends the process instead, so that it never races the episode
+  over the episode's files."""
+
+  def only_in_pid(method):
+    def guarded(*args, **kwargs):
+      if os.getpid() != pid:
+        os._exit(0)
+      return method(*args, **kwargs)
+    return guarded
+
+  world._save_state = only_in_pid(world._save_state)
+  world.save_logs = only_in_pid(world.save_logs)
 
 
 def _evaluate(task_id: str, experiment: str) -> dict:
