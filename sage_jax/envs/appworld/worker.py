@@ -126,9 +126,14 @@ class Session:
                                  "execute": self.execute}[op](**request)}
       except Exception as e:  # noqa: BLE001 - AppWorld's refusals go back to the pool
         answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-      if os.getpid() != own_pid:  # a fork of agent code: it must not answer for the episode
-        os._exit(0)
+      _end_if_forked_from(own_pid)  # a fork of agent code must not answer for the episode
       channel.send_bytes(json.dumps(answer).encode())
+
+
+def _end_if_forked_from(pid: int) -> None:
+  """Ends this process if it is not `pid` (the episode process) but a fork of it."""
+  if os.getpid() != pid:
+    os._exit(0)
 
 
 def _saves_only_in(world, pid: int) -> None:
@@ -139,8 +144,7 @@ def _saves_only_in(world, pid: int) -> None:
 
   def only_in_pid(method):
     def guarded(*args, **kwargs):
-      if os.getpid() != pid:
-        os._exit(0)
+      _end_if_forked_from(pid)
       return method(*args, **kwargs)
     return guarded
 
