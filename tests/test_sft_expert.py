@@ -61,6 +61,30 @@ def test_gold_solutions_become_skill_format_trajectories(gold, mini_root, tok):
                               if m["role"] == "assistant")
 
 
+def test_rewrites_add_a_second_trajectory_that_writes_the_skill_the_library_has(
+    gold, mini_root, tok, pool):
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), rewrites=True)
+  trajectories, stats = expert.gold_trajectories(config, tok, pool)
+  plain = {t.id: t for t in gold[0]}
+  rewritten = [t for t in trajectories if t.id.endswith(expert.REWRITE_SUFFIX)]
+  assert [t for t in trajectories if t not in rewritten] == gold[0]
+  later = [i for i, t in plain.items() if t.metadata["chain_position"] > 0]
+  assert sorted(expert.task_id_of(t) for t in rewritten) == sorted(later)
+  assert stats.kept == len(trajectories) == len(gold[0]) + len(later)
+  for t in rewritten:
+    reused = plain[expert.task_id_of(t)]
+    # The same conversation up to the reply: the library shown is the one the reuse saw.
+    assert t.messages[:-1] == reused.messages[:-1]
+    assert t.metadata["visible_skills"] == reused.metadata["visible_skills"] != []
+    # Redefined under the library's name: an update, not a use of the library's skill.
+    assert not t.metadata["skills"]["used"]
+    assert t.metadata["skills"]["updated"] == reused.metadata["skills"]["used"]
+    assert "def " in t.messages[-1]["content"] and "def " not in reused.messages[-1]["content"]
+    sft_data.tokenize(t, tok)
+  # The file the pipeline writes reads back (ids are unique).
+  assert len({t.id for t in trajectories}) == len(trajectories)
+
+
 def test_trajectories_from_elsewhere_are_replayed_and_failures_dropped(gold, mini_root, tok,
                                                                        pool, tmp_path):
   trajectories, _ = gold

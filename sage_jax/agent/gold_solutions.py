@@ -333,13 +333,16 @@ class TextTurnsSession:
 
 class ScriptedPolicy:
   """Replays gold solutions in the skill format (logprobs zero). With `use_library=False`
-  in the task's context (the GRPO baseline) it defines and calls the function every time."""
+  in the task's context (the GRPO baseline), or with `rewrite=True` (the library is shown
+  but not used), it defines and calls the function every time."""
 
-  def __init__(self, appworld_root: str, tokenizer: Tokenizer):
+  def __init__(self, appworld_root: str, tokenizer: Tokenizer, rewrite: bool = False):
     self._root = appworld_root
     self._tok = tokenizer
+    self._rewrite = rewrite
 
   def session(self, context: TaskContext) -> TextTurnsSession:
-    library = {s.name: s.code for s in context.skills} if context.use_library else {}
+    use = context.use_library and not self._rewrite
+    library = {s.name: s.code for s in context.skills} if use else {}
     return TextTurnsSession(expert_turns_for_task(self._root, context.task_id, library),
                             self._tok)

@@ -52,6 +52,7 @@ from sage_jax.tokenizer import Tokenizer
 
 
 SELECTIONS = ("scenario", "task")
+REWRITE_SUFFIX = ":rewrite"  # the id of a task's second gold trajectory (ExpertConfig.rewrites)
 SOURCES = ("gold", "self")
 
 
@@ -64,7 +65,11 @@ class ExpertConfig:
   experiment names. selection: "scenario" (keep a scenario's successful tasks when its first
   `scenario_tasks` tasks succeeded; the paper's rule) or "task" (every successful task).
   source: "gold" (the gold solutions, scripted) or "self" (self-distillation: the starting
-  policy, rejection-sampled over `temperatures`, in order)."""
+  policy, rejection-sampled over `temperatures`, in order). rewrites: with gold, also keep
+  for every task after a chain's first one a second trajectory, in which the expert writes
+  the skill again although the library shown to it has it (id `<task id>:rewrite`): an
+  SFT policy that reuses skills only about half the time, the choice RL's skill reward
+  (and, through chains, its outcome) is about."""
 
   appworld_root: str | None = None
   splits: tuple[str, ...] = ("train",)
@@ -76,6 +81,7 @@ class ExpertConfig:
   scenario_tasks: int = 2
   source: str = "gold"
   temperatures: tuple[float, ...] = (0.3, 0.7, 1.0)
+  rewrites: bool = False
 
   def __post_init__(self):
     if self.source not in SOURCES:
@@ -110,7 +116,7 @@ class ReplayPolicy:
 
 
 def task_id_of(trajectory: data_lib.Trajectory) -> str:
-  return str(trajectory.metadata.get("task_id") or trajectory.id)
+  return str(trajectory.metadata.get("task_id") or trajectory.id.removesuffix(REWRITE_SUFFIX))
 
 
 def record_to_trajectory(record: Any, tokenizer: Tokenizer,
@@ -188,7 +194,15 @@ def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
   root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
   task_ids = [t for split in config.splits for t in appworld.read_split(root, split)]
-  return play(ScriptedPolicy(root, tokenizer), task_ids, tokenizer, config, "gold", pool)
+  out, stats = play(ScriptedPolicy(root, tokenizer), task_ids, tokenizer, config, "gold", pool)
+  if config.rewrites and config.use_library:
+    again = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_rewrite")
+    rewritten, _ = play(ScriptedPolicy(root, tokenizer, rewrite=True), task_ids, tokenizer,
+                        again, "gold_rewrite", pool)
+    out += [dataclasses.replace(t, id=f"{t.id}{REWRITE_SUFFIX}") for t in rewritten
+            if t.metadata["chain_position"] > 0]
+    stats.kept = len(out)
+  return out, stats
 
 
 def self_distilled_trajectories(policy_at: Callable[[float], Any], config: ExpertConfig,
