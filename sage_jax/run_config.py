@@ -133,6 +133,7 @@ SET_BY_THE_RUN = {
     "metrics.log_dir": "--workdir",
     "eval.data": "pipeline.data",
     "eval.experiment": "the evaluation's name (eval_before, eval_step<N>, eval_after)",
+    "grpo.temperature": "agent.temperature (the trainer's policy is the one rollouts sample)",
 }
 
 
@@ -282,6 +283,12 @@ def resolve(config: Any, num_devices: int | None = None,
     default = next(f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == field)
     if getattr(built[section], field) != default:
       raise ConfigError(f"config.{key}: set by the run from {source}; leave it unset")
+  agent = built["agent"]
+  if agent.temperature <= 0 and "rl" in built["pipeline"].stages:
+    raise ConfigError(f"config.agent.temperature: {agent.temperature} samples greedily; RL "
+                      "needs sampled rollouts (a greedy group is one rollout repeated)")
+  if agent.temperature > 0:
+    built["grpo"] = dataclasses.replace(built["grpo"], temperature=agent.temperature)
   run = RunConfig(seed=seed, **built)
   _check(run, num_devices, local_devices)
   return run

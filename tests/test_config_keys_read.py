@@ -218,7 +218,8 @@ def test_keys_the_run_sets_cannot_be_set():
   for key, source in run_config.SET_BY_THE_RUN.items():
     config = run_config.defaults()
     section, field = key.split(".")
-    config[section][field] = "/somewhere/else"
+    default = config[section][field]
+    config[section][field] = 0.5 if isinstance(default, float) else "/somewhere/else"
     with pytest.raises(ConfigError, match=f"config.{key}: set by the run from"):
       run_config.resolve(config)
 

@@ -72,10 +72,18 @@ def _with(overrides, devices=1):
     ({"sampler_mesh.tensor": 3}, 8, r"config.sampler_mesh.tensor: 3 does not divide the 8 "
                                     r"devices of a host"),
     ({"sampler_mesh.param_dtype": "fp8"}, 1, r"config.sampler_mesh: .*param_dtype='fp8'"),
+    ({"agent.temperature": 0.0}, 1, r"config.agent.temperature: 0.0 samples greedily; RL"),
 ])
 def test_bad_configs_name_the_key(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):
     _with(overrides, devices)
+
+
+def test_the_trainer_trains_the_policy_the_rollouts_sample():
+  assert _with({}).grpo.temperature == 0.6  # the demo's agent.temperature
+  assert _with({"agent.temperature": 1.0}).grpo.temperature == 1.0
+  sft_only = _with({"agent.temperature": 0.0, "pipeline.stages": ("sft",)})
+  assert sft_only.grpo.temperature == 1.0  # no RL: nothing samples for the trainer
 
 
 def test_unknown_section_and_seed_type():

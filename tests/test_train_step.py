@@ -186,6 +186,53 @@ def test_chunked_logprobs_equal_full():
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+def test_logprobs_at_a_temperature_are_of_the_scaled_logits():
+  model = init_model(CFG, seed=3)
+  batch = B.make_batch(_records(4, seed=2), B.BatchConfig(micro_batch_tokens=64,
+                                                          length_buckets=(16,)))[0]
+  micro = jax.tree.map(jnp.asarray, B.micro_batches(batch)[0])
+  args = (micro.tokens, micro.positions, micro.segment_ids, micro.targets)
+  hidden, _ = model.hidden_states(micro.tokens, micro.positions, segment_ids=micro.segment_ids)
+  logits = jnp.einsum("rte,ve->rtv", hidden, model.head_weight())
+  for temperature in (0.6, 1.7):
+    log_p = jax.nn.log_softmax(logits / temperature, axis=-1)
+    want = jnp.take_along_axis(log_p, micro.targets[..., None], axis=-1)[..., 0]
+    want_entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+    for chunk in (0, 20):
+      lp, ent = token_logprobs(model, *args, chunk=chunk, temperature=temperature)
+      np.testing.assert_allclose(lp, want, atol=1e-5)
+      np.testing.assert_allclose(ent, want_entropy, atol=1e-5)
+  assert not np.allclose(token_logprobs(model, *args, temperature=0.6)[0],
+                         token_logprobs(model, *args)[0], atol=1e-3)
+
+
+def test_a_sampling_temperature_trains_that_policy_with_pi_old_recomputed():
+  """Rollouts sampled at T train softmax(logits / T): pi_old is the trainer's own at T (the
+  sampler's model logprobs, at temperature 1, are not used), so one update is on-policy."""
+  from sage_jax.train import rl_loop  # noqa: PLC0415
+
+  records = _records(6, seed=4)  # their model_logprobs are not this model's
+  config = B.BatchConfig(micro_batch_tokens=64, length_buckets=(16,))
+  tuned = grpo.GRPOConfig(temperature=0.6, logprob_chunk=0)
+  assert tuned.recomputes_old_logprobs and not grpo.GRPOConfig().recomputes_old_logprobs
+  runs = {}
+  for temperature in (1.0, 0.6):
+    g = grpo.GRPOConfig(temperature=temperature, logprob_chunk=0)
+    trainer = rl_loop.grpo_trainer(init_model(CFG, seed=3), g, LINEAR_ADAM)
+    batch = B.make_batch(records, config)[0]
+    before = trainer.logprobs(batch)  # the trainer's logprobs at the temperature, pre-update
+    mean_before = float(before.sum() / batch.loss_mask.sum())
+    runs[temperature] = (rl_loop.grpo_update(trainer, records, g, config), mean_before)
+  (at_one, lp_one), (at_t, lp_t) = runs[1.0], runs[0.6]
+  # The loss's pi_theta is the policy at the temperature...
+  assert at_t["logprob"] == pytest.approx(lp_t, abs=1e-5)
+  assert at_one["logprob"] == pytest.approx(lp_one, abs=1e-5) and abs(lp_t - lp_one) > 0.01
+  # ... and so is pi_old: the update starts on-policy (ratio 1), where temperature 1 used the
+  # records' sampler logprobs (not this model's).
+  assert at_t["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and at_t["clip_frac"] == 0.0
+  assert abs(at_one["ratio_mean"] - 1.0) > 0.1
+
+
 def test_bf16_compute_with_fp32_master_weights():
   model = init_model(CFG.replace(dtype="bfloat16", remat="full"), seed=0)
   trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()),

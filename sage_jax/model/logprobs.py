@@ -84,13 +84,17 @@ head_logprobs.defvjp(_head_forward, _head_backward)
 
 def token_logprobs(model: Qwen2, tokens: jax.Array, positions: jax.Array,
                    segment_ids: jax.Array, targets: jax.Array, *,
-                   chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+                   chunk: int = 0, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """(log pi(targets[b, j] | tokens[b, :j+1]), entropy of that distribution), [rows, T] each.
 
   `chunk`: tokens per chunk of the logits computation (0, or at least rows * T: all at
-  once). The result does not depend on it beyond float rounding.
+  once). The result does not depend on it beyond float rounding. `temperature`: pi is
+  softmax(logits / temperature), the distribution a sampler at that temperature draws from
+  (before any top-k / top-p cut); the hidden states are scaled, so the fused head is unchanged.
   """
   hidden, _ = model.hidden_states(tokens, positions, segment_ids=segment_ids)
+  if temperature != 1.0:
+    hidden = hidden * jnp.asarray(1.0 / temperature, hidden.dtype)
   rows, t, e = hidden.shape
   per_row = max(1, chunk // rows) if chunk else t
   if per_row >= t:

@@ -21,6 +21,8 @@ micro-batches add up exactly.
 
 `old_logprobs` are the rollout's `model_logprobs` (the unmodified model at sampling time), so
 one update per batch is strictly on-policy: r = 1 at the start of the update, up to numerics.
+Rollouts sampled at a temperature T != 1 train softmax(logits / T) (`GRPOConfig.temperature`),
+with pi_old recomputed by the trainer at T.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class GRPOConfig:
     precision).
   logprob_chunk: tokens per chunk of the logits computation (0 = all at once), which bounds
     the memory of [tokens, vocab] logits; see `model.logprobs`.
+  temperature: the rollouts' sampling temperature. pi_theta, pi_old and the KL reference
+    are softmax(logits / temperature), the policy the episodes were drawn from (verl and
+    TRL scale the trainer's logits the same way); at 1.0, pi_old is the sampler's own
+    model logprob, otherwise the trainer recomputes it before the update (the sampler's is
+    at temperature 1). A run sets it from agent.temperature.
   """
 
   clip_eps_low: float = 0.2
@@ -84,6 +91,7 @@ class GRPOConfig:
   shuffle_mini_batches: bool = True
   recompute_old_logprobs: bool = False
   logprob_chunk: int = 2048
+  temperature: float = 1.0
 
   def __post_init__(self):
     if not 0 <= self.clip_eps_low < 1 or self.clip_eps_high < 0:
@@ -111,10 +119,18 @@ class GRPOConfig:
       raise ValueError(f"num_mini_batches={self.num_mini_batches} must be >= 1")
     if self.logprob_chunk < 0:
       raise ValueError(f"logprob_chunk={self.logprob_chunk} must be >= 0")
+    if not self.temperature > 0:
+      raise ValueError(f"temperature={self.temperature} must be > 0: GRPO trains a sampled "
+                       "policy (a greedy one gives a group identical rollouts)")
 
   @property
   def use_kl(self) -> bool:
     return self.kl_coef > 0
+
+  @property
+  def recomputes_old_logprobs(self) -> bool:
+    """Whether pi_old comes from the trainer rather than the sampler's model logprobs."""
+    return self.recompute_old_logprobs or self.temperature != 1.0
 
 
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k3") -> jax.Array:
@@ -217,7 +233,8 @@ def make_loss_fn(config: GRPOConfig) -> Callable[[Qwen2, TrainBatch], tuple[jax.
 
   def loss_fn(model: Qwen2, batch: TrainBatch):
     logprobs, entropy = token_logprobs(model, batch.tokens, batch.positions, batch.segment_ids,
-                                       batch.targets, chunk=config.logprob_chunk)
+                                       batch.targets, chunk=config.logprob_chunk,
+                                       temperature=config.temperature)
     entropy = entropy if config.entropy_coef else jax.lax.stop_gradient(entropy)
     return batch_loss(config, logprobs, batch, entropy)
 

@@ -74,7 +74,8 @@ def grpo_trainer(model: Qwen2, grpo_config: grpo.GRPOConfig = grpo.GRPOConfig(),
                  rules: shd.ShardingRules = shd.ShardingRules()) -> Trainer:
   """A Trainer whose loss is the GRPO loss of `grpo_config`."""
   return Trainer(model, grpo.make_loss_fn(grpo_config), optimizer, config, mesh=mesh,
-                 rules=rules, logprob_chunk=grpo_config.logprob_chunk)
+                 rules=rules, logprob_chunk=grpo_config.logprob_chunk,
+                 logprob_temperature=grpo_config.temperature)
 
 
 def frozen_copy(params: nnx.State) -> nnx.State:
@@ -126,7 +127,7 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
                                        norm_constant=grpo_config.norm_constant,
                                        allgather=multihost.allgather)
     batches.append((batch, info))
-  if grpo_config.recompute_old_logprobs:  # pi_old of every mini-batch before any update
+  if grpo_config.recomputes_old_logprobs:  # pi_old of every mini-batch before any update
     batches = [(b.replace(old_logprobs=trainer.logprobs(b)), i) for b, i in batches]
   if grpo_config.use_kl:
     if reference_params is None:

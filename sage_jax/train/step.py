@@ -146,9 +146,11 @@ class Trainer:
   def __init__(self, model: Qwen2, loss_fn: LossFn,
                optimizer: OptimizerConfig = OptimizerConfig(),
                config: TrainerConfig = TrainerConfig(), *, mesh: Mesh | None = None,
-               rules: shd.ShardingRules = shd.ShardingRules(), logprob_chunk: int = 2048):
+               rules: shd.ShardingRules = shd.ShardingRules(), logprob_chunk: int = 2048,
+               logprob_temperature: float = 1.0):
     self.config = config
     self.logprob_chunk = logprob_chunk
+    self.logprob_temperature = logprob_temperature
     self.model_config = model.config
     self.mesh, self.rules = mesh, rules
     self.graphdef, params = nnx.split(model)
@@ -223,7 +225,8 @@ class Trainer:
       def one(micro):
         model = nnx.merge(self.graphdef, params)
         lp, _ = token_logprobs(model, micro.tokens, micro.positions, micro.segment_ids,
-                               micro.targets, chunk=self.logprob_chunk)
+                               micro.targets, chunk=self.logprob_chunk,
+                               temperature=self.logprob_temperature)
         return jnp.where(micro.loss_mask > 0, lp, 0.0)
       return jax.lax.map(one, batch)
 
