@@ -103,14 +103,14 @@ def _train(name: str, config: str) -> list[str]:
 
 def _evaluate(state: str, split: str) -> list[str]:
   out = os.path.join(_WORKDIR.value, "eval", f"{state}_{split}")
-  cmd = [sys.executable, "-m", "sage_jax.evaluate", f"--workdir={out}",
-         f"--config.eval.split={split}"]
+  cmd = [sys.executable, "-m", "sage_jax.evaluate", f"--workdir={out}"]
   if state == "base":  # the untrained model, acting under the training runs' agent limits
     agent = [o for o in _OVERRIDES.value if o.startswith(AGENT_KEYS)]
-    return cmd + [f"--config=configs/eval.py:{PRESET}", *_config_flags(agent)]
+    return cmd + [f"--config=configs/eval.py:{PRESET}", f"--config.eval.split={split}",
+                  *_config_flags(agent)]
   stage = "sft" if state == "sft" else "rl"
-  return cmd + ["--config=configs/eval.py:run", f"--run={os.path.join(_WORKDIR.value, state)}",
-                f"--stage={stage}"]
+  return cmd + ["--config=configs/eval.py:run", f"--config.eval.split={split}",
+                f"--run={os.path.join(_WORKDIR.value, state)}", f"--stage={stage}"]
 
 
 def run_stage(name: str) -> None:
