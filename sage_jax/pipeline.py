@@ -183,8 +183,8 @@ class Pipeline:
                                       max_len=self.run.engine.max_len)
     if self.run.pipeline.train_scenarios:
       keep = {appworld.scenario_id(t) for t in self.train_task_ids()}
-      examples = [e for e in examples if appworld.scenario_id(
-          e.id.removesuffix(sft_expert.REWRITE_SUFFIX)) in keep]
+      examples = [e for e in examples
+                  if appworld.scenario_id(sft_expert.task_of_id(e.id)) in keep]
     return examples
 
   def sft(self) -> None:

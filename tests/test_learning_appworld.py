@@ -15,8 +15,8 @@ layout (commits 6f178d4, 5a79921; gradients equal to 1.7e-6), at 79% after them 
 after the attention backward's next change; between 140 and 160 SFT steps the start moves
 from 7% to 79%. From the 39% start SAGE gained +.25 and +.21 (last 4 steps minus first 2,
 two rollout seeds) against +.06 and +.10 for a frozen control (the same run at learning
-rate 0); from the 79% start it went .83 -> .66; at temperature 0.8 (start 25%) SAGE tracked the frozen control step for step within its noise
-(per-step standard deviation .12). An SFT run to convergence starts every seed alike (12%
+rate 0); from the 79% start it went .83 -> .66; at temperature 0.8 (start 25%) SAGE tracked
+the frozen control step for step within its noise (per-step standard deviation .12). An SFT run to convergence starts every seed alike (12%
 sampled at temperature 1), but SAGE did not sharpen that policy in 12 steps either. A margin
 that passes only at one SFT endpoint tests float rounding, not learning.
 

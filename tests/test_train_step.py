@@ -161,12 +161,17 @@ def test_empty_micro_batches_are_skipped_exactly():
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_chunked_logprobs_equal_full():
+def _one_micro_batch():
+  """A model and one [4, 16] micro-batch of 4 records: (model, micro, token_logprobs args)."""
   model = init_model(CFG, seed=3)
   batch = B.make_batch(_records(4, seed=2), B.BatchConfig(micro_batch_tokens=64,
                                                           length_buckets=(16,)))[0]
   micro = jax.tree.map(jnp.asarray, B.micro_batches(batch)[0])
-  args = (micro.tokens, micro.positions, micro.segment_ids, micro.targets)
+  return model, micro, (micro.tokens, micro.positions, micro.segment_ids, micro.targets)
+
+
+def test_chunked_logprobs_equal_full():
+  model, micro, args = _one_micro_batch()
   graphdef, params = nnx.split(model)
 
   @jax.jit
@@ -187,11 +192,7 @@ def test_chunked_logprobs_equal_full():
 
 
 def test_logprobs_at_a_temperature_are_of_the_scaled_logits():
-  model = init_model(CFG, seed=3)
-  batch = B.make_batch(_records(4, seed=2), B.BatchConfig(micro_batch_tokens=64,
-                                                          length_buckets=(16,)))[0]
-  micro = jax.tree.map(jnp.asarray, B.micro_batches(batch)[0])
-  args = (micro.tokens, micro.positions, micro.segment_ids, micro.targets)
+  model, micro, args = _one_micro_batch()
   hidden, _ = model.hidden_states(micro.tokens, micro.positions, segment_ids=micro.segment_ids)
   logits = jnp.einsum("rte,ve->rtv", hidden, model.head_weight())
   for temperature in (0.6, 1.7):

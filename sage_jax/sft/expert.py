@@ -115,8 +115,13 @@ class ReplayPolicy:
     return TextTurnsSession(self._turns.get(context.task_id, []), self._tok)
 
 
+def task_of_id(trajectory_id: str) -> str:
+  """The task a trajectory id belongs to (a rewrite's id is its task's plus REWRITE_SUFFIX)."""
+  return trajectory_id.removesuffix(REWRITE_SUFFIX)
+
+
 def task_id_of(trajectory: data_lib.Trajectory) -> str:
-  return str(trajectory.metadata.get("task_id") or trajectory.id.removesuffix(REWRITE_SUFFIX))
+  return str(trajectory.metadata.get("task_id") or task_of_id(trajectory.id))
 
 
 def record_to_trajectory(record: Any, tokenizer: Tokenizer,
