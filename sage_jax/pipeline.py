@@ -298,7 +298,7 @@ def run(config: Any, workdir: str) -> dict:
       checkpointer = Checkpointer(dataclasses.replace(
           pipe.run.checkpoint, directory=os.fspath(pipe.workdir / "sft" / "checkpoints"),
           keep_best=0))
-      trainer.state, _ = checkpointer.restore(trainer.abstract_state())
+      trainer.state, _ = checkpointer.restore(trainer.release_state())
       checkpointer.close()
       pipe._adopt(trainer.params)
     if p.eval_train and "sft" in p.stages and "rl" in p.stages:  # what RL starts from

@@ -4,6 +4,7 @@ restore into another sharding; metrics JSONL / TensorBoard with resume truncatio
 import gc
 import json
 import os
+import weakref
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ from sage_jax import sharding as shd
 from sage_jax.model import get_preset, init_model
 from sage_jax.rl import grpo
 from sage_jax.train import checkpoint as ckpt
+from sage_jax.train import loop
 from sage_jax.train import metrics as metrics_lib
 from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.step import Trainer
@@ -132,3 +134,28 @@ def test_when_no_step_reads_nothing_is_moved(tmp_path, trainer, capfd):
   saver.close()
   gc.collect()  # orbax's abandoned reads report themselves when collected: not a word
   assert "never" not in capfd.readouterr().err
+
+
+def test_resume_never_holds_two_train_states(tmp_path, trainer):
+  """The fresh state is released before the checkpoint is read, so a resumed run peaks at one
+  train state (holding both OOM-killed a resumed 0.5B SFT on a 24 GB machine)."""
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(tmp_path / "ck")))
+  saver.save(3, trainer.state, meta={"step": 3})
+  saver.wait()
+  fresh = Trainer(init_model(CFG, seed=1), grpo.make_loss_fn(grpo.GRPOConfig()),
+                  OptimizerConfig(learning_rate=1e-3))
+  moments = [weakref.ref(x) for x in jax.tree.leaves(fresh.state.opt_state)]
+  alive_when_read = []
+  read = saver.restore_newest_intact
+
+  def spy(abstract):
+    gc.collect()
+    alive_when_read.append(sum(ref() is not None for ref in moments))
+    return read(abstract)
+
+  saver.restore_newest_intact = spy
+  assert loop.restore_latest(fresh, saver) == 3
+  assert moments and alive_when_read == [0]
+  for a, b in zip(jax.tree.leaves(fresh.state), jax.tree.leaves(trainer.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  saver.close()

@@ -50,13 +50,9 @@ def step_seed(seed: int, step: int) -> int:
 def restore_latest(trainer: Trainer, checkpointer: Checkpointer | None) -> int:
   """Loads the newest intact checkpoint into `trainer` (if resuming is on and there is one;
   damaged newer steps are moved aside); returns the step to continue from."""
-  if checkpointer is None or not checkpointer.config.resume:
+  if checkpointer is None or not checkpointer.config.resume or checkpointer.latest_step() is None:
     return 0
-  restored = checkpointer.restore_newest_intact(trainer.abstract_state())
-  if restored is None:
-    return 0
-  state, meta = restored
-  trainer.state = state
+  trainer.state, meta = checkpointer.restore_newest_intact(trainer.release_state())
   logging.info("resumed from %s at step %d", checkpointer.directory, meta["step"])
   return int(meta["step"])
 

@@ -185,6 +185,15 @@ class Trainer:
     return abstract_train_state(self.state.params, self.tx, seed=self.config.seed,
                                 shardings=self.shardings)
 
+  def release_state(self) -> TrainState:
+    """Drops the current state and returns its abstract form, for a checkpoint to be restored
+    into, so that the fresh state and the restored one never live together: holding both
+    doubled a resumed run's peak memory (the Adam moments alone are twice the parameters).
+    Until a state is assigned again the trainer has none."""
+    abstract = self.abstract_state()
+    self.state = None
+    return abstract
+
   # --- Device -----------------------------------------------------------------------------
 
   def place_batch(self, batch: TrainBatch) -> TrainBatch:
