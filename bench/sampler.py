@@ -10,8 +10,10 @@ r"""Sampler benchmarks on the real Qwen2.5-Coder-0.5B-Instruct (fp32, CPU); prin
 2. multiturn: a scripted agent conversation of --turns turns; prefilled tokens and wall
    time with cache reuse (`append`) vs re-prefilling the whole history every turn (our
    engine, and tunix, which has no other way), and whether both give the same tokens.
-3. bound: the memory-bandwidth bound of decode, weight bytes read per step / measured copy
-   bandwidth, against our measured time per step.
+3. bound: the memory-bandwidth bound of decode, weight bytes read per step over the memory
+   bandwidth (the better of a copy and a read-only stream, probed before every round, since
+   it drifts), against our time per step in that round; and the time of the step's weight
+   matrix-vector products alone (XLA's kernel, nothing else of the step), against both.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ os.environ.setdefault(
 import concurrent.futures  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -39,6 +42,7 @@ from flax import nnx  # noqa: E402
 from sage_jax import assets  # noqa: E402
 from sage_jax import multihost  # noqa: E402
 from sage_jax import tokenizer as tokenizer_lib  # noqa: E402
+from sage_jax.model import qwen2  # noqa: E402
 from sage_jax.model.config import Qwen2Config  # noqa: E402
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams  # noqa: E402
 from sage_jax.weights import gguf_import, hf  # noqa: E402
@@ -97,19 +101,38 @@ def _median(xs):
 # --- Machine ------------------------------------------------------------------------------
 
 
-def copy_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
-  """Best-of-`repeats` numpy copy bandwidth in GB/s, counting bytes read plus written."""
-  n = int(gib * (1 << 30)) // 4
-  src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
-  parts = np.array_split(np.arange(n), threads)
-  bounds = [(p[0], p[-1] + 1) for p in parts]
-  best = 0.0
-  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+class Bandwidth:
+  """Memory bandwidth in GB/s over 1 GiB buffers: `copy` (numpy, bytes read plus written, as
+  STREAM counts them) and `read` (an XLA sum: a read-only stream, like the weights of a
+  decode step). Both drift by 30% or more within minutes on a shared machine, so the decode
+  benchmark probes them before every round."""
+
+  def __init__(self, gib: float = 1.0):
+    import jax.numpy as jnp
+    n = int(gib * (1 << 30)) // 4
+    self.src, self.dst = np.ones(n, np.float32), np.empty(n, np.float32)
+    self.device = jnp.ones(n, jnp.float32)
+    self.sum = jax.jit(lambda x: x.sum())
+    self.sum(self.device).block_until_ready()
+
+  def copy(self, threads: int, repeats: int = 3) -> float:
+    n = self.src.size
+    bounds = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(n), threads)]
+    best = 0.0
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      for _ in range(repeats):
+        start = time.perf_counter()
+        list(pool.map(lambda b: np.copyto(self.dst[b[0]:b[1]], self.src[b[0]:b[1]]), bounds))
+        best = max(best, 2 * self.src.nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+  def read(self, repeats: int = 3) -> float:
+    best = 0.0
     for _ in range(repeats):
       start = time.perf_counter()
-      list(pool.map(lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds))
-      best = max(best, 2 * src.nbytes / (time.perf_counter() - start) / 1e9)
-  return best
+      self.sum(self.device).block_until_ready()
+      best = max(best, self.device.nbytes / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def machine_info() -> dict:
@@ -255,7 +278,8 @@ def load_systems(model_dir: str) -> tuple[list, dict]:
 # --- Benchmarks ---------------------------------------------------------------------------
 
 
-def decode_benchmark(systems, prompts_all, batch: int) -> dict:
+def decode_benchmark(systems, prompts_all, batch: int, probe=None) -> dict:
+  """`probe()`, when given, runs before every round; its results are listed per round."""
   prompts = prompts_all[:batch]
   n, p = _NEW_TOKENS.value, _PROMPT_LEN.value
   max_len = 1 << (p + n - 1).bit_length()
@@ -265,7 +289,10 @@ def decode_benchmark(systems, prompts_all, batch: int) -> dict:
     outputs[s.name] = s.generate(prompts, n)
     s.generate(prompts, 1)
   rounds = {s.name: [] for s in systems}
+  probes = []
   for _ in range(_ROUNDS.value):
+    if probe is not None:
+      probes.append(probe())
     for s in systems:
       start = time.perf_counter()
       s.generate(prompts, n)
@@ -277,7 +304,7 @@ def decode_benchmark(systems, prompts_all, batch: int) -> dict:
   tok_s = {name: _median(r) for name, r in rounds.items()}
   result = {
       "batch": batch, "prompt_len": p, "new_tokens": n,
-      "decode_tok_s": tok_s, "rounds_tok_s": rounds, "warmup_s": setup,
+      "decode_tok_s": tok_s, "rounds_tok_s": rounds, "probes": probes, "warmup_s": setup,
       "ms_per_step": {name: 1000 * batch / t for name, t in tok_s.items()},
       "greedy_equal_to_ours": {
           name: out == outputs["ours"] for name, out in outputs.items() if name != "ours"},
@@ -360,21 +387,63 @@ def multiturn_benchmark(systems, tok) -> dict:
   return result
 
 
-def bound(decode: list[dict], model_dir: str, bandwidth: float) -> dict:
-  """Bytes of weights read per decode step (all but the embedding table, of which only a
-  row per sequence is read) over the measured bandwidth."""
+def matvec_timer(model):
+  """A batch-1 decode step's weight products alone: every projection matrix and the LM head
+  of `model`, each times one vector through the model's own `project`, in one jitted call.
+  Returns a function timing it (ms, best of `repeats`): what XLA:CPU's matrix-vector kernel
+  allows, with nothing else of the step in the way."""
+  import jax.numpy as jnp
+  matrices = [m.kernel[...].reshape(-1, math.prod(m.kernel.shape[-m.n_in:]))
+              for _, m in nnx.iter_graph(model) if isinstance(m, qwen2.Linear)]
+  matrices.append(model.head_weight())
+
+  @jax.jit
+  def products(matrices):
+    total = jnp.zeros((), jnp.float32)
+    for w in matrices:  # each product waits for the last, as a layer's do
+      x = jnp.full((1, w.shape[1]), 1e-3, w.dtype) + total
+      total = total + qwen2.project(x, w)[0, 0]
+    return total
+
+  products(matrices).block_until_ready()
+
+  def best_ms(repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      products(matrices).block_until_ready()
+      times.append(time.perf_counter() - start)
+    return 1000 * min(times)
+
+  return best_ms
+
+
+def step_bytes(model_dir: str) -> int:
+  """Bytes of weights a decode step reads: all but the embedding table (of which only a row
+  per sequence is read), float32."""
   cfg = Qwen2Config.from_hf(model_dir)
-  params = cfg.num_params()
-  embed = cfg.vocab_size * cfg.hidden_size
-  step_bytes = 4 * (params - embed)
-  bound_ms = 1000 * step_bytes / (bandwidth * 1e9)
-  return {
-      "weight_bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
-      "bound_ms_per_step": bound_ms, "bound_steps_per_s": 1000 / bound_ms,
-      "ours_fraction_of_bound": {
-          d["batch"]: bound_ms / d["ms_per_step"]["ours"] for d in decode
-          if "ours" in d["ms_per_step"]},
-  }
+  return 4 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)
+
+
+def bound(decode: list[dict], weight_bytes: int) -> dict:
+  """Per round, the bound (weight bytes over the best bandwidth probed just before: copy or
+  read) against our step time and the matrix-vector floor; medians over rounds."""
+  result = {"weight_bytes_per_step": weight_bytes}
+  for d in decode:
+    if "ours" not in d["rounds_tok_s"] or not d["probes"]:
+      continue
+    ours_ms = [1000 * d["batch"] / t for t in d["rounds_tok_s"]["ours"]]
+    bound_ms = [1000 * weight_bytes / (1e9 * max(p["copy_gb_s"], p["read_gb_s"]))
+                for p in d["probes"]]
+    matvec = [p["matvec_ms"] for p in d["probes"]]
+    result[d["batch"]] = {
+        "bound_ms_per_step": _median(bound_ms), "ours_ms_per_step": _median(ours_ms),
+        "matvec_ms_per_step": _median(matvec),
+        "ours_fraction_of_bound": _median([b / o for b, o in zip(bound_ms, ours_ms)]),
+        "matvec_fraction_of_bound": _median([b / m for b, m in zip(bound_ms, matvec)]),
+        "ours_over_matvec": _median([m / o for m, o in zip(matvec, ours_ms)]),
+    }
+  return result
 
 
 def main(argv):
@@ -383,16 +452,20 @@ def main(argv):
       "models/qwen2.5-coder-0.5b-instruct-hf",
       lambda out: gguf_import.export_hf(gguf_import.fetch_qwen25_coder_0p5b_gguf(), out)))
   report = {"machine": machine_info(), "model": model_dir}
-  report["bandwidth_gb_s"] = {"1_thread": copy_bandwidth(1), "2_threads": copy_bandwidth(2)}
   tok = tokenizer_lib.Tokenizer()
   systems, report["skipped"] = load_systems(model_dir)
+  ours = next((s for s in systems if s.name == "ours"), None)
+  probe = None
+  if ours is not None:
+    bandwidth, matvec = Bandwidth(), matvec_timer(ours.model)
+    probe = lambda: {"copy_gb_s": bandwidth.copy(2), "read_gb_s": bandwidth.read(),
+                     "matvec_ms": matvec()}
   prompts = bench_prompts(tok, max(map(int, _BATCHES.value)), _PROMPT_LEN.value)
-  report["decode"] = [decode_benchmark(systems, prompts, int(b)) for b in _BATCHES.value]
-  if _MULTITURN.value and any(s.name == "ours" for s in systems):
+  report["decode"] = [decode_benchmark(systems, prompts, int(b), probe) for b in _BATCHES.value]
+  if _MULTITURN.value and ours is not None:
     report["multiturn"] = multiturn_benchmark(systems, tok)
-  if any(s.name == "ours" for s in systems):
-    report["bound"] = bound(report["decode"], model_dir,
-                            max(report["bandwidth_gb_s"].values()))
+  if ours is not None:
+    report["bound"] = bound(report["decode"], step_bytes(model_dir))
   report["machine"]["load_average_end"] = os.getloadavg()
   text = json.dumps(report, indent=2)
   print(text)
