@@ -76,6 +76,24 @@ def test_dual_clip_bounds_negative_advantages_only():
   np.testing.assert_allclose(np.asarray(loss), [[-E(2.0)]], rtol=1e-6)
 
 
+def test_negative_weight_scales_negative_advantages_only():
+  base = [-1.2, 0.8, -E(0.1), 2 * E(1.5)]  # the symmetric clip's losses, above
+  for weight in (0.0, 0.25):
+    loss, _ = _loss_tokens(grpo.GRPOConfig(negative_weight=weight))
+    np.testing.assert_allclose(loss, [base[0], weight * base[1], base[2], weight * base[3]],
+                               rtol=1e-6)
+  # At 0 a negative-advantage token has no gradient; a positive one keeps GRPO's.
+  batch = _batch(OLD, ADV)
+  grad = lambda config: np.asarray(jax.grad(lambda lp: jnp.sum(grpo.per_token_loss(
+      config, lp, batch)[0]))(jnp.asarray([NEW], jnp.float32))[0])
+  full, positive = grad(grpo.GRPOConfig()), grad(grpo.GRPOConfig(negative_weight=0.0))
+  np.testing.assert_array_equal(positive[[1, 3]], 0.0)
+  np.testing.assert_allclose(positive[[0, 2]], full[[0, 2]])
+  assert np.all(full[[3]] != 0)
+  with pytest.raises(ValueError, match="negative_weight"):
+    grpo.GRPOConfig(negative_weight=-1.0)
+
+
 def test_truncated_importance_weight():
   sampler = [-1.5, -0.5, -1.0, -3.0]  # pi_old / pi_sampler = e^0.5, e^-0.5, 1, e^2
   loss, stats = _loss_tokens(grpo.GRPOConfig(tis_cap=2.0), sampler=sampler)

@@ -10,6 +10,7 @@ Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_ol
               "sequence-token" (GSPO-token): r_t = sg(r) * pi_theta(t) / sg(pi_theta(t)): the
                 sequence ratio's value, each token's own gradient
   dual clip (A < 0 only): pg = min(pg, -A * c), c = dual_clip_c > 1
+  negative weight (A < 0 only, optional): pg *= negative_weight (0: positive samples only)
   truncated importance weight (optional): pg *= min(pi_old / pi_sampler, tis_cap), no gradient
   KL to a frozen reference (optional, k3): kl = exp(ref - logp) - (ref - logp) - 1,
     optionally clamped to [-kl_clamp, kl_clamp] (verl clamps k3 to [-10, 10])
@@ -60,6 +61,10 @@ class GRPOConfig:
     module docstring. GSPO's paper uses seq-mean-token-mean and much tighter clip ranges
     (e.g. 3e-4 / 4e-4).
   entropy_coef: entropy bonus weight (0 = off; entropy is still reported).
+  negative_weight: weight of the policy-gradient loss of tokens whose advantage is negative
+    (1 = GRPO). 0 trains on the better-than-average rollouts only: positive sample
+    reinforcement, which sharpens the policy (Zhu et al. 2025, "The Surprising Effectiveness
+    of Negative Reinforcement in LLM Reasoning", weigh the two sides against each other).
   tis_cap: truncated importance sampling against the sampler's logprobs: tokens are
     weighted by min(pi_old / pi_sampler, tis_cap); None = off.
   num_mini_batches: optimiser updates per rollout batch (1 = strictly on-policy).
@@ -86,6 +91,7 @@ class GRPOConfig:
   kl_clamp: float | None = None
   ratio_level: str = "token"
   entropy_coef: float = 0.0
+  negative_weight: float = 1.0
   tis_cap: float | None = None
   num_mini_batches: int = 1
   shuffle_mini_batches: bool = True
@@ -105,8 +111,8 @@ class GRPOConfig:
     if self.loss_aggregation == "seq-mean-token-sum-norm" and not (
         self.norm_constant and self.norm_constant > 0):
       raise ValueError("loss_aggregation='seq-mean-token-sum-norm' needs norm_constant > 0")
-    if self.kl_coef < 0 or self.entropy_coef < 0:
-      raise ValueError("kl_coef and entropy_coef must be >= 0")
+    if self.kl_coef < 0 or self.entropy_coef < 0 or self.negative_weight < 0:
+      raise ValueError("kl_coef, entropy_coef and negative_weight must be >= 0")
     if self.kl_estimator not in ("k1", "k2", "k3"):
       raise ValueError(f"kl_estimator={self.kl_estimator!r}; expected k1, k2 or k3")
     if self.kl_clamp is not None and self.kl_clamp <= 0:
@@ -187,6 +193,8 @@ def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
     dual = (adv < 0) & (pg > bound)
     pg = jnp.where(dual, bound, pg)
     stats["dual_clip_frac"] = dual.astype(jnp.float32)
+  if config.negative_weight != 1.0:
+    pg = jnp.where(adv < 0, config.negative_weight * pg, pg)
   if config.tis_cap is not None:
     w = jnp.minimum(jnp.exp(batch.old_logprobs - batch.sampler_logprobs), config.tis_cap)
     w = jax.lax.stop_gradient(jnp.where(mask > 0, w, 0.0))
