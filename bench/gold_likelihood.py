@@ -1,0 +1,62 @@
+r"""How likely a run's checkpoints find its expert (gold) trajectories; prints JSON.
+
+  python bench/gold_likelihood.py --run=DIR [--checkpoints=sft:,rl:8,rl:12] [--temperature=T]
+
+For every checkpoint named (`<stage>:<step>`, stage `sft` or `rl`; an empty step is the
+stage's last), the probability the policy gives each trajectory of the run's
+`expert_trajectories.jsonl`: its assistant tokens under softmax(logits / T), as a sequence
+(exp of the summed log-probabilities) and per token (mean negative log-probability).
+Watching the SFT data's likelihood across RL steps shows whether an update on a few sampled
+episodes moves the policy away from what SFT taught it (interference), task by task.
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from sage_jax import run_checkpoint, run_config
+from sage_jax.model.logprobs import token_logprobs
+from sage_jax.sft import data
+from sage_jax.tokenizer import Tokenizer
+
+_RUN = flags.DEFINE_string("run", None, "A training run's workdir.")
+_CHECKPOINTS = flags.DEFINE_list("checkpoints", ["sft:", "rl:"],
+                                 "<stage>:<step> of each checkpoint (empty step: the last).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "The policy's sampling temperature.")
+
+
+def likelihoods(model, examples, temperature: float) -> dict[str, dict[str, float]]:
+  out = {}
+  for ex in examples:
+    tokens = jnp.asarray(ex.tokens[None, :-1])
+    logprobs, _ = token_logprobs(model, tokens, jnp.arange(tokens.shape[1])[None],
+                                 jnp.ones_like(tokens), jnp.asarray(ex.tokens[None, 1:]),
+                                 temperature=temperature)
+    mine = np.asarray(logprobs[0])[ex.loss_mask[1:].astype(bool)]
+    out[ex.id] = {"sequence_prob": float(np.exp(mine.sum())),
+                  "token_nll": float(-mine.mean())}
+  return out
+
+
+def main(argv) -> None:
+  del argv
+  if not _RUN.value:
+    raise app.UsageError("--run is required")
+  run = run_config.resolve(run_checkpoint.read_config(_RUN.value))
+  tokenizer = Tokenizer(run_checkpoint.tokenizer_dir(_RUN.value, run))
+  examples = data.load_examples(f"{_RUN.value}/expert_trajectories.jsonl", tokenizer)
+  report = {"bench": "gold_likelihood", "run": _RUN.value, "temperature": _TEMPERATURE.value,
+            "checkpoints": []}
+  for name in _CHECKPOINTS.value:
+    stage, _, step = name.partition(":")
+    model, step = run_checkpoint.restore_model(_RUN.value, run, int(step) if step else None,
+                                               stage=stage)
+    report["checkpoints"].append({"stage": stage, "step": step, "trajectories": likelihoods(
+        model, examples, _TEMPERATURE.value)})
+  print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)
