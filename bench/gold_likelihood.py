@@ -8,8 +8,15 @@ stage's last), the probability the policy gives each trajectory of the run's
 (exp of the summed log-probabilities) and per token (mean negative log-probability).
 Watching the SFT data's likelihood across RL steps shows whether an update on a few sampled
 episodes moves the policy away from what SFT taught it (interference), task by task.
+
+With --gold_updates=N, the first checkpoint also takes N GRPO updates (the run's GRPO and
+optimizer config, learning rate --gold_lr, pi_old recomputed) on the trajectories of
+--gold_scenarios, each with advantage +1, as if the policy had sampled them and they alone
+had succeeded; the likelihoods after each update show whether the update raises the
+likelihood of what it trains on.
 """
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -18,6 +25,7 @@ from absl import app, flags
 
 from sage_jax import run_checkpoint, run_config
 from sage_jax.model.logprobs import token_logprobs
+from sage_jax.train import rl_loop
 from sage_jax.sft import data
 from sage_jax.tokenizer import Tokenizer
 
@@ -25,6 +33,10 @@ _RUN = flags.DEFINE_string("run", None, "A training run's workdir.")
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["sft:", "rl:"],
                                  "<stage>:<step> of each checkpoint (empty step: the last).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "The policy's sampling temperature.")
+_GOLD_UPDATES = flags.DEFINE_integer("gold_updates", 0, "GRPO updates on gold trajectories.")
+_GOLD_LR = flags.DEFINE_float("gold_lr", 3e-4, "Their learning rate.")
+_GOLD_SCENARIOS = flags.DEFINE_list("gold_scenarios", [], "Scenarios whose trajectories they "
+                                    "train on (default: all).")
 
 
 def likelihoods(model, examples, temperature: float) -> dict[str, dict[str, float]]:
@@ -37,6 +49,36 @@ def likelihoods(model, examples, temperature: float) -> dict[str, dict[str, floa
     mine = np.asarray(logprobs[0])[ex.loss_mask[1:].astype(bool)]
     out[ex.id] = {"sequence_prob": float(np.exp(mine.sum())),
                   "token_nll": float(-mine.mean())}
+  return out
+
+
+@dataclasses.dataclass
+class Scored:
+  """What a GRPO batch reads of an episode (`rl.batch`)."""
+
+  tokens: np.ndarray
+  loss_mask: np.ndarray
+  sampler_logprobs: np.ndarray
+  model_logprobs: np.ndarray
+  advantage: float
+
+
+def gold_updates(run, first: dict, examples) -> list[dict]:
+  """GRPO updates from checkpoint `first` on the chosen gold trajectories, advantage +1."""
+  model, _ = run_checkpoint.restore_model(_RUN.value, run, first["step"], stage=first["stage"])
+  chosen = [e for e in examples
+            if not _GOLD_SCENARIOS.value or e.id.split("_")[0] in _GOLD_SCENARIOS.value]
+  grpo_config = dataclasses.replace(run.grpo, temperature=_TEMPERATURE.value,
+                                    recompute_old_logprobs=True)
+  trainer = rl_loop.grpo_trainer(model, grpo_config, dataclasses.replace(
+      run.optimizer, learning_rate=_GOLD_LR.value), run.trainer)
+  zeros = lambda e: np.zeros(len(e.tokens), np.float32)  # pi_old is recomputed
+  records = [Scored(e.tokens, e.loss_mask, zeros(e), zeros(e), 1.0) for e in chosen]
+  out = []
+  for update in range(1, _GOLD_UPDATES.value + 1):
+    metrics = rl_loop.grpo_update(trainer, records, grpo_config, run.batch)
+    out.append({"update": update, "grad_norm": metrics["grad_norm"], "trajectories": likelihoods(
+        trainer.model(), examples, _TEMPERATURE.value)})
   return out
 
 
@@ -55,6 +97,8 @@ def main(argv) -> None:
                                                stage=stage)
     report["checkpoints"].append({"stage": stage, "step": step, "trajectories": likelihoods(
         model, examples, _TEMPERATURE.value)})
+  if _GOLD_UPDATES.value:
+    report["gold_updates"] = gold_updates(run, report["checkpoints"][0], examples)
   print(json.dumps(report, indent=1))
 
 
