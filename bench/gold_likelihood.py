@@ -25,9 +25,9 @@ from absl import app, flags
 
 from sage_jax import run_checkpoint, run_config
 from sage_jax.model.logprobs import token_logprobs
-from sage_jax.train import rl_loop
 from sage_jax.sft import data
 from sage_jax.tokenizer import Tokenizer
+from sage_jax.train import rl_loop
 
 _RUN = flags.DEFINE_string("run", None, "A training run's workdir.")
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["sft:", "rl:"],
