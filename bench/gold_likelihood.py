@@ -24,8 +24,9 @@ import numpy as np
 from absl import app, flags
 
 from sage_jax import run_checkpoint, run_config
+from sage_jax.envs import appworld
 from sage_jax.model.logprobs import token_logprobs
-from sage_jax.sft import data
+from sage_jax.sft import data, expert
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train import rl_loop
 
@@ -52,28 +53,16 @@ def likelihoods(model, examples, temperature: float) -> dict[str, dict[str, floa
   return out
 
 
-@dataclasses.dataclass
-class Scored:
-  """What a GRPO batch reads of an episode (`rl.batch`)."""
-
-  tokens: np.ndarray
-  loss_mask: np.ndarray
-  sampler_logprobs: np.ndarray
-  model_logprobs: np.ndarray
-  advantage: float
-
-
-def gold_updates(run, first: dict, examples) -> list[dict]:
-  """GRPO updates from checkpoint `first` on the chosen gold trajectories, advantage +1."""
-  model, _ = run_checkpoint.restore_model(_RUN.value, run, first["step"], stage=first["stage"])
-  chosen = [e for e in examples
-            if not _GOLD_SCENARIOS.value or e.id.split("_")[0] in _GOLD_SCENARIOS.value]
+def gold_updates(run, model, examples) -> list[dict]:
+  """GRPO updates of `model` on the chosen gold trajectories, each with advantage +1 (a
+  mapping is a record to `rl.batch`; pi_old is recomputed, so no logprobs are given)."""
+  chosen = [e for e in examples if not _GOLD_SCENARIOS.value
+            or appworld.scenario_id(expert.task_of_id(e.id)) in _GOLD_SCENARIOS.value]
   grpo_config = dataclasses.replace(run.grpo, temperature=_TEMPERATURE.value,
                                     recompute_old_logprobs=True)
   trainer = rl_loop.grpo_trainer(model, grpo_config, dataclasses.replace(
       run.optimizer, learning_rate=_GOLD_LR.value), run.trainer)
-  zeros = lambda e: np.zeros(len(e.tokens), np.float32)  # pi_old is recomputed
-  records = [Scored(e.tokens, e.loss_mask, zeros(e), zeros(e), 1.0) for e in chosen]
+  records = [{"tokens": e.tokens, "loss_mask": e.loss_mask, "advantage": 1.0} for e in chosen]
   out = []
   for update in range(1, _GOLD_UPDATES.value + 1):
     metrics = rl_loop.grpo_update(trainer, records, grpo_config, run.batch)
@@ -91,14 +80,16 @@ def main(argv) -> None:
   examples = data.load_examples(f"{_RUN.value}/expert_trajectories.jsonl", tokenizer)
   report = {"bench": "gold_likelihood", "run": _RUN.value, "temperature": _TEMPERATURE.value,
             "checkpoints": []}
+  first = None
   for name in _CHECKPOINTS.value:
     stage, _, step = name.partition(":")
     model, step = run_checkpoint.restore_model(_RUN.value, run, int(step) if step else None,
                                                stage=stage)
+    first = first or model
     report["checkpoints"].append({"stage": stage, "step": step, "trajectories": likelihoods(
         model, examples, _TEMPERATURE.value)})
-  if _GOLD_UPDATES.value:
-    report["gold_updates"] = gold_updates(run, report["checkpoints"][0], examples)
+  if _GOLD_UPDATES.value:  # the updates donate `first`'s arrays: it is not read afterwards
+    report["gold_updates"] = gold_updates(run, first, examples)
   print(json.dumps(report, indent=1))
 
 
