@@ -147,7 +147,7 @@ def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
 def test_kl_to_the_starting_model(tmp_path):
   """With kl_coef > 0 the pipeline keeps the model RL starts from as the reference: the first
   step's KL is 0 (policy == reference), a later one is not (an entropy bonus moves the policy:
-  the demo's rollouts all get the no-code penalty, so their advantages are 0)."""
+  after one SFT step no rollout writes code, all score alike, so their advantages are 0)."""
   workdir = tmp_path / "kl"
   _train(workdir, "--config.grpo.kl_coef=0.05", "--config.rl.total_steps=2",
          "--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",

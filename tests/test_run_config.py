@@ -80,7 +80,7 @@ def test_bad_configs_name_the_key(overrides, devices, message):
 
 
 def test_the_trainer_trains_the_policy_the_rollouts_sample():
-  assert _with({}).grpo.temperature == 0.6  # the demo's agent.temperature
+  assert _with({}).grpo.temperature == 0.8  # the demo's agent.temperature
   assert _with({"agent.temperature": 1.0}).grpo.temperature == 1.0
   sft_only = _with({"agent.temperature": 0.0, "pipeline.stages": ("sft",)})
   assert sft_only.grpo.temperature == 1.0  # no RL: nothing samples for the trainer
