@@ -149,7 +149,9 @@ def test_kl_to_the_starting_model(tmp_path):
   step's KL is 0 (policy == reference), a later one is not (an entropy bonus moves the policy:
   after one SFT step no rollout writes code, all score alike, so their advantages are 0)."""
   workdir = tmp_path / "kl"
+  # One update a step (the demo makes 4, whose later ones already see a moved policy).
   _train(workdir, "--config.grpo.kl_coef=0.05", "--config.rl.total_steps=2",
+         "--config.grpo.num_mini_batches=1", "--config.optimizer.warmup_steps=0",
          "--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
          "--config.pipeline.export=false", "--config.pipeline.plot=false",
          "--config.grpo.entropy_coef=0.1", "--config.optimizer.learning_rate=0.01")
