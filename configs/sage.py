@@ -23,8 +23,9 @@ hardware (README, "Multi-host").
 Paper settings kept: chain length K=2, group-relative advantages per chain position,
 w_gen = w_use = 1.0, no-code penalty -1.0, no KL, strictly on-policy (one update per batch),
 SFT before RL. The demo departs from some of them (K=3, no no-code penalty, the loss's
-positive side only, 4 updates a batch): see there. Where the paper is silent (learning rate, group size, lengths, batch) the
-values below are our choices, sized for the hardware each preset names. The real-model
+positive side only, 4 updates a batch): see there. Where the paper is silent (learning rate,
+group size, lengths, batch) the values below are our choices, sized for the hardware each
+preset names. The real-model
 presets rematerialise every decoder layer: without it a 16k-token micro-batch of the 0.5B
 needs ~120 GB of temporaries (dense attention scores and MLP outputs of 24 layers). They
 also run training attention in 1024-token blocks: dense scores of one 16k-token row of the
@@ -90,7 +91,7 @@ def apply_preset(c, preset: str):
     c.sft.update(total_steps=320, batch_size=2)
     c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=0, schedule="cosine",
                            decay_steps=320, end_lr_ratio=0.1)
-    # Sampled at 0.8, where the SFT policy solves ~75% of the sampled tasks: room to learn.
+    # Sampled at 0.8, where the SFT policy solves ~72% of the sampled tasks: room to learn.
     c.agent.temperature = 0.8
     # Two departures from the paper's objective, measured at this scale (BENCHMARKS.md,
     # "Learning on the mini AppWorld"): no -1 for a reply without code (in a group with more
