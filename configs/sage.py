@@ -25,11 +25,10 @@ w_gen = w_use = 1.0, no-code penalty -1.0, no KL, strictly on-policy (one update
 SFT before RL. The demo departs from some of them (K=3, no no-code penalty, the loss's
 positive side only, 4 updates a batch): see there. Where the paper is silent (learning rate,
 group size, lengths, batch) the values below are our choices, sized for the hardware each
-preset names. The real-model
-presets rematerialise every decoder layer: without it a 16k-token micro-batch of the 0.5B
-needs ~120 GB of temporaries (dense attention scores and MLP outputs of 24 layers). They
-also run training attention in 1024-token blocks: dense scores of one 16k-token row of the
-7B are 30 GB per layer.
+preset names. The real-model presets rematerialise every decoder layer: without it a
+16k-token micro-batch of the 0.5B needs ~120 GB of temporaries (dense attention scores and
+MLP outputs of 24 layers). They also run training attention in 1024-token blocks: dense
+scores of one 16k-token row of the 7B are 30 GB per layer.
 """
 
 from sage_jax import run_config
