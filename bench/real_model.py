@@ -4,7 +4,7 @@ then a SAGE run and a GRPO-baseline run from the same SFT model, each state eval
 
   python bench/real_model.py --workdir=DIR [--rl_steps=N] [--splits=dev,test] \
       [--overrides=key=value,...] [--sft_overrides=...] [--rl_overrides=...] \
-      [--grpo_overrides=...] \
+      [--grpo_overrides=...] [--eval_overrides=...] \
       [--stages=sft,eval_sft,sage,eval_sage,grpo,eval_grpo,eval_base]
 
 Stages run in the order given, each a separate process, and each is skipped when its result
@@ -47,6 +47,9 @@ _RL_OVERRIDES = flags.DEFINE_list("rl_overrides", [], "<key>=<value> for both RL
 _GRPO_OVERRIDES = flags.DEFINE_list(
     "grpo_overrides", [], "<key>=<value> for the GRPO run after --rl_overrides (e.g. K times "
     "SAGE's chains per step, so that both train on as many tasks a step).")
+_EVAL_OVERRIDES = flags.DEFINE_list(
+    "eval_overrides", [], "<key>=<value> for every evaluation (e.g. eval.max_scenarios=N to "
+    "evaluate each split's first N scenarios).")
 
 # What the table reports from each evaluation's overall metrics.
 COLUMNS = {"tgc": "tgc", "sgc": "sgc", "steps": "avg_steps", "tokens": "avg_generated_tokens",
@@ -104,13 +107,14 @@ def _train(name: str, config: str) -> list[str]:
 def _evaluate(state: str, split: str) -> list[str]:
   out = os.path.join(_WORKDIR.value, "eval", f"{state}_{split}")
   cmd = [sys.executable, "-m", "sage_jax.evaluate", f"--workdir={out}"]
+  extra = _config_flags(_EVAL_OVERRIDES.value)
   if state == "base":  # the untrained model, acting under the training runs' agent limits
     agent = [o for o in _OVERRIDES.value if o.startswith(AGENT_KEYS)]
     return cmd + [f"--config=configs/eval.py:{PRESET}", f"--config.eval.split={split}",
-                  *_config_flags(agent)]
+                  *_config_flags(agent), *extra]
   stage = "sft" if state == "sft" else "rl"
   return cmd + ["--config=configs/eval.py:run", f"--config.eval.split={split}",
-                f"--run={os.path.join(_WORKDIR.value, state)}", f"--stage={stage}"]
+                f"--run={os.path.join(_WORKDIR.value, state)}", f"--stage={stage}", *extra]
 
 
 def run_stage(name: str) -> None:
