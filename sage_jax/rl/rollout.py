@@ -49,8 +49,9 @@ class RolloutConfig:
   experiment names are `<prefix>_g<group>_r<rollout>`. seed: the sampler's per-rollout seeds
   (the RL loop gives step s `step_seed(seed, s)`; the chains come from the loop's own seed).
   max_redraws: dynamic sampling (DAPO): chains whose G rollouts all got the same rewards
-  (no gradient) are dropped and new chains drawn, at most this many more times per step
-  (`train.rl_loop.appworld_rollout`); 0 = off, every drawn chain is trained on (the paper)."""
+  (no gradient) are dropped and as many new chains drawn, at most this many more times per
+  step (`train.rl_loop.appworld_rollout`); 0 = off, every drawn chain is trained on (the
+  paper)."""
 
   chain_length: int = 2
   group_size: int = 8

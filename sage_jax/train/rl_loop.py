@@ -163,9 +163,9 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
 
   With `rollout_config.max_redraws` > 0 (dynamic sampling, as in DAPO) a chain whose every
   reward set is constant (zero advantages: no gradient) is dropped, and up to `max_redraws`
-  more draws of `num_chains` chains follow until `num_chains` chains with a learning signal
-  are kept (the first ones, in process order). The step then trains on those; a step where
-  no draw has any trains on nothing.
+  more draws follow, each of as many chains as are still missing, until `num_chains` chains
+  with a learning signal are kept. The step then trains on those; a step where no draw has
+  any trains on nothing.
 
   Returns this process's episodes to train on, and metrics of every episode that every
   process sampled: `rl.metrics.task_metrics` and the mean reward (also per chain position)
@@ -181,11 +181,11 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
   def run(step: int, seed: int):
     config = dataclasses.replace(rollout_config, seed=step_seed(rollout_config.seed, step),
                                  experiment_prefix=f"{rollout_config.experiment_prefix}_s{step}")
-    sampled, kept, constant_sets, draws = [], [], 0, 0
+    sampled, kept, constant_sets, draws, missing = [], [], 0, 0, num_chains
     while draws <= rollout_config.max_redraws:
       rng = random.Random(seed if draws == 0 else step_seed(seed, draws))
       chains = rollout_lib.sample_chains(task_ids, rollout_config.effective_chain_length,
-                                         num_chains, rng, order=rollout_config.chain_order)
+                                         missing, rng, order=rollout_config.chain_order)
       share = multihost.share(len(chains))
       batch = rollout_lib.collect(ctx, chains[share], config, reward_config, advantage_config,
                                   first_group=draws * num_chains + share.start)
@@ -198,11 +198,9 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
       if not filtering:
         break
       counts = multihost.allgather(np.asarray([len(kept)], np.int64))[:, 0]
-      if counts.sum() >= num_chains:
+      missing = num_chains - int(counts.sum())
+      if missing <= 0:
         break
-    if filtering:  # the first num_chains informative chains, in process order
-      before = int(counts[:jax.process_index()].sum())
-      kept = kept[:max(0, num_chains - before)]
     episodes = [r for group in kept for r in group]
     everyone = gather_episodes(sampled)
     values = {f"rollout/{k}": float(v) for k, v in metrics_lib.task_metrics(
