@@ -72,9 +72,9 @@ def apply_preset(c, preset: str):
     # skill at its first task, and a chain that starts at a later task asks for a skill SFT
     # never showed being written (after SFT, 0 of 8 such rollouts succeed: nothing to learn
     # from). Every step draws all 3 training scenarios, so that steps compare (with 2 of 3,
-    # a step's success depends on which pair it drew); a chain whose 4 rollouts all score
-    # alike is redrawn (at most once a step), so that every step trains on chains with a
-    # learning signal.
+    # a step's success depends on which pair it drew); the chains whose 4 rollouts all score
+    # alike are replaced by as many new ones (one redraw at most a step), so that every step
+    # trains on chains with a learning signal.
     c.grpo.update(chain_length=3, max_redraws=1)
     c.rollout.chain_order = "ordered"
     c.pipeline.update(chains_per_step=3, train_scenarios=3, eval_train=True)
@@ -103,7 +103,7 @@ def apply_preset(c, preset: str):
     c.reward.no_code_penalty = 0.0
     c.grpo.update(negative_weight=0.0, num_mini_batches=4)
     c.optimizer.update(learning_rate=3e-4, warmup_steps=8, max_grad_norm=1.0)
-    c.rl.update(total_steps=12, eval_every=0)
+    c.rl.update(total_steps=10, eval_every=0)
     c.checkpoint.update(save_every=4, keep_last=2, async_save=False)
   elif preset == "qwen2.5-coder-0.5b":
     c.model.update(spec="qwen2.5-coder-0.5b-instruct", preset="", remat="full",
