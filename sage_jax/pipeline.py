@@ -210,6 +210,21 @@ class Pipeline:
       checkpointer.close()
     self._adopt(trainer.params)
 
+  def adopt_sft_result(self) -> None:
+    """Makes the finished SFT stage's last params the model's (a run resumed after SFT).
+    Only the params outlive this call: SFT's optimizer state, twice the params under Adam,
+    goes with its trainer instead of sitting beside RL's own."""
+    trainer = sft_loop.sft_trainer(self.model, self.run.sft, self.run.sft_optimizer,
+                                   self.run.trainer, mesh=self.mesh)
+    checkpointer = Checkpointer(dataclasses.replace(
+        self.run.checkpoint, directory=os.fspath(self.workdir / "sft" / "checkpoints"),
+        keep_best=0))
+    try:
+      trainer.state, _ = checkpointer.restore(trainer.release_state())
+    finally:
+      checkpointer.close()
+    self._adopt(trainer.params)
+
   def rl(self) -> None:
     run = self.run
     trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
@@ -293,14 +308,7 @@ def run(config: Any, workdir: str) -> dict:
       pipe.sft()
       _write_json(sft_marker, {"finished": time.time()})
     elif "sft" in p.stages:  # resumed after SFT: its last params are the starting point
-      trainer = sft_loop.sft_trainer(pipe.model, pipe.run.sft, pipe.run.sft_optimizer,
-                                     pipe.run.trainer, mesh=pipe.mesh)
-      checkpointer = Checkpointer(dataclasses.replace(
-          pipe.run.checkpoint, directory=os.fspath(pipe.workdir / "sft" / "checkpoints"),
-          keep_best=0))
-      trainer.state, _ = checkpointer.restore(trainer.release_state())
-      checkpointer.close()
-      pipe._adopt(trainer.params)
+      pipe.adopt_sft_result()
     if p.eval_train and "sft" in p.stages and "rl" in p.stages:  # what RL starts from
       summary["train_after_sft"] = pipe.evaluate("eval_after_sft", training_scenarios=True)
     if "rl" in p.stages:

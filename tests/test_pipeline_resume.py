@@ -1,0 +1,52 @@
+"""A run resumed after its SFT stage (RL started from a copy of a finished SFT run, as
+bench/real_model.py does for its SAGE and GRPO arms) starts from SFT's last params and keeps
+nothing else of SFT: SFT's optimizer state (Adam: twice the params) would otherwise sit beside
+RL's own for the whole run, which put the real 0.5B's SAGE stage over a 24 GB machine."""
+
+import gc
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from sage_jax import pipeline
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from configs import sage as sage_configs  # noqa: E402
+
+
+def _live_bytes() -> int:
+  gc.collect()
+  return sum(a.nbytes for a in jax.live_arrays())
+
+
+def test_resuming_after_sft_keeps_only_its_params(tmp_path):
+  c = sage_configs.get_config("demo")
+  c.pipeline.update(stages=("sft",), eval_before=False, eval_after=False, eval_train=False,
+                    export=False, plot=False)
+  c.sft.update(total_steps=2)
+  c.pool.num_workers = 2
+  c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
+  workdir = str(tmp_path / "run")
+  pipeline.run(c, workdir)
+
+  pipe = pipeline.Pipeline(c, workdir)
+  try:
+    leaves = lambda: jax.tree.leaves(nnx.state(pipe.model, nnx.Param))
+    param_bytes = sum(x.nbytes for x in leaves())
+    initial = np.asarray(leaves()[0])
+    before = _live_bytes()
+    pipe.adopt_sft_result()
+    after = _live_bytes()
+    # The model holds SFT's params now (and the sampler its copy of them) ...
+    assert not np.array_equal(initial, np.asarray(leaves()[0]))
+    # ... in place of the fresh ones: nothing of SFT's trainer stays alive.
+    assert after - before < param_bytes / 2, (before, after, param_bytes)
+  finally:
+    pipe.close()
