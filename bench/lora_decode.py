@@ -2,7 +2,10 @@ r"""One decode step (all 24 layers, batch 8, 1024 cached positions) of the Qwen2
 with plain weights (what merged adapters cost) and with unmerged rank-16 adapters on every
 projection, interleaved round by round in one process; prints JSON.
 
-  python bench/lora_decode.py [--rank=16] [--batch=8] [--rounds=20]
+  python bench/lora_decode.py [--rank=16] [--batch=8] [--rounds=20] [--dtype=bfloat16]
+
+Weights and adapters are cast to `--dtype`, as the sampler's copy is (float32 on CPU,
+bfloat16 on accelerators).
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from sage_jax.model.qwen2 import KVCache
 flags.DEFINE_integer("rank", 16, "Adapter rank.")
 flags.DEFINE_integer("batch", 8, "Sequences per decode step.")
 flags.DEFINE_integer("rounds", 20, "Timed steps of each variant.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' and compute dtype.")
 ATTEND = 1024
 
 
-def _decode_step(model, batch):
+def _decode_step(model, batch, dtype):
   graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                       else x, state)
   cfg = model.config
 
   @jax.jit
@@ -43,10 +49,10 @@ def _decode_step(model, batch):
 def main(argv):
   del argv
   f = flags.FLAGS
-  model = init_model(get_preset("qwen2.5-0.5b"))
-  variants = {"plain": _decode_step(model, f.batch)}
+  model = init_model(get_preset("qwen2.5-0.5b", dtype=f.dtype))
+  variants = {"plain": _decode_step(model, f.batch, f.dtype)}
   lora.add_adapters(model, lora.LoraConfig(rank=f.rank))
-  variants["unmerged_lora"] = _decode_step(model, f.batch)
+  variants["unmerged_lora"] = _decode_step(model, f.batch, f.dtype)
   times = {name: [] for name in variants}
   for _ in range(f.rounds):
     for name, run in variants.items():
@@ -55,7 +61,8 @@ def main(argv):
       times[name].append(time.perf_counter() - start)
   print(json.dumps({name: {"median_ms": round(float(np.median(t)) * 1e3, 1),
                            "min_ms": round(min(t) * 1e3, 1)} for name, t in times.items()}
-                   | {"backend": jax.default_backend(), "rank": f.rank, "batch": f.batch}))
+                   | {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                      "dtype": f.dtype, "rank": f.rank, "batch": f.batch}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
-r"""Sampler benchmarks on the real Qwen2.5-Coder-0.5B-Instruct (fp32, CPU); prints JSON.
+r"""Sampler benchmarks on the real Qwen2.5-Coder-0.5B-Instruct; prints JSON.
 
-  python bench/sampler.py [--model=HF_DIR] [--batches=1,8] [--out=FILE]
+  python bench/sampler.py [--model=HF_DIR | --model=random:PRESET] [--batches=1,8] [--out=FILE]
+
+On CPU everything runs in float32; on a GPU our engine samples from its bfloat16 copy (what
+the sampler keeps there, `--param_dtype=auto`) and transformers runs on the GPU in bfloat16.
+`--model=random:qwen2.5-0.5b` times a randomly initialised preset instead (decode time does
+not depend on the weights' values; where the real checkpoint cannot be brought).
 
 1. decode: tokens/s of our engine, transformers `generate` (torch CPU) and google-tunix
    (when importable, see bench/requirements.txt), same prompts, batch, prompt and new-token
@@ -47,8 +52,12 @@ from sage_jax.model.config import Qwen2Config  # noqa: E402
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams  # noqa: E402
 from sage_jax.weights import gguf_import, hf  # noqa: E402
 
-_MODEL = flags.DEFINE_string("model", None, "HF checkpoint directory; default: the bundled "
-                             "real Qwen2.5-Coder-0.5B-Instruct, converted once and cached.")
+_MODEL = flags.DEFINE_string("model", None, "HF checkpoint directory, or random:PRESET (a "
+                             "randomly initialised preset); default: the bundled real "
+                             "Qwen2.5-Coder-0.5B-Instruct, converted once and cached.")
+_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "auto", multihost.SAMPLING_DTYPES,
+                                 "Dtype of our engine's weights, as `sampler_mesh.param_dtype` "
+                                 "(auto: bfloat16 on accelerators, float32 on CPU).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes for the decode benchmark.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens per sequence.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "New tokens per sequence.")
@@ -102,20 +111,32 @@ def _median(xs):
 
 
 class Bandwidth:
-  """Memory bandwidth in GB/s over 1 GiB buffers: `copy` (numpy, bytes read plus written, as
-  STREAM counts them) and `read` (an XLA sum: a read-only stream, like the weights of a
-  decode step). Both drift by 30% or more within minutes on a shared machine, so the decode
-  benchmark probes them before every round."""
+  """Memory bandwidth in GB/s over 1 GiB buffers: `copy` (bytes read plus written, as STREAM
+  counts them: numpy's on CPU, an XLA copy in device memory on accelerators) and `read` (an
+  XLA sum: a read-only stream, like the weights of a decode step). Both drift by 30% or more
+  within minutes on a shared machine, so the decode benchmark probes them before every
+  round."""
 
   def __init__(self, gib: float = 1.0):
     import jax.numpy as jnp
     n = int(gib * (1 << 30)) // 4
-    self.src, self.dst = np.ones(n, np.float32), np.empty(n, np.float32)
+    self.on_host = jax.default_backend() == "cpu"
+    if self.on_host:
+      self.src, self.dst = np.ones(n, np.float32), np.empty(n, np.float32)
     self.device = jnp.ones(n, jnp.float32)
     self.sum = jax.jit(lambda x: x.sum())
     self.sum(self.device).block_until_ready()
+    self.plus_one = jax.jit(lambda x: x + 1)
+    self.plus_one(self.device).block_until_ready()
 
   def copy(self, threads: int, repeats: int = 3) -> float:
+    if not self.on_host:
+      best = 0.0
+      for _ in range(repeats):
+        start = time.perf_counter()
+        self.plus_one(self.device).block_until_ready()
+        best = max(best, 2 * self.device.nbytes / (time.perf_counter() - start) / 1e9)
+      return best
     n = self.src.size
     bounds = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(n), threads)]
     best = 0.0
@@ -173,10 +194,18 @@ def bench_prompts(tok: tokenizer_lib.Tokenizer, count: int, length: int) -> list
 
 
 class Ours:
+  """Our engine on the sampler's copy of the weights (`--param_dtype`); it computes in
+  bfloat16 on accelerators (as the GPU and TPU configs' `model.dtype`), else in the
+  checkpoint's dtype."""
+
   name = "ours"
 
-  def __init__(self, model_dir: str):
-    self.model = hf.load_hf(model_dir)
+  def __init__(self, model_dir: str, param_dtype: str | None = None):
+    compute = None if jax.default_backend() == "cpu" else "bfloat16"
+    self.model = hf.load_hf(model_dir, dtype=compute)
+    weights = multihost.WeightSync(nnx.state(self.model), multihost.SamplerMeshConfig(
+        param_dtype=param_dtype or _PARAM_DTYPE.value))
+    nnx.update(self.model, weights(nnx.state(self.model)))
     self.engines = {}
 
   def setup(self, batch: int, max_len: int, prompt_len: int):
@@ -202,32 +231,33 @@ class OursBfloat16(Ours):
   name = "ours_bf16"
 
   def __init__(self, model_dir: str):
-    super().__init__(model_dir)
-    weights = multihost.WeightSync(nnx.state(self.model), multihost.SamplerMeshConfig(
-        param_dtype="bfloat16"))
-    nnx.update(self.model, weights(nnx.state(self.model)))
+    super().__init__(model_dir, param_dtype="bfloat16")
 
 
 class Transformers:
+  """transformers' `generate`: float32 on CPU, bfloat16 on a CUDA GPU."""
+
   name = "transformers"
 
   def __init__(self, model_dir: str):
     import torch
     import transformers
     self.torch = torch
+    self.device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
     self.model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32).eval()
+        model_dir, dtype=dtype).to(self.device).eval()
     self.model.generation_config.eos_token_id = None  # Decode exactly N tokens.
 
   def setup(self, batch, max_len, prompt_len):
     return 0.0
 
   def generate(self, prompts, new_tokens):
-    ids = self.torch.tensor(prompts)
+    ids = self.torch.tensor(prompts, device=self.device)
     with self.torch.no_grad():
       out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids),
                                 max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:].tolist()
+    return out[:, ids.shape[1]:].tolist()  # .tolist() waits for the device
 
 
 class Tunix:
@@ -387,22 +417,27 @@ def multiturn_benchmark(systems, tok) -> dict:
   return result
 
 
-def matvec_timer(model):
-  """A batch-1 decode step's weight products alone: every projection matrix and the LM head
-  of `model`, each times one vector through the model's own `project`, in one jitted call.
-  Returns a function timing it (ms, best of `repeats`): what XLA:CPU's matrix-vector kernel
-  allows, with nothing else of the step in the way."""
-  import jax.numpy as jnp
+def decode_matrices(model) -> list:
+  """What a decode step reads of the weights: every projection matrix and the LM head, in the
+  model's dtype (the embedding table is read one row per sequence)."""
   matrices = [m.kernel[...].reshape(-1, math.prod(m.kernel.shape[-m.n_in:]))
               for _, m in nnx.iter_graph(model) if isinstance(m, qwen2.Linear)]
-  matrices.append(model.head_weight())
+  return matrices + [model.head_weight()]
+
+
+def matvec_timer(matrices):
+  """A batch-1 decode step's weight products alone: each matrix times one vector through the
+  model's own `project`, in one jitted call. Returns a function timing it (ms, best of
+  `repeats`): what XLA's matrix-vector kernel allows, with nothing else of the step in the
+  way."""
+  import jax.numpy as jnp
 
   @jax.jit
   def products(matrices):
     total = jnp.zeros((), jnp.float32)
     for w in matrices:  # each product waits for the last, as a layer's do
       x = jnp.full((1, w.shape[1]), 1e-3, w.dtype) + total
-      total = total + qwen2.project(x, w)[0, 0]
+      total = total + qwen2.project(x, w)[0, 0].astype(jnp.float32)
     return total
 
   products(matrices).block_until_ready()
@@ -418,25 +453,29 @@ def matvec_timer(model):
   return best_ms
 
 
-def step_bytes(model_dir: str) -> int:
-  """Bytes of weights a decode step reads: all but the embedding table (of which only a row
-  per sequence is read), float32."""
-  cfg = Qwen2Config.from_hf(model_dir)
-  return 4 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)
+def cache_bytes_per_sequence(model, length: int) -> int:
+  """Bytes of KV cache one sequence's decode step reads over `length` positions (the
+  benchmark's engines attend over the whole cache)."""
+  cfg = model.config
+  itemsize = np.dtype(cfg.jnp_dtype).itemsize
+  return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * length * itemsize
 
 
-def bound(decode: list[dict], weight_bytes: int) -> dict:
-  """Per round, the bound (weight bytes over the best bandwidth probed just before: copy or
-  read) against our step time and the matrix-vector floor; medians over rounds."""
-  result = {"weight_bytes_per_step": weight_bytes}
+def bound(decode: list[dict], weight_bytes: int, cache_bytes: int) -> dict:
+  """Per round, the bound (bytes a step reads over the best bandwidth probed just before:
+  copy or read) against our step time and the matrix-vector floor; medians over rounds. A
+  step reads the weights once and each sequence's KV cache."""
+  result = {"weight_bytes_per_step": weight_bytes, "cache_bytes_per_sequence": cache_bytes}
   for d in decode:
     if "ours" not in d["rounds_tok_s"] or not d["probes"]:
       continue
+    step = weight_bytes + d["batch"] * cache_bytes
     ours_ms = [1000 * d["batch"] / t for t in d["rounds_tok_s"]["ours"]]
-    bound_ms = [1000 * weight_bytes / (1e9 * max(p["copy_gb_s"], p["read_gb_s"]))
+    bound_ms = [1000 * step / (1e9 * max(p["copy_gb_s"], p["read_gb_s"]))
                 for p in d["probes"]]
     matvec = [p["matvec_ms"] for p in d["probes"]]
     result[d["batch"]] = {
+        "bytes_per_step": step,
         "bound_ms_per_step": _median(bound_ms), "ours_ms_per_step": _median(ours_ms),
         "matvec_ms_per_step": _median(matvec),
         "ours_fraction_of_bound": _median([b / o for b, o in zip(bound_ms, ours_ms)]),
@@ -446,18 +485,37 @@ def bound(decode: list[dict], weight_bytes: int) -> dict:
   return result
 
 
+def random_checkpoint(preset: str) -> str:
+  """A randomly initialised `preset`, written as an HF checkpoint (float32) that every
+  system loads."""
+  import tempfile
+
+  from sage_jax.model import get_preset, init_model
+  out = os.path.join(tempfile.mkdtemp(prefix="sampler_bench_"), preset)
+  hf.save_hf(init_model(get_preset(preset), seed=0), out, dtype="float32",
+             tokenizer_dir=str(tokenizer_lib.ensure_qwen25_tokenizer_dir()))
+  return out
+
+
 def main(argv):
   del argv
-  model_dir = _MODEL.value or str(assets.cached_path(
-      "models/qwen2.5-coder-0.5b-instruct-hf",
-      lambda out: gguf_import.export_hf(gguf_import.fetch_qwen25_coder_0p5b_gguf(), out)))
-  report = {"machine": machine_info(), "model": model_dir}
+  if _MODEL.value and _MODEL.value.startswith("random:"):
+    model_dir = random_checkpoint(_MODEL.value.removeprefix("random:"))
+  else:
+    model_dir = _MODEL.value or str(assets.cached_path(
+        "models/qwen2.5-coder-0.5b-instruct-hf",
+        lambda out: gguf_import.export_hf(gguf_import.fetch_qwen25_coder_0p5b_gguf(), out)))
+  report = {"machine": machine_info(), "model": _MODEL.value or model_dir,
+            "param_dtype": _PARAM_DTYPE.value}
   tok = tokenizer_lib.Tokenizer()
   systems, report["skipped"] = load_systems(model_dir)
   ours = next((s for s in systems if s.name == "ours"), None)
   probe = None
   if ours is not None:
-    bandwidth, matvec = Bandwidth(), matvec_timer(ours.model)
+    matrices = decode_matrices(ours.model)
+    report["ours_dtypes"] = {"weights": str(matrices[0].dtype),
+                             "compute": ours.model.config.dtype}
+    bandwidth, matvec = Bandwidth(), matvec_timer(matrices)
     probe = lambda: {"copy_gb_s": bandwidth.copy(2), "read_gb_s": bandwidth.read(),
                      "matvec_ms": matvec()}
   prompts = bench_prompts(tok, max(map(int, _BATCHES.value)), _PROMPT_LEN.value)
@@ -465,7 +523,9 @@ def main(argv):
   if _MULTITURN.value and ours is not None:
     report["multiturn"] = multiturn_benchmark(systems, tok)
   if ours is not None:
-    report["bound"] = bound(report["decode"], step_bytes(model_dir))
+    n = _PROMPT_LEN.value + _NEW_TOKENS.value
+    report["bound"] = bound(report["decode"], sum(m.nbytes for m in matrices),
+                            cache_bytes_per_sequence(ours.model, 1 << (n - 1).bit_length()))
   report["machine"]["load_average_end"] = os.getloadavg()
   text = json.dumps(report, indent=2)
   print(text)

@@ -15,7 +15,9 @@ scores), read from the compiled step.
 
 `--peer=torch` also times the same update in PyTorch, in the same process: transformers'
 `Qwen2ForCausalLM` (same shapes, sdpa attention) with a per-token weighted log-likelihood loss
-over the same micro-batches, gradient accumulation and `torch.optim.AdamW`.
+over the same micro-batches, gradient accumulation and `torch.optim.AdamW`. On a CUDA GPU it
+runs there, float32 master weights with bfloat16 autocast when `--dtype=bfloat16`, and
+gradient checkpointing per layer when `--remat` is not "none" (as ours).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sage_jax import sharding as shd
-from sage_jax.model import get_preset, init_model
+from sage_jax.model import attention_kernels, get_preset, init_model
 from sage_jax.rl import batch as B
 from sage_jax.rl import grpo
 from sage_jax.train.optimizer import OptimizerConfig
@@ -56,30 +58,40 @@ def matmul_timer(n: int, dtype):
 
 def torch_peer(cfg, batch, steps: int, threads: int = 0) -> dict:
   """Median seconds of a transformers Qwen2 train step on the same micro-batches."""
+  import contextlib
+
   import torch
   import transformers
 
   if threads:
     torch.set_num_threads(threads)
   torch.manual_seed(0)
+  device = "cuda" if torch.cuda.is_available() else "cpu"
   hf = transformers.Qwen2Config(**{k: v for k, v in cfg.to_hf().items() if k != "dtype"})
   model = transformers.Qwen2ForCausalLM._from_config(hf, attn_implementation="sdpa",
-                                                     torch_dtype=torch.float32)
+                                                     torch_dtype=torch.float32).to(device)
+  if cfg.remat != "none":
+    model.gradient_checkpointing_enable()
   model.train()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-  micros = [(torch.as_tensor(np.asarray(batch.tokens[m]), dtype=torch.long),
-             torch.as_tensor(np.asarray(batch.targets[m]), dtype=torch.long),
-             torch.as_tensor(np.asarray(batch.weights[m] * batch.advantages[m])))
+  micros = [tuple(torch.as_tensor(np.asarray(x), dtype=dtype, device=device) for x, dtype in (
+      (batch.tokens[m], torch.long), (batch.targets[m], torch.long),
+      (batch.weights[m] * batch.advantages[m], torch.float32)))
             for m in range(batch.shape[0])]
+  autocast = (torch.autocast(device, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
+              else contextlib.nullcontext())
 
   def step():
     for tokens, targets, weights in micros:
-      logits = model(input_ids=tokens).logits.float()
+      with autocast:
+        logits = model(input_ids=tokens).logits.float()
       logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
       (-(weights * logp).sum()).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if device == "cuda":
+      torch.cuda.synchronize()
 
   step()  # warm-up
   times = []
@@ -87,7 +99,10 @@ def torch_peer(cfg, batch, steps: int, threads: int = 0) -> dict:
     t = time.perf_counter()
     step()
     times.append(time.perf_counter() - t)
-  return {"torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
+  return {"torch_version": torch.__version__, "torch_device": device,
+          "torch_dtype": "bfloat16 autocast" if cfg.dtype == "bfloat16" else "float32",
+          "torch_gradient_checkpointing": cfg.remat != "none",
+          "torch_threads": torch.get_num_threads(),
           "step_s_median": round(statistics.median(times), 4),
           "step_s_all": [round(x, 4) for x in times]}
 
@@ -113,6 +128,8 @@ def main():
   p.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
   p.add_argument("--remat", default="none")
   p.add_argument("--attention_block", type=int, default=0, help="0 = dense attention")
+  p.add_argument("--attention_impl", default="auto",
+                 help="auto (cuDNN on GPU, splash on TPU, XLA elsewhere), xla, cudnn, splash")
   p.add_argument("--logprob_chunk", type=int, default=0)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--peak_n", type=int, default=2048)
@@ -123,7 +140,8 @@ def main():
   args = p.parse_args()
 
   cfg = get_preset(args.preset).replace(dtype=args.dtype, remat=args.remat,
-                                        attention_block=args.attention_block)
+                                        attention_block=args.attention_block,
+                                        attention_impl=args.attention_impl)
   if args.vocab_size:
     cfg = cfg.replace(vocab_size=args.vocab_size)
   mesh = None
@@ -186,6 +204,8 @@ def main():
       "preset": args.preset, "params": cfg.num_params(), "vocab_size": cfg.vocab_size,
       "dtype": args.dtype, "remat": args.remat, "logprob_chunk": args.logprob_chunk,
       "attention_block": args.attention_block, "temp_bytes": temp_bytes,
+      "attention_kernel": attention_kernels.kernel_for(cfg.attention_impl, cfg.jnp_dtype,
+                                                       cfg.head_dim),
       "seq_len": args.seq_len, "pack": args.pack, "rows": args.rows,
       "micro_batches": args.micro_batches,
       "tokens_per_step": tokens,

@@ -3,8 +3,11 @@
 Splash attention runs here in Pallas interpret mode (the TPU kernel's own code, interpreted),
 forward and backward. cuDNN cannot run without an NVIDIA GPU: on CPU the test runs the very
 `jax.nn.dot_product_attention` call the cuDNN path makes with implementation="xla", which
-checks its masks and layouts but not the cuDNN kernel itself.
+checks its masks and layouts but not the cuDNN kernel itself; on a GPU the model with the
+cuDNN kernel is checked against the XLA path, forward and backward.
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -95,3 +98,41 @@ def test_splash_under_a_mesh_runs_per_shard_and_equals_xla():
   valid = np.asarray(segments)[..., None] > 0
   np.testing.assert_allclose(np.where(valid, outs[1], 0), np.where(valid, outs[0], 0),
                              atol=2e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs an NVIDIA GPU")
+def test_cudnn_kernel_on_gpu_equals_xla_forward_and_backward():
+  """bfloat16 through cuDNN against bfloat16 through XLA, each against float32 XLA: cuDNN's
+  error must be of the same size as XLA's own bfloat16 error (the row is long enough for
+  several kernel tiles, packed with padding)."""
+  from flax import nnx  # noqa: PLC0415
+
+  cfg = CFG.replace(vocab_size=64, head_dim=64)
+  tokens, positions, segments = _rows(t=320)
+  results = {}
+  for name, impl, dtype in (("ref", "xla", "float32"), ("xla", "xla", "bfloat16"),
+                            ("cudnn", "cudnn", "bfloat16")):
+    model = init_model(cfg.replace(attention_impl=impl, dtype=dtype))
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda st, t, p, s: _loss_and_grads(nnx.merge(graphdef, st), t, p, s))
+    if impl == "cudnn":
+      targets = set(re.findall(r"__cudnn\$fmha\w*", fn.lower(state, tokens, positions,
+                                                            segments).as_text()))
+      assert any(t.endswith("Backward") for t in targets) and len(targets) >= 2, (
+          f"the cuDNN path did not lower to cuDNN's fused attention, forward and backward: "
+          f"{targets}")
+    results[name] = fn(state, tokens, positions, segments)
+  valid = np.asarray(segments)[..., None] > 0
+
+  def error(name):
+    logits = np.where(valid, np.asarray(results[name][1], np.float32), 0)
+    ref_logits = np.where(valid, np.asarray(results["ref"][1], np.float32), 0)
+    grads = [np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+             / (np.linalg.norm(np.asarray(b, np.float32)) + 1e-12)
+             for a, b in zip(jax.tree.leaves(results[name][2]),
+                             jax.tree.leaves(results["ref"][2]))]
+    return np.abs(logits - ref_logits).max(), max(grads)
+
+  (xla_logits, xla_grads), (cudnn_logits, cudnn_grads) = error("xla"), error("cudnn")
+  assert cudnn_logits <= 2 * xla_logits + 1e-3, (cudnn_logits, xla_logits)
+  assert cudnn_grads <= 2 * xla_grads + 1e-3, (cudnn_grads, xla_grads)
