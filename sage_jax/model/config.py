@@ -13,6 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from sage_jax.model import ragged_decode
 from sage_jax.model.attention_kernels import check_implementation
 from sage_jax.model.lora import LoraConfig
 
@@ -71,6 +72,9 @@ class Qwen2Config:
   # Training attention's kernel (`attention_kernels`): "auto" (cuDNN on GPU, Pallas splash on
   # TPU, XLA elsewhere), "xla" (dense or blocked as above), "cudnn" or "splash".
   attention_impl: str = "auto"
+  # The sampler's decode attention (`ragged_decode`): "auto" (the ragged Pallas kernel on TPU,
+  # XLA elsewhere), "xla" or "ragged".
+  decode_attention_impl: str = "auto"
   # Low-rank adapters on the projections (`lora.add_adapters` sets this; rank 0 = none).
   lora: LoraConfig = LoraConfig()
 
@@ -84,6 +88,7 @@ class Qwen2Config:
     check_remat(self.remat)
     check_attention_block(self.attention_block)
     check_implementation(self.attention_impl)
+    ragged_decode.check_implementation(self.decode_attention_impl)
     dtype_from_name(self.param_dtype)
     dtype_from_name(self.dtype)
 

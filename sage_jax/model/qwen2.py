@@ -18,6 +18,7 @@ from sage_jax.model.attention_kernels import KernelCausal, kernel_attention, ker
 from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from sage_jax.model.config import Qwen2Config
 from sage_jax.model.lora import Adapter
+from sage_jax.model.ragged_decode import RaggedDecode, decode_kernel_for, ragged_decode_attention
 from sage_jax.sharding import constrain
 
 _F32 = jnp.float32
@@ -174,11 +175,14 @@ class Attention(nnx.Module):
       k = constrain(_write(kv_cache[0], k, positions), CACHE_AXES)
       v = constrain(_write(kv_cache[1], v, positions), CACHE_AXES)
       kv_cache = (k, v)
-      # Attend only over the cache prefix the mask covers (see `attend_len`).
-      k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
+      if not isinstance(mask, RaggedDecode):
+        # Attend only over the cache prefix the mask covers (see `attend_len`).
+        k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     b, t, h, d = q.shape
     q_groups = q.reshape(b, t, self.num_kv_heads, h // self.num_kv_heads, d)
-    if isinstance(mask, KernelCausal):
+    if isinstance(mask, RaggedDecode):
+      out = ragged_decode_attention(q[:, 0], k, v, mask.lengths)
+    elif isinstance(mask, KernelCausal):
       out = kernel_attention(q_groups, k, v, mask).reshape(b, t, h, d)
     elif isinstance(mask, BlockedCausal):
       out = blocked_attention(q_groups, k, v, mask).reshape(b, t, h, d)
@@ -307,8 +311,13 @@ class Qwen2(nnx.Module):
       attend_len = attend_len or cache.max_len
       if not 0 < attend_len <= cache.max_len:
         raise ValueError(f"attend_len={attend_len} must be in (0, {cache.max_len}]")
-      key_pos = jnp.arange(attend_len)
-      mask = key_pos[None, None, :] <= positions[:, :, None]
+      if tokens.shape[1] == 1 and decode_kernel_for(cfg.decode_attention_impl,
+                                                    cache.max_len) == "ragged":
+        # Each sequence reads its own keys, up to its position (and the window).
+        mask = RaggedDecode(jnp.clip(positions[:, 0] + 1, 0, attend_len))
+      else:
+        key_pos = jnp.arange(attend_len)
+        mask = key_pos[None, None, :] <= positions[:, :, None]
     remat_layers = set(cfg.remat_layers) or set(range(cfg.num_hidden_layers))
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):

@@ -8,7 +8,7 @@ import os
 from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
-from sage_jax.model import lora
+from sage_jax.model import lora, ragged_decode
 from sage_jax.model.attention_kernels import check_implementation
 from sage_jax.model.config import Qwen2Config, check_attention_block, check_remat, get_preset
 from sage_jax.model.qwen2 import Qwen2, init_model
@@ -59,6 +59,8 @@ class ModelSpec:
   attention_block: training attention over rows longer than this runs in blocks of this many
   tokens, so its memory grows linearly with length (0 = dense). attention_impl: training
   attention's kernel ("auto", "xla", "cudnn", "splash"; `model.attention_kernels`).
+  decode_attention_impl: the sampler's decode attention ("auto", "xla", "ragged";
+  `model.ragged_decode`).
   lora_rank / lora_alpha / lora_targets: LoRA adapters (`sage_jax.model.lora`) on the loaded
   weights, then frozen (rank 0 = full fine-tuning); adapters start from seed `seed`.
   vocabulary: "full" (the model's own; Qwen2.5's for a preset) or "compact" (a preset's
@@ -74,6 +76,7 @@ class ModelSpec:
   remat_layers: tuple[int, ...] = ()
   attention_block: int = 0
   attention_impl: str = "auto"
+  decode_attention_impl: str = "auto"
   lora_rank: int = 0
   lora_alpha: float = 32.0
   lora_targets: tuple[str, ...] = lora.PROJECTIONS
@@ -90,6 +93,7 @@ class ModelSpec:
     check_remat(self.remat)
     check_attention_block(self.attention_block)
     check_implementation(self.attention_impl)
+    ragged_decode.check_implementation(self.decode_attention_impl)
     self.lora_config  # noqa: B018 - checks the LoRA keys
 
   @property
@@ -116,10 +120,11 @@ def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
   else:
     model = load_model(spec.spec, mesh=mesh, rules=rules, param_dtype=spec.param_dtype or None,
                        dtype=spec.dtype or None)
-  # Remat and blocked attention change how the forward pass is traced, not the weights.
+  # Remat and the attention kernels change how the forward pass is traced, not the weights.
   model.config = model.config.replace(remat=spec.remat, remat_layers=spec.remat_layers,
                                       attention_block=spec.attention_block,
-                                      attention_impl=spec.attention_impl)
+                                      attention_impl=spec.attention_impl,
+                                      decode_attention_impl=spec.decode_attention_impl)
   if spec.lora_config.enabled:
     lora.add_adapters(model, spec.lora_config, seed=spec.seed)
     if mesh is not None:
