@@ -71,6 +71,7 @@ def test_rewrites_add_a_second_trajectory_that_writes_the_skill_the_library_has(
   later = [i for i, t in plain.items() if t.metadata["chain_position"] > 0]
   assert sorted(expert.task_id_of(t) for t in rewritten) == sorted(later)
   assert stats.kept == len(trajectories) == len(gold[0]) + len(later)
+  assert stats.rewrites_failed == []
   for t in rewritten:
     reused = plain[expert.task_id_of(t)]
     # The same conversation up to the reply: the library shown is the one the reuse saw.
@@ -83,6 +84,23 @@ def test_rewrites_add_a_second_trajectory_that_writes_the_skill_the_library_has(
     sft_data.tokenize(t, tok)
   # The file the pipeline writes reads back (ids are unique).
   assert len({t.id for t in trajectories}) == len(trajectories)
+
+
+def test_a_failed_rewrite_is_reported_and_left_out(gold, mini_root, tok, pool, monkeypatch):
+  broken = next(t.id for t in gold[0] if t.metadata["chain_position"] > 0)
+
+  class BrokenRewrite(expert.ScriptedPolicy):
+    def session(self, context):
+      if self._rewrite and context.task_id == broken:
+        return expert.TextTurnsSession(["```python\nraise ValueError('broken')\n```"], tok)
+      return super().session(context)
+
+  monkeypatch.setattr(expert, "ScriptedPolicy", BrokenRewrite)
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), rewrites=True)
+  trajectories, stats = expert.gold_trajectories(config, tok, pool)
+  assert stats.rewrites_failed == [broken]
+  ids = {t.id for t in trajectories}
+  assert broken in ids and broken + expert.REWRITE_SUFFIX not in ids
 
 
 def test_trajectories_from_elsewhere_are_replayed_and_failures_dropped(gold, mini_root, tok,

@@ -103,6 +103,8 @@ class ExpertStats:
   failed: list[str] = dataclasses.field(default_factory=list)
   not_selected: list[str] = dataclasses.field(default_factory=list)  # succeeded, scenario not
   untokenisable: list[str] = dataclasses.field(default_factory=list)
+  # With `rewrites`: later tasks whose rewrite play failed or did not tokenise (not kept).
+  rewrites_failed: list[str] = dataclasses.field(default_factory=list)
 
 
 class ReplayPolicy:
@@ -202,10 +204,13 @@ def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
   out, stats = play(ScriptedPolicy(root, tokenizer), task_ids, tokenizer, config, "gold", pool)
   if config.rewrites and config.use_library:
     again = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_rewrite")
-    rewritten, _ = play(ScriptedPolicy(root, tokenizer, rewrite=True), task_ids, tokenizer,
-                        again, "gold_rewrite", pool)
+    rewritten, rewrite_stats = play(ScriptedPolicy(root, tokenizer, rewrite=True), task_ids,
+                                    tokenizer, again, "gold_rewrite", pool)
     out += [dataclasses.replace(t, id=f"{t.id}{REWRITE_SUFFIX}") for t in rewritten
             if t.metadata["chain_position"] > 0]
+    firsts = {chain.task_ids[0] for chain in _chains(task_ids)}
+    stats.rewrites_failed = [t for t in rewrite_stats.failed + rewrite_stats.untokenisable
+                             if t not in firsts]
     stats.kept = len(out)
   return out, stats
 
