@@ -13,7 +13,7 @@ import pytest
 from sage_jax.model import get_preset, init_model
 from sage_jax.model import ragged_decode as rd
 from sage_jax.model.qwen2 import _decode_attention
-from sage_jax.sampler import Engine, EngineConfig, SamplingParams
+from sage_jax.sampler import Engine, EngineConfig, SamplingParams, steps
 
 
 def _qkv(b, s, kv, g, d, dtype, seed=0):
@@ -53,14 +53,18 @@ def test_a_sequence_with_no_keys_gets_zeros():
 
 def test_engine_generates_the_same_tokens_with_the_kernel_as_with_xla():
   """Greedy decoding of the tiny model through the engine (prefill, then decode steps over
-  slots of different lengths) gives the same tokens and near-equal logprobs either way."""
+  slots of different lengths) gives the same tokens and near-equal logprobs either way; with
+  the kernel, decode compiles once (no attention windows), XLA once per window it needs."""
   prompts = [[5, 9, 200, 3000, 17], [88] * 40, list(range(100, 400, 7))]
-  sampling = SamplingParams(temperature=0.0, max_new_tokens=12)
-  config = EngineConfig(num_slots=4, max_len=512, prefill_buckets=(64,), min_attend=512)
-  results = {}
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=40)
+  config = EngineConfig(num_slots=4, max_len=512, prefill_buckets=(64,), min_attend=64)
+  results, compiled = {}, {}
   for impl in ("xla", "ragged"):
     model = init_model(get_preset("tiny", decode_attention_impl=impl), seed=3)
+    before = steps.decode._cache_size()
     results[impl] = Engine(model, config, eos_ids=()).generate(prompts, sampling)
+    compiled[impl] = steps.decode._cache_size() - before
+  assert compiled == {"xla": 2, "ragged": 1}  # xla: windows of 64 and 128 positions
   for a, b in zip(results["xla"], results["ragged"]):
     assert a.tokens == b.tokens
     np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)

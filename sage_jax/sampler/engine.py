@@ -28,10 +28,16 @@ from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
 from sage_jax.model.qwen2 import KVCache, Qwen2
+from sage_jax.model.ragged_decode import decode_kernel_for
 from sage_jax.sampler import steps
 from sage_jax.sampler.sampling import SamplingParams
 
 FINISH_REASONS = ("eos", "stop_string", "max_new_tokens", "context_full")
+
+
+def _smallest_covering(sizes: Sequence[int], needed: int) -> int:
+  """The smallest of the ascending `sizes` that is >= needed (the largest if none is)."""
+  return sizes[min(bisect.bisect_left(sizes, needed), len(sizes) - 1)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +167,10 @@ class Engine:
     self._finished: list[TurnResult] = []
     self._ids = itertools.count()
     self.stats = EngineStats()
+    # The ragged decode kernel reads each sequence's keys up to its own length, so decode
+    # needs no window smaller than the cache (one compiled decode instead of one per window).
+    ragged = decode_kernel_for(model.config.decode_attention_impl, cfg.max_len) == "ragged"
+    self._decode_windows = (cfg.max_len,) if ragged else cfg.attend_buckets
 
   # --- Public API ------------------------------------------------------------------------
 
@@ -287,7 +297,7 @@ class Engine:
         if a >= self._attend_bucket(t):
           self._run_prefill(tokens_for(t), slot=0, start=0, length=0, attend_len=a)
     idle = steps.SlotState.empty(cfg.num_slots)
-    for a in cfg.attend_buckets:
+    for a in self._decode_windows:
       self._cache, _, _ = self._run_decode(idle, a)
 
   # --- Turns -----------------------------------------------------------------------------
@@ -372,8 +382,7 @@ class Engine:
     return params if self._mesh is None else jax.device_put(params, self._param_shardings)
 
   def _attend_bucket(self, needed: int) -> int:
-    buckets = self.config.attend_buckets
-    return buckets[min(bisect.bisect_left(buckets, needed), len(buckets) - 1)]
+    return _smallest_covering(self.config.attend_buckets, needed)
 
   def _run_prefill(self, tokens: np.ndarray, *, slot: int, start: int, length: int,
                    attend_len: int) -> None:
@@ -412,7 +421,8 @@ class Engine:
   def _decode_block(self) -> None:
     st, cfg = self._state, self.config
     needed = int(st.positions[st.active].max()) + cfg.steps_per_call
-    self._cache, state, out = self._run_decode(st, self._attend_bucket(needed))
+    self._cache, state, out = self._run_decode(st, _smallest_covering(self._decode_windows,
+                                                                       needed))
     state, out = jax.device_get((state, out))
     self._state = jax.tree.map(np.array, state)
     self.stats.decode_calls += 1
