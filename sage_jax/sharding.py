@@ -52,6 +52,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("cache_len", None),
     ("cache_kv_heads", "tensor"),
 )
+# A layer's KV cache, [batch, len, kv_heads, head_dim].
+CACHE_AXES = ("cache_batch", "cache_len", "cache_kv_heads", None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,6 @@ from jax.sharding import PartitionSpec as P
 
 from sage_jax import sharding as shd
 from sage_jax.model import KVCache, get_preset, init_model
-from sage_jax.model.qwen2 import CACHE_AXES
 
 CFG = get_preset("tiny").replace(vocab_size=512, num_attention_heads=8, num_key_value_heads=2)
 
@@ -92,7 +91,7 @@ def test_rules_skip_axes_that_do_not_divide():
   # 14 heads (Qwen2.5-0.5B) cannot split 4 ways: replicated; 896 embed splits over fsdp.
   assert rules.spec(("embed", "heads", "head_dim"), (896, 14, 64), mesh) == P("fsdp", None, None)
   assert rules.spec(("act_batch", None), (6, 3), mesh) == P("fsdp", None)
-  assert rules.spec(CACHE_AXES, (8, 16, 4, 8), mesh) == P("fsdp", None, "tensor", None)
+  assert rules.spec(shd.CACHE_AXES, (8, 16, 4, 8), mesh) == P("fsdp", None, "tensor", None)
 
 
 def test_mesh_config_errors():

@@ -19,7 +19,7 @@ from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from sage_jax.model.config import Qwen2Config
 from sage_jax.model.lora import Adapter
 from sage_jax.model.ragged_decode import RaggedDecode, decode_kernel_for, ragged_decode_attention
-from sage_jax.sharding import constrain
+from sage_jax.sharding import CACHE_AXES, constrain
 
 _F32 = jnp.float32
 # Up to this many rows (a decode step, a short prefill chunk), XLA:CPU multiplies faster when
@@ -66,9 +66,6 @@ class KVCache:
   @property
   def max_len(self) -> int:
     return self.k[0].shape[1]
-
-
-CACHE_AXES = ("cache_batch", "cache_len", "cache_kv_heads", None)
 
 
 def _write(buf: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:

@@ -81,7 +81,7 @@ def ragged_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: j
   if ctx is None:
     return _attend(q, k, v, lengths).reshape(b, 1, heads, d)
   mesh, rules = ctx
-  kv_spec = rules.spec(("cache_batch", "cache_len", "cache_kv_heads", None), k.shape, mesh)
+  kv_spec = rules.spec(shd.CACHE_AXES, k.shape, mesh)
   if kv_spec[1] is not None:
     raise ValueError("ragged decode attention needs the cache's length unsharded "
                      f"(cache_len -> {kv_spec[1]})")

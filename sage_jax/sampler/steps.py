@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sage_jax.model.qwen2 import CACHE_AXES, KVCache
+from sage_jax.model.qwen2 import KVCache
 from sage_jax.sampler.sampling import sample
-from sage_jax.sharding import constrain
+from sage_jax.sharding import CACHE_AXES, constrain
 
 
 @jax.tree_util.register_dataclass
