@@ -118,16 +118,16 @@ def _evaluate(state: str, split: str) -> list[str]:
 
 
 def run_stage(name: str) -> None:
-  if name in _finished():
-    return
+  """A training stage runs once; an evaluation stage runs for each of --splits it has not run
+  for (so a later invocation can add a split)."""
   if name in ("sft", "sage", "grpo"):
-    _run(name, _train(name, {"sft": "sft.py", "sage": "sage.py", "grpo": "grpo.py"}[name]))
+    if name not in _finished():
+      _run(name, _train(name, {"sft": "sft.py", "sage": "sage.py", "grpo": "grpo.py"}[name]))
     return
   state = name.removeprefix("eval_")
   for split in _SPLITS.value:
     if f"{name}_{split}" not in _finished():
       _run(f"{name}_{split}", _evaluate(state, split))
-  _run(name, ["true"])
 
 
 def table() -> list[dict]:
