@@ -19,6 +19,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from sage_jax import multihost
 from sage_jax.model import get_preset, init_model, lora
 from sage_jax.model.qwen2 import KVCache
 
@@ -31,8 +32,7 @@ ATTEND = 1024
 
 def _decode_step(model, batch, dtype):
   graphdef, state = nnx.split(model)
-  state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                       else x, state)
+  state = multihost.WeightSync(state, multihost.SamplerMeshConfig(param_dtype=dtype))(state)
   cfg = model.config
 
   @jax.jit
