@@ -131,12 +131,7 @@ class Bandwidth:
 
   def copy(self, threads: int, repeats: int = 3) -> float:
     if not self.on_host:
-      best = 0.0
-      for _ in range(repeats):
-        start = time.perf_counter()
-        self.plus_one(self.device).block_until_ready()
-        best = max(best, 2 * self.device.nbytes / (time.perf_counter() - start) / 1e9)
-      return best
+      return self._best_gb_s(self.plus_one, 2 * self.device.nbytes, repeats)
     n = self.src.size
     bounds = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(n), threads)]
     best = 0.0
@@ -148,11 +143,16 @@ class Bandwidth:
     return best
 
   def read(self, repeats: int = 3) -> float:
+    return self._best_gb_s(self.sum, self.device.nbytes, repeats)
+
+  def _best_gb_s(self, fn, nbytes: int, repeats: int) -> float:
+    """The best GB/s of `repeats` calls of the jitted `fn` on the device buffer, moving
+    `nbytes` each."""
     best = 0.0
     for _ in range(repeats):
       start = time.perf_counter()
-      self.sum(self.device).block_until_ready()
-      best = max(best, self.device.nbytes / (time.perf_counter() - start) / 1e9)
+      fn(self.device).block_until_ready()
+      best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
     return best
 
 
