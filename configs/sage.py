@@ -43,6 +43,9 @@ def get_config(preset: str = "demo"):
   c.retrieval.strategy = "same_scenario"
   c.grpo.kl_coef = 0.0
   c.grpo.num_mini_batches = 1
+  # Rollout chains are K random tasks of a scenario, so any task may come first, with an empty
+  # library: the SFT data shows every task writing its skill, not only each scenario's first.
+  c.expert.firsts = True
   return apply_preset(c, preset)
 
 
@@ -84,9 +87,11 @@ def apply_preset(c, preset: str):
     c.sft.logprob_chunk = 0
     # The expert data shows every task after a chain's first twice: calling the library's skill
     # and writing it again (`expert.rewrites`), so the SFT policy reuses its library only
-    # sometimes, a choice SAGE's reward tells apart. SFT runs to convergence (cosine decay to a
-    # tenth): a shorter constant-rate SFT ends at a policy that depends on float rounding.
-    c.expert.update(num_workers=2, splits=("train",), rewrites=True)
+    # sometimes, a choice SAGE's reward tells apart. Chains are ordered, so only a scenario's
+    # first task is ever played first (no `expert.firsts`). SFT runs to convergence (cosine
+    # decay to a tenth): a shorter constant-rate SFT ends at a policy that depends on float
+    # rounding.
+    c.expert.update(num_workers=2, splits=("train",), rewrites=True, firsts=False)
     c.sft.update(total_steps=320, batch_size=2)
     c.sft_optimizer.update(learning_rate=3e-3, warmup_steps=0, schedule="cosine",
                            decay_steps=320, end_lr_ratio=0.1)

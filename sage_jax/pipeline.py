@@ -168,9 +168,11 @@ class Pipeline:
           trajectories, stats = sft_expert.gold_trajectories(expert_cfg, self.tokenizer,
                                                              pool=self.pool)
         logging.info("expert trajectories: %d kept of %d tasks", stats.kept, stats.tasks)
-        if stats.rewrites_failed:
-          logging.warning("expert rewrites: %d later tasks' rewrites failed and were left out: "
-                          "%s", len(stats.rewrites_failed), stats.rewrites_failed[:10])
+        for extra, failed in (("rewrites", stats.rewrites_failed),
+                              ("firsts", stats.firsts_failed)):
+          if failed:
+            logging.warning("expert %s: %d later tasks' extra plays failed and were left out: "
+                            "%s", extra, len(failed), failed[:10])
         if multihost.is_lead():
           sft_data.write_jsonl(path, trajectories)
       multihost.sync_barrier("expert_trajectories")

@@ -86,6 +86,28 @@ def test_rewrites_add_a_second_trajectory_that_writes_the_skill_the_library_has(
   assert len({t.id for t in trajectories}) == len(trajectories)
 
 
+def test_firsts_add_every_later_task_writing_its_skill_with_an_empty_library(
+    gold, mini_root, tok, pool):
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), firsts=True)
+  trajectories, stats = expert.gold_trajectories(config, tok, pool)
+  plain = {t.id: t for t in gold[0]}
+  firsts = [t for t in trajectories if t.id.endswith(expert.FIRST_SUFFIX)]
+  assert [t for t in trajectories if t not in firsts] == gold[0]
+  later = [i for i, t in plain.items() if t.metadata["chain_position"] > 0]
+  assert sorted(expert.task_id_of(t) for t in firsts) == sorted(later)
+  assert stats.kept == len(trajectories) == len(gold[0]) + len(later)
+  assert stats.firsts_failed == [] and stats.rewrites_failed == []
+  for t in firsts:
+    reused = plain[expert.task_id_of(t)]
+    assert t.metadata["chain_position"] == 0 and t.metadata["visible_skills"] == []
+    # Written (a generation, with its docstring) where the chain's reuse only called it.
+    assert t.metadata["skills"]["generated"] == reused.metadata["skills"]["used"] != []
+    assert "def " in t.messages[-1]["content"] and '"""' in t.messages[-1]["content"]
+    assert t.messages[1] != reused.messages[1] or t.messages[0] != reused.messages[0]
+    sft_data.tokenize(t, tok)
+  assert len({t.id for t in trajectories}) == len(trajectories)
+
+
 def test_a_failed_rewrite_is_reported_and_left_out(gold, mini_root, tok, pool, monkeypatch):
   broken = next(t.id for t in gold[0] if t.metadata["chain_position"] > 0)
 

@@ -52,7 +52,9 @@ from sage_jax.tokenizer import Tokenizer
 
 
 SELECTIONS = ("scenario", "task")
-REWRITE_SUFFIX = ":rewrite"  # the id of a task's second gold trajectory (ExpertConfig.rewrites)
+# Ids of a task's extra gold trajectories: `<task id><suffix>` (ExpertConfig.rewrites, .firsts).
+REWRITE_SUFFIX = ":rewrite"
+FIRST_SUFFIX = ":first"
 SOURCES = ("gold", "self")
 
 
@@ -69,7 +71,11 @@ class ExpertConfig:
   for every task after a chain's first one a second trajectory, in which the expert writes
   the skill again although the library shown to it has it (id `<task id>:rewrite`): an
   SFT policy that reuses skills only about half the time, the choice RL's skill reward
-  (and, through chains, its outcome) is about."""
+  (and, through chains, its outcome) is about. firsts: with gold, also keep for every task
+  after a chain's first one a trajectory of it played first, with an empty library, so
+  writing the skill (id `<task id>:first`): RL's random chains (`rollout.chain_order`
+  "random") put any task of a scenario first, and a policy that saw a later task only calling
+  its skill calls it there too, undefined."""
 
   appworld_root: str | None = None
   splits: tuple[str, ...] = ("train",)
@@ -82,6 +88,7 @@ class ExpertConfig:
   source: str = "gold"
   temperatures: tuple[float, ...] = (0.3, 0.7, 1.0)
   rewrites: bool = False
+  firsts: bool = False
 
   def __post_init__(self):
     if self.source not in SOURCES:
@@ -103,8 +110,10 @@ class ExpertStats:
   failed: list[str] = dataclasses.field(default_factory=list)
   not_selected: list[str] = dataclasses.field(default_factory=list)  # succeeded, scenario not
   untokenisable: list[str] = dataclasses.field(default_factory=list)
-  # With `rewrites`: later tasks whose rewrite play failed or did not tokenise (not kept).
+  # With `rewrites` / `firsts`: later tasks whose extra play failed or did not tokenise (not
+  # kept).
   rewrites_failed: list[str] = dataclasses.field(default_factory=list)
+  firsts_failed: list[str] = dataclasses.field(default_factory=list)
 
 
 class ReplayPolicy:
@@ -118,8 +127,12 @@ class ReplayPolicy:
 
 
 def task_of_id(trajectory_id: str) -> str:
-  """The task a trajectory id belongs to (a rewrite's id is its task's plus REWRITE_SUFFIX)."""
-  return trajectory_id.removesuffix(REWRITE_SUFFIX)
+  """The task a trajectory id belongs to (an extra trajectory's id is its task's plus a
+  suffix)."""
+  for suffix in (REWRITE_SUFFIX, FIRST_SUFFIX):
+    if trajectory_id.endswith(suffix):
+      return trajectory_id.removesuffix(suffix)
+  return trajectory_id
 
 
 def task_id_of(trajectory: data_lib.Trajectory) -> str:
@@ -151,21 +164,20 @@ def _chains(task_ids: Iterable[str]) -> list[rollout.Chain]:
   return rollout.scenario_chains(sorted(set(task_ids)))
 
 
-def play(policy: Any, task_ids: Sequence[str], tokenizer: Tokenizer, config: ExpertConfig,
-         source: str, pool: appworld.EnvPool | None = None
+def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
+         config: ExpertConfig, source: str, pool: appworld.EnvPool | None = None
          ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
-  """Runs `policy` on the tasks (scenario chains, one library per chain) in the real engine
-  (`pool`, or a pool started for the call); returns the successful trajectories that
-  `config.selection` keeps, in chain order."""
+  """Runs `policy` on the chains (one library per chain) in the real engine (`pool`, or a
+  pool started for the call); returns the successful trajectories that `config.selection`
+  keeps, in chain order."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   if pool is None:
     pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
                                          outputs_root=config.outputs_root, keep_outputs=False)
     with appworld.EnvPool(pool_config) as started:
-      return play(policy, task_ids, tokenizer, config, source, started)
+      return play(policy, chains, tokenizer, config, source, started)
   agent = AgentConfig(use_library=config.use_library)
   ctx = rollout.RolloutContext(policy, pool, tokenizer, agent, Retriever(), root)
-  chains = _chains(task_ids)
   rollout_config = rollout.RolloutConfig(group_size=1,
                                          chain_length=max(len(c.task_ids) for c in chains),
                                          experiment_prefix=config.experiment_prefix)
@@ -200,19 +212,33 @@ def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
   """The split's gold solutions in the skill format, executed; successes only."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
-  task_ids = [t for split in config.splits for t in appworld.read_split(root, split)]
-  out, stats = play(ScriptedPolicy(root, tokenizer), task_ids, tokenizer, config, "gold", pool)
-  if config.rewrites and config.use_library:
+  chains = _chains(t for split in config.splits for t in appworld.read_split(root, split))
+  out, stats = play(ScriptedPolicy(root, tokenizer), chains, tokenizer, config, "gold", pool)
+  if not config.use_library:
+    return out, stats
+  later = [t for chain in chains for t in chain.task_ids[1:]]
+  if config.rewrites:
     again = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_rewrite")
-    rewritten, rewrite_stats = play(ScriptedPolicy(root, tokenizer, rewrite=True), task_ids,
+    rewritten, rewrite_stats = play(ScriptedPolicy(root, tokenizer, rewrite=True), chains,
                                     tokenizer, again, "gold_rewrite", pool)
     out += [dataclasses.replace(t, id=f"{t.id}{REWRITE_SUFFIX}") for t in rewritten
             if t.metadata["chain_position"] > 0]
-    firsts = {chain.task_ids[0] for chain in _chains(task_ids)}
-    stats.rewrites_failed = [t for t in rewrite_stats.failed + rewrite_stats.untokenisable
-                             if t not in firsts]
-    stats.kept = len(out)
+    stats.rewrites_failed = _failed(rewrite_stats, later)
+  if config.firsts:
+    alone = [rollout.Chain(appworld.scenario_id(t), (t,)) for t in later]
+    again = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_first")
+    played, first_stats = play(ScriptedPolicy(root, tokenizer), alone, tokenizer, again,
+                               "gold_first", pool)
+    out += [dataclasses.replace(t, id=f"{t.id}{FIRST_SUFFIX}") for t in played]
+    stats.firsts_failed = _failed(first_stats, later)
+  stats.kept = len(out)
   return out, stats
+
+
+def _failed(stats: ExpertStats, task_ids: Sequence[str]) -> list[str]:
+  """The tasks of `task_ids` that an extra play failed or could not tokenise."""
+  lost = set(stats.failed + stats.untokenisable)
+  return [t for t in task_ids if t in lost]
 
 
 def self_distilled_trajectories(policy_at: Callable[[float], Any], config: ExpertConfig,
@@ -230,7 +256,7 @@ def self_distilled_trajectories(policy_at: Callable[[float], Any], config: Exper
     if not remaining:
       break
     attempt = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_t{i}")
-    kept, stats = play(policy_at(temperature), remaining, tokenizer, attempt,
+    kept, stats = play(policy_at(temperature), _chains(remaining), tokenizer, attempt,
                        f"self@{temperature:g}", pool)
     for field in dataclasses.fields(ExpertStats):
       setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
@@ -251,7 +277,7 @@ def replayed_trajectories(trajectories: Sequence[data_lib.Trajectory], config: E
     if tid in turns:
       raise data_lib.FormatError(f"two input trajectories for task {tid!r}")
     turns[tid] = [m["content"] for m in t.messages if m["role"] == "assistant"]
-  return play(ReplayPolicy(turns, tokenizer), list(turns), tokenizer, config, source, pool)
+  return play(ReplayPolicy(turns, tokenizer), _chains(turns), tokenizer, config, source, pool)
 
 
 def _define_flags() -> None:
@@ -268,6 +294,10 @@ def _define_flags() -> None:
   flags.DEFINE_enum("selection", "scenario", list(SELECTIONS),
                     "scenario: keep a scenario when its first two tasks succeeded (the "
                     "paper's rule); task: keep every successful task.")
+  flags.DEFINE_bool("rewrites", False, "Gold: also every later task writing the skill its "
+                    "library has (id <task>:rewrite).")
+  flags.DEFINE_bool("firsts", False, "Gold: also every later task played first, with an "
+                    "empty library (id <task>:first).")
   flags.mark_flag_as_required("out")
 
 
@@ -278,7 +308,7 @@ def main(argv) -> None:
   tokenizer = Tokenizer()
   config = ExpertConfig(appworld_root=f.appworld_root, splits=tuple(f.splits),
                         num_workers=f.num_workers, use_library=f.use_library,
-                        selection=f.selection)
+                        selection=f.selection, rewrites=f.rewrites, firsts=f.firsts)
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
   if f.gold:
