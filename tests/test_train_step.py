@@ -161,6 +161,40 @@ def test_empty_micro_batches_are_skipped_exactly():
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_micro_batches_without_a_gradient_run_forward_only_exactly():
+  """Micro-batches whose advantages are all 0 (no KL, no entropy term) skip the backward pass:
+  the step's metrics and parameters equal the fully computed step's, at a step with such
+  micro-batches beside one with a gradient and at a step with none (Adam's momentum moves
+  the parameters there); with KL on every micro-batch has a gradient."""
+  recs = _records(8, seed=6)
+  for r in recs[2:]:
+    r["advantage"] = 0.0
+  cfg = B.BatchConfig(micro_batch_tokens=32, num_micro_batches=4, length_buckets=(16,))
+  mixed = B.make_batch(recs, cfg)[0]
+  zero = mixed.replace(advantages=np.zeros_like(mixed.advantages))
+  per_micro = np.abs(mixed.advantages).reshape(4, -1).sum(1)
+  assert (per_micro == 0).sum() >= 1 and (per_micro > 0).sum() >= 1
+  adam = opt.OptimizerConfig(learning_rate=1e-2, max_grad_norm=0.0)
+  for config in (grpo.GRPOConfig(), grpo.GRPOConfig(kl_coef=0.1)):
+    out = []
+    for skip in (True, False):
+      trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(config), adam,
+                        config=TrainerConfig(skip_empty_micro_batches=skip),
+                        gradient_mask=grpo.gradient_mask(config))
+      steps = [jax.device_get(trainer.step(_with_ref(b))) for b in (mixed, zero)]
+      out.append((steps, _leaves(trainer.params)))
+    assert out[0][0][0]["grad_norm"] > 0
+    assert (out[0][0][1]["grad_norm"] == 0) == (not config.use_kl)
+    for got, want in zip(out[0][0], out[1][0]):
+      for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(out[0][1], out[1][1]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  gradient = grpo.gradient_mask(grpo.GRPOConfig())(mixed)
+  assert gradient.sum() < mixed.loss_mask.sum()
+  assert (grpo.gradient_mask(grpo.GRPOConfig(kl_coef=0.1))(mixed) == mixed.loss_mask).all()
+
+
 def _one_micro_batch():
   """A model and one [4, 16] micro-batch of 4 records: (model, micro, token_logprobs args)."""
   model = init_model(CFG, seed=3)

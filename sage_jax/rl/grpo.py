@@ -236,6 +236,15 @@ def batch_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
   return loss, out
 
 
+def gradient_mask(config: GRPOConfig) -> Callable[[TrainBatch], jax.Array]:
+  """The positions whose loss has a gradient: with neither KL nor entropy term, only those
+  with a non-zero advantage (a zero advantage makes every form of the policy-gradient term 0,
+  clipped, dual-clipped, weighted or not); otherwise every loss position."""
+  if config.use_kl or config.entropy_coef:
+    return lambda batch: batch.loss_mask
+  return lambda batch: jnp.where(batch.advantages != 0, batch.loss_mask, 0.0)
+
+
 def make_loss_fn(config: GRPOConfig) -> Callable[[Qwen2, TrainBatch], tuple[jax.Array, dict]]:
   """The train step's loss for one micro-batch [R, T]: (weighted loss sum, statistics)."""
 

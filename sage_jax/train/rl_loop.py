@@ -75,7 +75,8 @@ def grpo_trainer(model: Qwen2, grpo_config: grpo.GRPOConfig = grpo.GRPOConfig(),
   """A Trainer whose loss is the GRPO loss of `grpo_config`."""
   return Trainer(model, grpo.make_loss_fn(grpo_config), optimizer, config, mesh=mesh,
                  rules=rules, logprob_chunk=grpo_config.logprob_chunk,
-                 logprob_temperature=grpo_config.temperature)
+                 logprob_temperature=grpo_config.temperature,
+                 gradient_mask=grpo.gradient_mask(grpo_config))
 
 
 def frozen_copy(params: nnx.State) -> nnx.State:

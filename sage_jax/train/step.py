@@ -4,7 +4,8 @@
 `TrainBatch` [M, R, T]. It scans the M micro-batches, summing the gradients of each one's
 weighted loss (the weights already normalise over the whole batch, so the sum is the gradient
 of the batch loss), skips micro-batches without a loss token (padding to the fixed M costs
-nothing), then applies the optimiser once. The state is donated; its shardings are pinned, so
+nothing) and runs only the forward pass (for the statistics) of those whose loss has no
+gradient (a GRPO micro-batch whose advantages are all 0), then applies the optimiser once. The state is donated; its shardings are pinned, so
 after the first call per row length nothing compiles again.
 
 A loss function is `loss_fn(model, micro_batch) -> (loss, stats)`: `loss` the micro-batch's
@@ -37,6 +38,8 @@ from sage_jax.train.state import (TrainState, abstract_train_state, create_train
                                   merge_trainable, split_trainable, state_shardings)
 
 LossFn = Callable[[Qwen2, TrainBatch], tuple[jax.Array, dict[str, jax.Array]]]
+# The positions of a micro-batch whose loss has a gradient (default: its loss positions).
+GradientMask = Callable[[TrainBatch], jax.Array]
 BATCH_AXES = (None, "act_batch", None)  # [micro, rows, positions]
 
 _F32 = jnp.float32
@@ -45,7 +48,8 @@ _F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """seed: the train state's RNG seed. skip_empty_micro_batches: do not compute micro-batches
-  without loss tokens (exact: they contribute nothing). The logits' chunk belongs to the
+  without loss tokens, and only the forward pass of those without a gradient position (both
+  exact: they contribute no gradient; the second still gives its statistics). The logits' chunk belongs to the
   loss (grpo.logprob_chunk, sft.logprob_chunk), which `Trainer` is given with it."""
 
   seed: int = 0
@@ -76,10 +80,12 @@ def _combine(acc: dict, new: dict) -> dict:
 def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, *, mesh: Mesh | None = None,
                     rules: shd.ShardingRules = shd.ShardingRules(),
-                    param_shardings: Any = None, skip_empty_micro_batches: bool = True):
+                    param_shardings: Any = None, skip_empty_micro_batches: bool = True,
+                    gradient_mask: GradientMask | None = None):
   """The pure (un-jitted) train step `(state, batch) -> (state, metrics)`. Only the trainable
   part of the parameters (`state.split_trainable`) is differentiated and updated; a frozen
-  base passes through unchanged. `param_shardings`: those of the trainable part."""
+  base passes through unchanged. `param_shardings`: those of the trainable part.
+  `gradient_mask`: see `GradientMask` (with skip_empty_micro_batches)."""
 
   def rules_ctx():
     return contextlib.nullcontext() if mesh is None else shd.use_rules(mesh, rules)
@@ -96,6 +102,10 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       grads = jax.lax.with_sharding_constraint(grads, param_shardings)
     return loss, stats, grads
 
+  def micro_forward(params, micro: TrainBatch, zero_grads):
+    loss, stats = loss_fn(nnx.merge(graphdef, params), micro)
+    return loss, stats, zero_grads
+
   def train_step(state: TrainState, batch: TrainBatch):
     with rules_ctx():
       params = state.params
@@ -108,8 +118,12 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
 
       def body(carry, micro):
         if skip_empty_micro_batches:
-          out = jax.lax.cond(jnp.any(micro.loss_mask > 0), lambda: micro_grads(params, micro),
-                             lambda: empty)
+          has_loss = jnp.any(micro.loss_mask > 0)
+          has_grad = has_loss if gradient_mask is None else jnp.any(gradient_mask(micro) > 0)
+          branch = jnp.where(has_grad, 2, jnp.where(has_loss, 1, 0))
+          out = jax.lax.switch(branch, [lambda p, m: empty,
+                                        lambda p, m: micro_forward(p, m, empty[2]),
+                                        micro_grads], params, micro)
         else:
           out = micro_grads(params, micro)
         loss, stats, grads = out
@@ -147,7 +161,7 @@ class Trainer:
                optimizer: OptimizerConfig = OptimizerConfig(),
                config: TrainerConfig = TrainerConfig(), *, mesh: Mesh | None = None,
                rules: shd.ShardingRules = shd.ShardingRules(), logprob_chunk: int = 2048,
-               logprob_temperature: float = 1.0):
+               logprob_temperature: float = 1.0, gradient_mask: GradientMask | None = None):
     self.config = config
     self.logprob_chunk = logprob_chunk
     self.logprob_temperature = logprob_temperature
@@ -160,7 +174,7 @@ class Trainer:
     step = make_train_step(
         self.graphdef, loss_fn, self.tx, self.schedule, mesh=mesh, rules=rules,
         param_shardings=None if mesh is None else split_trainable(self.shardings.params)[0],
-        skip_empty_micro_batches=config.skip_empty_micro_batches)
+        skip_empty_micro_batches=config.skip_empty_micro_batches, gradient_mask=gradient_mask)
     sh = self.shardings
     self._step = jax.jit(step, donate_argnums=0,
                          in_shardings=None if sh is None else (sh, None),
