@@ -61,19 +61,30 @@ def test_gold_solutions_become_skill_format_trajectories(gold, mini_root, tok):
                               if m["role"] == "assistant")
 
 
-def test_rewrites_add_a_second_trajectory_that_writes_the_skill_the_library_has(
-    gold, mini_root, tok, pool):
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), rewrites=True)
+def _extra_trajectories(gold, mini_root, tok, pool, suffix, **option):
+  """The gold trajectories with one extra-play option on: each extra trajectory beside the
+  plain one of its task; checks that the extra ones are one per later task, added after the
+  plain ones under unique ids."""
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), **option)
   trajectories, stats = expert.gold_trajectories(config, tok, pool)
   plain = {t.id: t for t in gold[0]}
-  rewritten = [t for t in trajectories if t.id.endswith(expert.REWRITE_SUFFIX)]
-  assert [t for t in trajectories if t not in rewritten] == gold[0]
+  extra = [t for t in trajectories if t.id.endswith(suffix)]
+  assert [t for t in trajectories if t not in extra] == gold[0]
   later = [i for i, t in plain.items() if t.metadata["chain_position"] > 0]
-  assert sorted(expert.task_id_of(t) for t in rewritten) == sorted(later)
+  assert sorted(expert.task_id_of(t) for t in extra) == sorted(later)
   assert stats.kept == len(trajectories) == len(gold[0]) + len(later)
-  assert stats.rewrites_failed == []
-  for t in rewritten:
-    reused = plain[expert.task_id_of(t)]
+  assert stats.rewrites_failed == [] and stats.firsts_failed == []
+  # The file the pipeline writes reads back (ids are unique).
+  assert len({t.id for t in trajectories}) == len(trajectories)
+  for t in extra:
+    sft_data.tokenize(t, tok)
+  return [(t, plain[expert.task_id_of(t)]) for t in extra]
+
+
+def test_rewrites_add_a_second_trajectory_that_writes_the_skill_the_library_has(
+    gold, mini_root, tok, pool):
+  for t, reused in _extra_trajectories(gold, mini_root, tok, pool, expert.REWRITE_SUFFIX,
+                                      rewrites=True):
     # The same conversation up to the reply: the library shown is the one the reuse saw.
     assert t.messages[:-1] == reused.messages[:-1]
     assert t.metadata["visible_skills"] == reused.metadata["visible_skills"] != []
@@ -81,31 +92,17 @@ def test_rewrites_add_a_second_trajectory_that_writes_the_skill_the_library_has(
     assert not t.metadata["skills"]["used"]
     assert t.metadata["skills"]["updated"] == reused.metadata["skills"]["used"]
     assert "def " in t.messages[-1]["content"] and "def " not in reused.messages[-1]["content"]
-    sft_data.tokenize(t, tok)
-  # The file the pipeline writes reads back (ids are unique).
-  assert len({t.id for t in trajectories}) == len(trajectories)
 
 
 def test_firsts_add_every_later_task_writing_its_skill_with_an_empty_library(
     gold, mini_root, tok, pool):
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), firsts=True)
-  trajectories, stats = expert.gold_trajectories(config, tok, pool)
-  plain = {t.id: t for t in gold[0]}
-  firsts = [t for t in trajectories if t.id.endswith(expert.FIRST_SUFFIX)]
-  assert [t for t in trajectories if t not in firsts] == gold[0]
-  later = [i for i, t in plain.items() if t.metadata["chain_position"] > 0]
-  assert sorted(expert.task_id_of(t) for t in firsts) == sorted(later)
-  assert stats.kept == len(trajectories) == len(gold[0]) + len(later)
-  assert stats.firsts_failed == [] and stats.rewrites_failed == []
-  for t in firsts:
-    reused = plain[expert.task_id_of(t)]
+  for t, reused in _extra_trajectories(gold, mini_root, tok, pool, expert.FIRST_SUFFIX,
+                                      firsts=True):
     assert t.metadata["chain_position"] == 0 and t.metadata["visible_skills"] == []
     # Written (a generation, with its docstring) where the chain's reuse only called it.
     assert t.metadata["skills"]["generated"] == reused.metadata["skills"]["used"] != []
     assert "def " in t.messages[-1]["content"] and '"""' in t.messages[-1]["content"]
-    assert t.messages[1] != reused.messages[1] or t.messages[0] != reused.messages[0]
-    sft_data.tokenize(t, tok)
-  assert len({t.id for t in trajectories}) == len(trajectories)
+    assert t.messages[:2] != reused.messages[:2]  # the prompt shows no library
 
 
 def test_a_failed_rewrite_is_reported_and_left_out(gold, mini_root, tok, pool, monkeypatch):
