@@ -162,23 +162,25 @@ def test_empty_micro_batches_are_skipped_exactly():
 
 
 def test_micro_batches_without_a_gradient_run_forward_only_exactly():
-  """Micro-batches whose advantages are all 0 (no KL, no entropy term) skip the backward pass:
+  """Micro-batches whose advantages are all 0 (no KL, no entropy term; or all <= 0 with the
+  negative side off) skip the backward pass:
   the step's metrics and parameters equal the fully computed step's, at a step with such
   micro-batches beside one with a gradient and at a step with none (Adam's momentum moves
   the parameters there); with KL on every micro-batch has a gradient."""
   recs = _records(8, seed=6)
-  for r in recs[2:]:
-    r["advantage"] = 0.0
+  for r, advantage in zip(recs, [0, 0, 0, -0.5, 0.8, -1.2, 0, 0.3]):
+    r["advantage"] = advantage
   cfg = B.BatchConfig(micro_batch_tokens=32, num_micro_batches=4, length_buckets=(16,))
   mixed = B.make_batch(recs, cfg)[0]
   zero = mixed.replace(advantages=np.zeros_like(mixed.advantages))
-  per_micro = np.abs(mixed.advantages).reshape(4, -1).sum(1)
-  assert (per_micro == 0).sum() >= 1 and (per_micro > 0).sum() >= 1
-  adam = opt.OptimizerConfig(learning_rate=1e-2, max_grad_norm=0.0)
-  for config in (grpo.GRPOConfig(), grpo.GRPOConfig(kl_coef=0.1)):
+  # Micro-batches of positive advantages only, of negative (and 0) only, of 0 only, padding.
+  signs = [set(np.sign(m[m != 0]).tolist()) for m in mixed.advantages]
+  assert sorted(map(sorted, signs)) == [[], [], [-1.0], [1.0]]
+  for config in (grpo.GRPOConfig(), grpo.GRPOConfig(negative_weight=0.0),
+                 grpo.GRPOConfig(kl_coef=0.1)):
     out = []
     for skip in (True, False):
-      trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(config), adam,
+      trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(config), LINEAR_ADAM,
                         config=TrainerConfig(skip_empty_micro_batches=skip),
                         gradient_mask=grpo.gradient_mask(config))
       steps = [jax.device_get(trainer.step(_with_ref(b))) for b in (mixed, zero)]
@@ -191,7 +193,8 @@ def test_micro_batches_without_a_gradient_run_forward_only_exactly():
     for a, b in zip(out[0][1], out[1][1]):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   gradient = grpo.gradient_mask(grpo.GRPOConfig())(mixed)
-  assert gradient.sum() < mixed.loss_mask.sum()
+  positive = grpo.gradient_mask(grpo.GRPOConfig(negative_weight=0.0))(mixed)
+  assert positive.sum() < gradient.sum() < mixed.loss_mask.sum()
   assert (grpo.gradient_mask(grpo.GRPOConfig(kl_coef=0.1))(mixed) == mixed.loss_mask).all()
 
 

@@ -239,9 +239,12 @@ def batch_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
 def gradient_mask(config: GRPOConfig) -> Callable[[TrainBatch], jax.Array]:
   """The positions whose loss has a gradient: with neither KL nor entropy term, only those
   with a non-zero advantage (a zero advantage makes every form of the policy-gradient term 0,
-  clipped, dual-clipped, weighted or not); otherwise every loss position."""
+  clipped, dual-clipped, weighted or not), and only positive ones at negative_weight 0;
+  otherwise every loss position."""
   if config.use_kl or config.entropy_coef:
     return lambda batch: batch.loss_mask
+  if config.negative_weight == 0:
+    return lambda batch: jnp.where(batch.advantages > 0, batch.loss_mask, 0.0)
   return lambda batch: jnp.where(batch.advantages != 0, batch.loss_mask, 0.0)
 
 
