@@ -13,6 +13,10 @@ peak. Rematerialisation is extra work that MFU does not credit.
 `temp_bytes` is what XLA plans for the step's temporaries (activations, logits, attention
 scores), read from the compiled step.
 
+`--zero_advantages` also times, in the same rounds, the step on the same batch with every
+advantage 0 (as when every rollout of every group scored alike): with no KL and no entropy
+term its loss has no gradient, and the step runs only the forward pass of each micro-batch.
+
 `--peer=torch` also times the same update in PyTorch, in the same process: transformers'
 `Qwen2ForCausalLM` (same shapes, sdpa attention) with a per-token weighted log-likelihood loss
 over the same micro-batches, gradient accumulation and `torch.optim.AdamW`. On a CUDA GPU it
@@ -137,6 +141,8 @@ def main():
   p.add_argument("--peer", default="", choices=["", "torch"],
                  help="also time the same update in PyTorch/transformers")
   p.add_argument("--torch_threads", type=int, default=0, help="0 = torch's default")
+  p.add_argument("--zero_advantages", action="store_true",
+                 help="also time the step on the same batch with every advantage 0")
   args = p.parse_args()
 
   cfg = get_preset(args.preset).replace(dtype=args.dtype, remat=args.remat,
@@ -174,6 +180,7 @@ def main():
   batch, info = B.make_batch(records, batch_config)
   assert batch.shape == (args.micro_batches, args.rows, args.seq_len), batch.shape
   device_batch = trainer.place_batch(batch)
+  zero_batch = trainer.place_batch(batch.replace(advantages=np.zeros_like(batch.advantages)))
 
   temp_bytes = trainer.step_temp_bytes(device_batch)
   t = time.perf_counter()
@@ -181,13 +188,17 @@ def main():
   compile_s = time.perf_counter() - t
   peak_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   matmul = matmul_timer(args.peak_n, peak_dtype)
-  times, peaks, mfus = [], [], []
+  times, zero_times, peaks, mfus = [], [], [], []
   tokens = info.real_positions
   flops_tok = model_flops_per_token(cfg, args.seq_len // args.pack)
   for _ in range(args.steps):
     t = time.perf_counter()
     jax.block_until_ready(trainer.step(device_batch))
     times.append(time.perf_counter() - t)
+    if args.zero_advantages:
+      t = time.perf_counter()
+      jax.block_until_ready(trainer.step(zero_batch))
+      zero_times.append(time.perf_counter() - t)
     peaks.append(2 * args.peak_n ** 3 / min(matmul() for _ in range(3)))
     mfus.append(tokens * flops_tok / times[-1] / peaks[-1])
   assert trainer.num_compiled == 1
@@ -220,6 +231,10 @@ def main():
       "mfu": round(statistics.median(mfus), 4),
       "mfu_all": [round(x, 4) for x in mfus],
   }
+  if zero_times:
+    out["zero_advantage_step_s_median"] = round(statistics.median(zero_times), 4)
+    out["zero_advantage_step_s_all"] = [round(x, 4) for x in zero_times]
+    out["zero_advantage_speedup"] = round(step_s / statistics.median(zero_times), 3)
   if args.peer == "torch":
     peer = torch_peer(cfg, batch, args.steps, args.torch_threads)
     peer["tokens_per_s"] = round(tokens / peer["step_s_median"], 1)
