@@ -5,8 +5,9 @@
 weighted loss (the weights already normalise over the whole batch, so the sum is the gradient
 of the batch loss), skips micro-batches without a loss token (padding to the fixed M costs
 nothing) and runs only the forward pass (for the statistics) of those whose loss has no
-gradient (a GRPO micro-batch whose advantages are all 0), then applies the optimiser once. The state is donated; its shardings are pinned, so
-after the first call per row length nothing compiles again.
+gradient (a GRPO micro-batch whose advantages are all 0), then applies the optimiser once.
+The state is donated; its shardings are pinned, so after the first call per row length
+nothing compiles again.
 
 A loss function is `loss_fn(model, micro_batch) -> (loss, stats)`: `loss` the micro-batch's
 weighted loss sum, `stats` a dict of scalars: sums over loss tokens (the step divides them by
@@ -49,8 +50,9 @@ _F32 = jnp.float32
 class TrainerConfig:
   """seed: the train state's RNG seed. skip_empty_micro_batches: do not compute micro-batches
   without loss tokens, and only the forward pass of those without a gradient position (both
-  exact: they contribute no gradient; the second still gives its statistics). The logits' chunk belongs to the
-  loss (grpo.logprob_chunk, sft.logprob_chunk), which `Trainer` is given with it."""
+  exact: they contribute no gradient; the second still gives its statistics). The logits'
+  chunk belongs to the loss (grpo.logprob_chunk, sft.logprob_chunk), which `Trainer` is given
+  with it."""
 
   seed: int = 0
   skip_empty_micro_batches: bool = True
@@ -102,10 +104,6 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       grads = jax.lax.with_sharding_constraint(grads, param_shardings)
     return loss, stats, grads
 
-  def micro_forward(params, micro: TrainBatch, zero_grads):
-    loss, stats = loss_fn(nnx.merge(graphdef, params), micro)
-    return loss, stats, zero_grads
-
   def train_step(state: TrainState, batch: TrainBatch):
     with rules_ctx():
       params = state.params
@@ -122,7 +120,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
           has_grad = has_loss if gradient_mask is None else jnp.any(gradient_mask(micro) > 0)
           branch = jnp.where(has_grad, 2, jnp.where(has_loss, 1, 0))
           out = jax.lax.switch(branch, [lambda p, m: empty,
-                                        lambda p, m: micro_forward(p, m, empty[2]),
+                                        lambda p, m: (*loss_fn(nnx.merge(graphdef, p), m),
+                                                      empty[2]),
                                         micro_grads], params, micro)
         else:
           out = micro_grads(params, micro)
