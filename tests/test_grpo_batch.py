@@ -63,7 +63,9 @@ def test_packing_and_buckets():
   assert info.padding_fraction == pytest.approx(1 - 81 / 128)
   unpacked, _ = B.make_batch(recs, B.BatchConfig(micro_batch_tokens=64, num_micro_batches=1,
                                                  length_buckets=(32, 64), pack=False))
-  assert unpacked.shape == (3, 2, 32)  # one sequence per row
+  # One sequence per row: 6 rows, 3 micro-batches of 2, rounded up to a power of two.
+  assert unpacked.shape == (4, 2, 32)
+  assert not unpacked.segment_ids[3].any()
   fits, _ = B.make_batch(recs, B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2,
                                              length_buckets=(16, 32, 64)))
   assert fits.shape == (2, 2, 32)  # the smallest bucket that holds the longest sequence
@@ -71,6 +73,35 @@ def test_packing_and_buckets():
     B.make_batch(_records([70]), cfg)
   rows = B.BatchConfig(micro_batch_tokens=40, length_buckets=(16,), row_multiple=4)
   assert rows.rows_per_micro_batch(16) == 4
+
+
+def test_rows_stay_within_the_micro_batch_budget():
+  buckets = (1024, 2048, 4096, 8192, 16384)
+  config = B.BatchConfig(micro_batch_tokens=2048, num_micro_batches=1, length_buckets=buckets)
+  # Eight 1200-token episodes would all fit one 16384-token row in one micro-batch, at ~8x the
+  # attention and activations of the 2048-token budget: instead, one per 2048-token row, one
+  # row per micro-batch.
+  batch, info = B.make_batch(_records([1201] * 8), config)
+  assert batch.shape == (8, 1, 2048)
+  assert sorted(p.micro for p in info.placements) == list(range(8))
+  # Five need 5 micro-batches, rounded up to 8 (few compiled variants); the padding ones are
+  # empty.
+  batch, info = B.make_batch(_records([1201] * 5), config)
+  assert batch.shape == (8, 1, 2048)
+  assert not batch.segment_ids[5:].any() and batch.weights.sum() == pytest.approx(1.0)
+  # A sequence longer than the budget gets the shortest bucket that holds it, not longer.
+  batch, _ = B.make_batch(_records([3001, 500, 500]), config)
+  assert batch.shape == (1, 1, 4096)
+  batch, _ = B.make_batch(_records([3001] * 3),
+                          B.BatchConfig(micro_batch_tokens=2048, num_micro_batches=2,
+                                        length_buckets=buckets))
+  assert batch.shape == (4, 1, 4096)
+  # Rows rounded up to the data-parallel multiple count against the budget too: two rows of
+  # 4096 would be 8192 tokens a micro-batch.
+  batch, _ = B.make_batch(_records([1501] * 4),
+                          B.BatchConfig(micro_batch_tokens=4096, row_multiple=2,
+                                        length_buckets=buckets))
+  assert batch.shape == (2, 2, 2048)
 
 
 def test_micro_batch_split_and_mini_batches():

@@ -21,7 +21,8 @@ sequence restarts positions at 0 and carries its own segment id (1, 2, ...; 0 = 
 attention never crosses sequences. `rows_per_micro_batch` rows make a micro-batch and
 `num_micro_batches` micro-batches make a `TrainBatch` of shape [M, R, T]. `T` is the smallest
 length bucket for which every sequence fits into M x R rows (quadratic attention prefers short
-rows), so a run compiles one train step per bucket and never again after warm-up.
+rows); rows stay within the micro-batch token budget, and sequences that do not fit take more
+micro-batches (M times a power of two), so a run compiles few train-step variants.
 
 Normalisation. Per-token loss weights are computed here over the whole batch, so the loss of
 a batch is `sum(weights * per_token_loss)` whatever the micro-batch split: gradient
@@ -113,11 +114,14 @@ class BatchInfo:
 class BatchConfig:
   """How sequences are laid out for one train step.
 
-  micro_batch_tokens: token budget of one micro-batch (rows x row length); rows per
-    micro-batch = micro_batch_tokens // T (at least 1), rounded up to `row_multiple`.
-  num_micro_batches: gradient-accumulation steps per train step. If the sequences fit in no
-    bucket, more micro-batches are used (a new compilation), in the bucket that needs the
-    fewest positions.
+  micro_batch_tokens: token budget of one micro-batch (rows x row length), which bounds the
+    update's activation memory: rows per micro-batch = micro_batch_tokens // T (at least 1),
+    rounded up to `row_multiple`. A micro-batch exceeds the budget only when the rows that
+    hold the longest sequence must (the shortest bucket that holds it).
+  num_micro_batches: gradient-accumulation steps per train step. If the sequences do not fit
+    in that many, more micro-batches are used, in the allowed bucket that needs the fewest
+    positions, their count rounded up to num_micro_batches times a power of two (the
+    padding micro-batches are skipped by the train step), so a run compiles few variants.
   length_buckets: allowed row lengths T; the longest sequence (minus one) must fit the
     largest.
   pack: several sequences per row (segment ids keep them apart); False gives one sequence
@@ -278,6 +282,11 @@ def _choose_layout(lengths: Sequence[int], config: BatchConfig,
   if not fits:
     raise ValueError(f"a sequence needs {max(lengths) if lengths else 0} positions "
                      f"(length - 1), more than the largest length bucket {buckets[-1]}")
+  # Micro-batches over the budget would trade gradient-accumulation steps for the quadratic
+  # attention and activations the budget was set to avoid: only the shortest rows that hold
+  # the longest sequence may exceed it.
+  fits = [i for i in fits if i == fits[0] or _rows_per_process(config, buckets[i], num_processes)
+          * num_processes * buckets[i] <= config.micro_batch_tokens]
   layouts = []
   for i in fits:
     r = _rows_per_process(config, buckets[i], num_processes)
@@ -289,6 +298,8 @@ def _choose_layout(lengths: Sequence[int], config: BatchConfig,
   # Nothing fits in num_micro_batches: more micro-batches, with the layout that has the fewest
   # positions (ties: the shorter rows).
   row_len, r, m = min(layouts, key=lambda lay: (lay[2] * lay[1] * lay[0], lay[0]))
+  times = -(-m // config.num_micro_batches)
+  m = config.num_micro_batches * (1 << (times - 1).bit_length())
   return row_len, r, m, num_processes, packed.get(row_len, [])
 
 
