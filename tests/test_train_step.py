@@ -154,7 +154,10 @@ def test_empty_micro_batches_are_skipped_exactly():
   for skip in (True, False):
     trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()),
                       LINEAR_ADAM, config=TrainerConfig(skip_empty_micro_batches=skip))
-    out.append((jax.device_get(trainer.step(batch)), _leaves(trainer.params)))
+    lp = trainer.logprobs(batch)
+    out.append((jax.device_get(trainer.step(batch)), _leaves(trainer.params), lp))
+  assert np.abs(out[0][2]).sum() > 0
+  np.testing.assert_allclose(out[0][2], out[1][2], atol=1e-6)
   for k in out[0][0]:
     np.testing.assert_allclose(out[0][0][k], out[1][0][k], atol=1e-6, err_msg=k)
   for a, b in zip(out[0][1], out[1][1]):

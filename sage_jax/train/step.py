@@ -49,7 +49,7 @@ _F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """seed: the train state's RNG seed. skip_empty_micro_batches: do not compute micro-batches
-  without loss tokens, and only the forward pass of those without a gradient position (both
+  without loss tokens (in the step and in `Trainer.logprobs`), and only the forward pass of those without a gradient position (both
   exact: they contribute no gradient; the second still gives its statistics). The logits'
   chunk belongs to the loss (grpo.logprob_chunk, sft.logprob_chunk), which `Trainer` is given
   with it."""
@@ -244,12 +244,18 @@ class Trainer:
   def _logprobs_impl(self, params, batch: TrainBatch):
     ctx = contextlib.nullcontext() if self.mesh is None else shd.use_rules(self.mesh, self.rules)
     with ctx:
-      def one(micro):
+      def compute(micro):
         model = nnx.merge(self.graphdef, params)
         lp, _ = token_logprobs(model, micro.tokens, micro.positions, micro.segment_ids,
                                micro.targets, chunk=self.logprob_chunk,
                                temperature=self.logprob_temperature)
         return jnp.where(micro.loss_mask > 0, lp, 0.0)
+
+      def one(micro):  # padding micro-batches (see rl.batch) are not computed
+        if not self.config.skip_empty_micro_batches:
+          return compute(micro)
+        return jax.lax.cond(jnp.any(micro.loss_mask > 0), compute,
+                            lambda m: jnp.zeros(m.loss_mask.shape, _F32), micro)
       return jax.lax.map(one, batch)
 
   def logprobs(self, batch: TrainBatch, params: nnx.State | None = None) -> np.ndarray:
