@@ -17,6 +17,11 @@ scores), read from the compiled step.
 advantage 0 (as when every rollout of every group scored alike): with no KL and no entropy
 term its loss has no gradient, and the step runs only the forward pass of each micro-batch.
 
+`--one_row` also times, in the same rounds, the same sequences packed into one row of
+rows x micro_batches x seq_len positions, a single micro-batch: the layout a micro-batch
+budget of that many tokens gives (and what a smaller budget gave before the batch layout kept
+micro-batches within it), against the one measured here.
+
 `--peer=torch` also times the same update in PyTorch, in the same process: transformers'
 `Qwen2ForCausalLM` (same shapes, sdpa attention) with a per-token weighted log-likelihood loss
 over the same micro-batches, gradient accumulation and `torch.optim.AdamW`. On a CUDA GPU it
@@ -138,6 +143,8 @@ def main():
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--peak_n", type=int, default=2048)
   p.add_argument("--mesh", default="", help="data,fsdp,tensor (default: one device)")
+  p.add_argument("--one_row", action="store_true",
+                 help="also time the same sequences as one row in one micro-batch")
   p.add_argument("--peer", default="", choices=["", "torch"],
                  help="also time the same update in PyTorch/transformers")
   p.add_argument("--torch_threads", type=int, default=0, help="0 = torch's default")
@@ -181,6 +188,14 @@ def main():
   assert batch.shape == (args.micro_batches, args.rows, args.seq_len), batch.shape
   device_batch = trainer.place_batch(batch)
   zero_batch = trainer.place_batch(batch.replace(advantages=np.zeros_like(batch.advantages)))
+  if args.one_row:
+    positions = args.rows * args.micro_batches * args.seq_len
+    row_batch = B.make_batch(records, B.BatchConfig(micro_batch_tokens=positions,
+                                                    length_buckets=(positions,)))[0]
+    assert row_batch.shape == (1, 1, positions), row_batch.shape
+    row_batch = trainer.place_batch(row_batch)
+    row_temp_bytes = trainer.step_temp_bytes(row_batch)
+    jax.block_until_ready(trainer.step(row_batch))
 
   temp_bytes = trainer.step_temp_bytes(device_batch)
   t = time.perf_counter()
@@ -188,7 +203,7 @@ def main():
   compile_s = time.perf_counter() - t
   peak_dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   matmul = matmul_timer(args.peak_n, peak_dtype)
-  times, zero_times, peaks, mfus = [], [], [], []
+  times, zero_times, row_times, peaks, mfus = [], [], [], [], []
   tokens = info.real_positions
   flops_tok = model_flops_per_token(cfg, args.seq_len // args.pack)
   for _ in range(args.steps):
@@ -199,9 +214,13 @@ def main():
       t = time.perf_counter()
       jax.block_until_ready(trainer.step(zero_batch))
       zero_times.append(time.perf_counter() - t)
+    if args.one_row:
+      t = time.perf_counter()
+      jax.block_until_ready(trainer.step(row_batch))
+      row_times.append(time.perf_counter() - t)
     peaks.append(2 * args.peak_n ** 3 / min(matmul() for _ in range(3)))
     mfus.append(tokens * flops_tok / times[-1] / peaks[-1])
-  assert trainer.num_compiled == 1
+  assert trainer.num_compiled == 1 + args.one_row
   step_s = statistics.median(times)
   peak = statistics.median(peaks)
   out = {
@@ -235,6 +254,11 @@ def main():
     out["zero_advantage_step_s_median"] = round(statistics.median(zero_times), 4)
     out["zero_advantage_step_s_all"] = [round(x, 4) for x in zero_times]
     out["zero_advantage_speedup"] = round(step_s / statistics.median(zero_times), 3)
+  if row_times:
+    out["one_row_temp_bytes"] = row_temp_bytes
+    out["one_row_step_s_median"] = round(statistics.median(row_times), 4)
+    out["one_row_step_s_all"] = [round(x, 4) for x in row_times]
+    out["speedup_vs_one_row"] = round(statistics.median(row_times) / step_s, 3)
   if args.peer == "torch":
     peer = torch_peer(cfg, batch, args.steps, args.torch_threads)
     peer["tokens_per_s"] = round(tokens / peer["step_s_median"], 1)
