@@ -89,6 +89,7 @@ def test_rows_stay_within_the_micro_batch_budget():
   batch, info = B.make_batch(_records([1201] * 5), config)
   assert batch.shape == (8, 1, 2048)
   assert not batch.segment_ids[5:].any() and batch.weights.sum() == pytest.approx(1.0)
+  assert info.total_positions == 5 * 2048  # the padding micro-batches are not computed
   # A sequence longer than the budget gets the shortest bucket that holds it, not longer.
   batch, _ = B.make_batch(_records([3001, 500, 500]), config)
   assert batch.shape == (1, 1, 4096)

@@ -97,12 +97,14 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class BatchInfo:
-  """Host-side facts about a packed batch (for metrics and for scattering results back)."""
+  """Host-side facts about a packed batch (for metrics and for scattering results back).
+  `total_positions` counts the micro-batches that hold sequences: the train step skips the
+  others."""
 
   placements: tuple[Placement, ...]
   num_sequences: int
   real_positions: int  # positions holding a sequence (sum of L - 1)
-  total_positions: int  # M * R * T
+  total_positions: int  # R * T * micro-batches holding sequences
   loss_tokens: int  # masked targets
 
   @property
@@ -270,8 +272,8 @@ def _rows_per_process(config: BatchConfig, row_len: int, num_processes: int) -> 
 
 def _choose_layout(lengths: Sequence[int], config: BatchConfig,
                    allgather: Callable[[np.ndarray], np.ndarray] | None):
-  """(row_len, rows per process per micro-batch, micro-batches, processes, this process's
-  rows as lists of sequence indices)."""
+  """(row_len, rows per process per micro-batch, micro-batches, of which hold sequences,
+  processes, this process's rows as lists of sequence indices)."""
   buckets = config.length_buckets
   packed = {b: _pack_rows(lengths, b, config.pack) for b in buckets
             if not lengths or b >= max(lengths)}
@@ -287,20 +289,20 @@ def _choose_layout(lengths: Sequence[int], config: BatchConfig,
   # the longest sequence may exceed it.
   fits = [i for i in fits if i == fits[0] or _rows_per_process(config, buckets[i], num_processes)
           * num_processes * buckets[i] <= config.micro_batch_tokens]
-  layouts = []
+  layouts = []  # (row_len, rows, micro-batches holding sequences)
   for i in fits:
     r = _rows_per_process(config, buckets[i], num_processes)
-    m = max(config.num_micro_batches, -(-int(every[:, i].max()) // r))
-    layouts.append((buckets[i], r, m))
-  for row_len, r, m in layouts:  # the shortest rows that fit in num_micro_batches
-    if m == config.num_micro_batches:
-      return row_len, r, m, num_processes, packed.get(row_len, [])
-  # Nothing fits in num_micro_batches: more micro-batches, with the layout that has the fewest
-  # positions (ties: the shorter rows).
-  row_len, r, m = min(layouts, key=lambda lay: (lay[2] * lay[1] * lay[0], lay[0]))
-  times = -(-m // config.num_micro_batches)
-  m = config.num_micro_batches * (1 << (times - 1).bit_length())
-  return row_len, r, m, num_processes, packed.get(row_len, [])
+    layouts.append((buckets[i], r, -(-int(every[:, i].max()) // r)))
+  m = config.num_micro_batches
+  fitting = [lay for lay in layouts if lay[2] <= m]
+  if fitting:  # the shortest rows that fit in num_micro_batches
+    row_len, r, used = fitting[0]
+  else:
+    # More micro-batches, with the layout that has the fewest positions (ties: the shorter
+    # rows), their count rounded up to m times a power of two.
+    row_len, r, used = min(layouts, key=lambda lay: (lay[2] * lay[1] * lay[0], lay[0]))
+    m *= 1 << (-(-used // m) - 1).bit_length()
+  return row_len, r, m, used, num_processes, packed.get(row_len, [])
 
 
 def make_batch(records: Sequence[Any], config: BatchConfig = BatchConfig(), *,
@@ -324,7 +326,7 @@ def make_batch(records: Sequence[Any], config: BatchConfig = BatchConfig(), *,
   if allgather is not None:
     counts = np.asarray(allgather(counts)).sum(0)
   loss_tokens, num_sequences, real_positions = float(counts[0]), int(counts[1]), int(counts[2])
-  row_len, r, m, num_processes, rows = _choose_layout(lengths, config, allgather)
+  row_len, r, m, used, num_processes, rows = _choose_layout(lengths, config, allgather)
   weights = loss_weights(masks, aggregation, norm_constant, total_tokens=loss_tokens,
                          num_sequences=num_sequences)
 
@@ -351,7 +353,8 @@ def make_batch(records: Sequence[Any], config: BatchConfig = BatchConfig(), *,
   batch = TrainBatch(**{k: v.reshape(m, r, row_len) for k, v in out.items()})
   info = BatchInfo(placements=tuple(placements), num_sequences=num_sequences,
                    real_positions=real_positions,
-                   total_positions=m * r * num_processes * row_len, loss_tokens=int(loss_tokens))
+                   total_positions=used * r * num_processes * row_len,
+                   loss_tokens=int(loss_tokens))
   return batch, info
 
 
