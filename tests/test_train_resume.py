@@ -49,8 +49,8 @@ def _run(directory, total_steps=6, init_seed=0, on_step=None, save_every=100):
 
 
 def _comparable(history):
-  return [{k: v for k, v in h.items() if not k.startswith("time/") and "per_s" not in k}
-          for h in history]
+  return [{k: v for k, v in h.items()
+           if not k.startswith(("time/", "memory/")) and "per_s" not in k} for h in history]
 
 
 def test_interrupted_and_resumed_run_equals_straight_run(tmp_path):
@@ -75,6 +75,9 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path):
   assert _comparable(first.history + second.history) == _comparable(straight.history)
   logged = read_jsonl(str(tmp_path / "resumed"))
   assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
+  peaks = [r["memory/host_peak_gib"] for r in logged]  # this process's peak resident set
+  assert 0 < peaks[0] and peaks == sorted(peaks)
+  assert "memory/device_peak_gib" not in logged[0]  # CPUs do not report theirs
   assert [r["reward/mean"] for r in logged] == pytest.approx(
       [r["reward/mean"] for r in read_jsonl(str(tmp_path / "straight"))], abs=0)
 

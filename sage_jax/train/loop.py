@@ -4,9 +4,10 @@
 the latest checkpoint's step (0 for a fresh run) and `seed = step_seed(loop seed, step)`: data
 order and randomness are pure functions of the step, so a resumed run repeats exactly what the
 straight run would have done. After each step it logs metrics at `step + 1` (completed
-steps), evaluates every `eval_every` steps ("dev/<name>"), saves when due (every
-`save_every`, at evaluations, at the end), and on SIGTERM / SIGINT (or orbax's multi-host
-preemption notice) saves, waits for the save to land, and returns. With several processes,
+steps; with the peak memory so far, `memory/*`), evaluates every `eval_every` steps
+("dev/<name>"), saves when due (every `save_every`, at evaluations, at the end), and on
+SIGTERM / SIGINT (or orbax's multi-host preemption notice) saves, waits for the save to land,
+and returns. With several processes,
 a signal to any one of them stops all of them after the same step, with one checkpoint.
 """
 
@@ -24,7 +25,7 @@ from flax import nnx
 from sage_jax import multihost
 
 from sage_jax.train.checkpoint import Checkpointer, PreemptionGuard
-from sage_jax.train.metrics import MetricsConfig, MetricsWriter
+from sage_jax.train.metrics import MetricsConfig, MetricsWriter, memory_metrics
 from sage_jax.train.step import Trainer
 
 Evaluate = Callable[[int], Mapping[str, float]]
@@ -84,6 +85,7 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
           values["time/sync_s"] = time.perf_counter() - t_sync
         step += 1
         values["time/step_s"] = time.perf_counter() - t0
+        values.update(memory_metrics())
         dev = {}
         if evaluate is not None and eval_every and step % eval_every == 0:
           t1 = time.perf_counter()

@@ -16,10 +16,12 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import sys
 import time
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 from sage_jax import multihost, storage
@@ -51,6 +53,21 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
       continue
     if arr.shape == () and arr.dtype.kind in "biuf":
       out[k] = float(arr)
+  return out
+
+
+def memory_metrics() -> dict[str, float]:
+  """Peak memory of the run so far in GiB, the largest of any process: the host's resident set
+  (`memory/host_peak_gib`, what a CPU run or the host of an accelerator holds) and, where the
+  devices report it, the largest local device's (`memory/device_peak_gib`). A collective."""
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  host = rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+  device = max((d.memory_stats() or {}).get("peak_bytes_in_use", -1)
+               for d in jax.local_devices())
+  host, device = multihost.allgather(np.asarray([host, device], np.float64)).max(0) / 2**30
+  out = {"memory/host_peak_gib": float(host)}
+  if device >= 0:
+    out["memory/device_peak_gib"] = float(device)
   return out
 
 
