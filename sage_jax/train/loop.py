@@ -7,8 +7,8 @@ straight run would have done. After each step it logs metrics at `step + 1` (com
 steps; with the peak memory so far, `memory/*`), evaluates every `eval_every` steps
 ("dev/<name>"), saves when due (every `save_every`, at evaluations, at the end), and on
 SIGTERM / SIGINT (or orbax's multi-host preemption notice) saves, waits for the save to land,
-and returns. With several processes,
-a signal to any one of them stops all of them after the same step, with one checkpoint.
+and returns. With several processes, a signal to any one of them stops all of them after the
+same step, with one checkpoint.
 """
 
 from __future__ import annotations
