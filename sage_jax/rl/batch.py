@@ -287,12 +287,11 @@ def _choose_layout(lengths: Sequence[int], config: BatchConfig,
   # Micro-batches over the budget would trade gradient-accumulation steps for the quadratic
   # attention and activations the budget was set to avoid: only the shortest rows that hold
   # the longest sequence may exceed it.
-  fits = [i for i in fits if i == fits[0] or _rows_per_process(config, buckets[i], num_processes)
-          * num_processes * buckets[i] <= config.micro_batch_tokens]
   layouts = []  # (row_len, rows, micro-batches holding sequences)
   for i in fits:
     r = _rows_per_process(config, buckets[i], num_processes)
-    layouts.append((buckets[i], r, -(-int(every[:, i].max()) // r)))
+    if i == fits[0] or r * num_processes * buckets[i] <= config.micro_batch_tokens:
+      layouts.append((buckets[i], r, -(-int(every[:, i].max()) // r)))
   m = config.num_micro_batches
   fitting = [lay for lay in layouts if lay[2] <= m]
   if fitting:  # the shortest rows that fit in num_micro_batches

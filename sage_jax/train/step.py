@@ -49,10 +49,10 @@ _F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """seed: the train state's RNG seed. skip_empty_micro_batches: do not compute micro-batches
-  without loss tokens (in the step and in `Trainer.logprobs`), and only the forward pass of those without a gradient position (both
-  exact: they contribute no gradient; the second still gives its statistics). The logits'
-  chunk belongs to the loss (grpo.logprob_chunk, sft.logprob_chunk), which `Trainer` is given
-  with it."""
+  without loss tokens (in the step and in `Trainer.logprobs`), and only the forward pass of
+  those without a gradient position (both exact: they contribute no gradient; the second still
+  gives its statistics). The logits' chunk belongs to the loss (grpo.logprob_chunk,
+  sft.logprob_chunk), which `Trainer` is given with it."""
 
   seed: int = 0
   skip_empty_micro_batches: bool = True
