@@ -62,6 +62,7 @@ from sage_jax.tokenizer import Tokenizer
 from sage_jax.tools import memory_plan
 from sage_jax.train import rl_loop
 from sage_jax.train.checkpoint import Checkpointer
+from sage_jax.train.state import abstract_like
 from sage_jax.train.metrics import MetricsConfig
 from sage_jax.weights import loader
 
@@ -213,22 +214,21 @@ class Pipeline:
                        metrics=dataclasses.replace(run.metrics, log_dir=os.fspath(directory)))
     finally:
       checkpointer.close()
-    self._adopt(trainer.params)
+    self.sync_sampler(trainer.params)
 
   def adopt_sft_result(self) -> None:
     """Makes the finished SFT stage's last params the model's (a run resumed after SFT).
-    Only the params outlive this call: SFT's optimizer state, twice the params under Adam,
-    goes with its trainer instead of sitting beside RL's own."""
-    trainer = sft_loop.sft_trainer(self.model, self.run.sft, self.run.sft_optimizer,
-                                   self.run.trainer, mesh=self.mesh)
+    Only the params are read: SFT's optimiser state, twice the params under Adam, stays on
+    disk."""
     checkpointer = Checkpointer(dataclasses.replace(
         self.run.checkpoint, directory=os.fspath(self.workdir / "sft" / "checkpoints"),
         keep_best=0))
     try:
-      trainer.state, _ = checkpointer.restore(trainer.release_state())
+      params = checkpointer.restore_params(abstract_like(nnx.state(self.model)))
     finally:
       checkpointer.close()
-    self._adopt(trainer.params)
+    nnx.update(self.model, params)
+    self.sync_sampler(params)
 
   def rl(self) -> None:
     run = self.run
@@ -261,18 +261,13 @@ class Pipeline:
                      reference_params=reference)
     finally:
       checkpointer.close()
-    self._adopt(trainer.params)
+    self.sync_sampler(trainer.params)
 
   def sync_sampler(self, params: nnx.State) -> None:
     """Every process's sampler samples from `params` (a collective: all processes call it)."""
     copy = self.weight_sync(params)
     self.weight_sync.check_copies_agree(copy)
     self.engine.update_params(copy)
-
-  def _adopt(self, params: nnx.State) -> None:
-    """Makes trained params the model's and the sampler's (no host copy)."""
-    nnx.update(self.model, params)
-    self.sync_sampler(params)
 
   def export(self) -> str:
     out = os.fspath(self.workdir / "hf")

@@ -9,6 +9,7 @@ import weakref
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from sage_jax import sharding as shd
 from sage_jax.model import get_preset, init_model
@@ -16,6 +17,7 @@ from sage_jax.rl import grpo
 from sage_jax.train import checkpoint as ckpt
 from sage_jax.train import loop
 from sage_jax.train import metrics as metrics_lib
+from sage_jax.train import state as state_lib
 from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.step import Trainer
 
@@ -84,6 +86,29 @@ def test_restore_into_a_sharded_trainer(tmp_path, trainer):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert a.sharding == want.sharding
   saver.close()
+
+
+def test_restore_params_reads_only_the_params_into_the_models_sharding(tmp_path, trainer):
+  """A finished stage's model taken up by the next (a run resumed after SFT)."""
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(tmp_path / "ck")))
+  saver.save(2, trainer.state, meta={"step": 2})
+  saver.wait()
+  mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=4, tensor=2))
+  model = shd.create_sharded(lambda: init_model(CFG, seed=7), mesh)
+  target = state_lib.abstract_like(nnx.state(model))
+  params = saver.restore_params(target)
+  assert jax.tree.structure(params) == jax.tree.structure(target)
+  for a, b, want in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.params),
+                        jax.tree.leaves(target)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding == want.sharding
+  other = state_lib.abstract_like(nnx.state(init_model(CFG.replace(hidden_size=32), seed=0)))
+  with pytest.raises(ckpt.CheckpointError, match="checkpoint step 2"):
+    saver.restore_params(other)
+  saver.close()
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(tmp_path / "none"))).restore_params(
+        target)
 
 
 def test_preemption_guard_turns_sigterm_into_a_flag():

@@ -128,11 +128,10 @@ def test_no_recompile_after_warmup_and_donation():
   cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16, 32))
   first = B.make_batch(_records(5, seed=0), cfg)[0]
   assert first.shape == (2, 4, 16)
-  old_params = trainer.params
+  old_arrays = jax.tree.leaves(trainer.params)
   trainer.step(first)
   assert trainer.num_compiled == 1
-  leaf = jax.tree.leaves(old_params)[0]
-  assert leaf.is_deleted()  # the previous state was donated
+  assert all(a.is_deleted() for a in old_arrays)  # the previous state was donated
   for seed in range(1, 4):  # other data, same bucket: no new compilation
     trainer.step(B.make_batch(_records(6, seed=seed), cfg)[0])
   assert trainer.num_compiled == 1
@@ -143,6 +142,26 @@ def test_no_recompile_after_warmup_and_donation():
   trainer.step(first)
   assert trainer.num_compiled == 2
   assert trainer.step_count == 6
+
+
+def test_the_model_trains_in_place_without_a_second_copy():
+  import gc
+  model = init_model(CFG, seed=0)
+  arrays = lambda: jax.tree.leaves(nnx.state(model))
+  param_bytes = sum(x.nbytes for x in arrays())
+  gc.collect()
+  before = sum(x.nbytes for x in jax.live_arrays())
+  trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()), LINEAR_ADAM)
+  gc.collect()
+  added = sum(x.nbytes for x in jax.live_arrays()) - before
+  # Adam's two moments; the parameters are the model's own arrays, not a copy of them.
+  assert 2 * param_bytes <= added < 2.5 * param_bytes, (added, param_bytes)
+  assert all(a is b for a, b in zip(arrays(), jax.tree.leaves(trainer.params)))
+  cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16,))
+  trainer.step(B.make_batch(_records(5, seed=0), cfg)[0])
+  # After the (donating) step the model holds the new parameters.
+  assert all(a is b and not a.is_deleted()
+             for a, b in zip(arrays(), jax.tree.leaves(trainer.params)))
 
 
 def test_empty_micro_batches_are_skipped_exactly():

@@ -255,18 +255,40 @@ class Checkpointer:
               ) -> tuple[TrainState, dict]:
     """Restores checkpoint `step` (default the latest) into the shapes, dtypes and shardings
     of `abstract_state` (e.g. `Trainer.abstract_state()`); returns (state, meta)."""
+    step = self._readable_step(step)
+    restored = self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())))
+    return restored.state, dict(restored.meta)
+
+  def restore_params(self, abstract_params: Any, step: int | None = None) -> Any:
+    """Only the parameters of checkpoint `step` (default the latest), in the shapes, dtypes
+    and shardings of `abstract_params`: the optimiser state is not read (a finished stage's
+    model taken up by the next one)."""
+    step = self._readable_step(step)
+    item = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+    reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+      return self._read(step, lambda: reader.restore(self.step_directory(step) / "state",
+                                                     args=args))["params"]
+    finally:
+      reader.close()
+
+  def _readable_step(self, step: int | None) -> int:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     self.check_step(step)
+    return step
+
+  def _read(self, step: int, read: Any) -> Any:
     _quiet_orbax_leftovers()
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+      return read()
     except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
       first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise CheckpointError(step, str(self.step_directory(step)), first_line[:500]) from e
-    return restored.state, dict(restored.meta)
 
   def restore_newest_intact(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
     """Restores the newest step that reads; the damaged newer ones are then moved to

@@ -67,16 +67,20 @@ def state_shardings(params: nnx.State, tx: optax.GradientTransformation, mesh: M
 
 def create_train_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int,
                        shardings: TrainState | None = None) -> TrainState:
-  """A fresh state at step 0 (the parameters are placed, then used as they are)."""
+  """A fresh state at step 0 that holds `params` themselves, not a copy (placed first when
+  they are not in `shardings` yet): a trainer and its model share one set of arrays."""
 
   def init(params):
-    return TrainState(params=params, opt_state=tx.init(split_trainable(params)[0]), step=jnp.zeros((), jnp.int32),
-                      rng=jax.random.key_data(jax.random.key(seed)))
+    return (tx.init(split_trainable(params)[0]), jnp.zeros((), jnp.int32),
+            jax.random.key_data(jax.random.key(seed)))
 
   if shardings is None:
-    return jax.jit(init)(params)
-  params = jax.device_put(params, shardings.params)
-  return jax.jit(init, out_shardings=shardings)(params)
+    opt_state, step, rng = jax.jit(init)(params)
+  else:
+    params = jax.device_put(params, shardings.params)
+    opt_state, step, rng = jax.jit(init, out_shardings=(
+        shardings.opt_state, shardings.step, shardings.rng))(params)
+  return TrainState(params=params, opt_state=opt_state, step=step, rng=rng)
 
 
 def abstract_train_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int = 0,
@@ -88,3 +92,9 @@ def abstract_train_state(params: nnx.State, tx: optax.GradientTransformation, *,
     return abstract
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       abstract, shardings)
+
+
+def abstract_like(arrays: Any) -> Any:
+  """Shapes, dtypes and shardings of a tree of arrays, for restoring a checkpoint into."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      arrays)

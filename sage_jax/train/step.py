@@ -150,10 +150,13 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
 class Trainer:
   """Owns the train state of one model and the jitted step over it.
 
-  `trainer.state.params` is always the current nnx.State of the model, on device in its
-  sharding: a sampler in the same process takes it as it is (`Engine.update_params`), with no
-  host copy. The step donates the previous state, so hand the new params to the sampler
-  after every `step` (as the loops do).
+  The model trains in place: the state holds the model's own arrays (no second copy of the
+  parameters), and every new state (a step, a restored checkpoint) becomes the model's.
+  `trainer.state.params` is the current nnx.State on device in its sharding: a sampler in the
+  same process takes it as it is (`Engine.update_params`), with no host copy. The step
+  donates the previous state, so arrays taken from the model or the trainer before a step
+  are gone after it: hand the new params to the sampler after every `step` (as the loops
+  do), and copy what must outlive a step (`rl_loop.frozen_copy`).
   """
 
   def __init__(self, model: Qwen2, loss_fn: LossFn,
@@ -165,6 +168,8 @@ class Trainer:
     self.logprob_chunk = logprob_chunk
     self.logprob_temperature = logprob_temperature
     self.model_config = model.config
+    self._model = model
+    self._state: TrainState | None = None
     self.mesh, self.rules = mesh, rules
     self.graphdef, params = nnx.split(model)
     self.tx, self.schedule = make_optimizer(optimizer)
@@ -183,6 +188,16 @@ class Trainer:
   # --- State ------------------------------------------------------------------------------
 
   @property
+  def state(self) -> TrainState | None:
+    return self._state
+
+  @state.setter
+  def state(self, state: TrainState | None) -> None:
+    self._state = state
+    if state is not None:
+      nnx.update(self._model, state.params)
+
+  @property
   def params(self) -> nnx.State:
     return self.state.params
 
@@ -191,8 +206,8 @@ class Trainer:
     return int(self.state.step)
 
   def model(self) -> Qwen2:
-    """A model view of the current parameters (shares the arrays; do not keep it across steps)."""
-    return nnx.merge(self.graphdef, self.state.params)
+    """The model being trained, holding the current parameters."""
+    return self._model
 
   def abstract_state(self) -> TrainState:
     return abstract_train_state(self.state.params, self.tx, seed=self.config.seed,
