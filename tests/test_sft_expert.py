@@ -197,6 +197,41 @@ def test_self_distillation_rejection_samples_over_temperatures(mini_root, tok, p
     expert.ExpertConfig(source="self", temperatures=())
 
 
+def test_a_repeated_temperature_is_a_new_try(mini_root, tok, pool):
+  """Each temperature's plays draw their own sampling seeds, and the run's seed moves them:
+  a temperature listed twice samples again rather than replaying the first try."""
+  from sage_jax.agent import ScriptedPolicy
+  from sage_jax.agent.gold_solutions import TextTurnsSession
+
+  dev = appworld.read_split(mini_root, "dev")
+  scripted = ScriptedPolicy(mini_root, tok)
+  seeds = {}  # task id -> the sampling seed of each of its plays
+
+  class FailsFirstPlays:
+    def __init__(self, temperature):
+      del temperature
+
+    def session(self, context):
+      seeds.setdefault(context.task_id, []).append(context.seed)
+      if len(seeds[context.task_id]) == 1:
+        return TextTurnsSession(["```python\napis.supervisor.complete_task(answer='?')\n```"],
+                                tok)
+      return scripted.session(context)
+
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
+                               temperatures=(0.7, 0.7), experiment_prefix="again")
+  kept, _ = expert.self_distilled_trajectories(FailsFirstPlays, config, tok, pool=pool)
+  assert sorted(t.id for t in kept) == sorted(dev)  # every scenario, at its second try
+  assert sorted(seeds) == sorted(dev)
+  assert all(len(s) == 2 and s[0] != s[1] for s in seeds.values()), seeds
+  first = {task: s[1] for task, s in seeds.items()}
+  seeds.clear()
+  seeds.update({task: [None] for task in first})  # every play now succeeds
+  expert.self_distilled_trajectories(FailsFirstPlays, dataclasses.replace(config, seed=1), tok,
+                                     pool=pool)
+  assert all(seeds[task][1] != first[task] for task in first)
+
+
 def test_command_line_plays_the_gold_solutions_of_a_split(mini_root, tmp_path):
   out = tmp_path / "test.jsonl"
   done = subprocess.run([sys.executable, "-m", "sage_jax.sft.expert", f"--out={out}",

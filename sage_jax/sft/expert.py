@@ -75,7 +75,9 @@ class ExpertConfig:
   after a chain's first one a trajectory of it played first, with an empty library, so
   writing the skill (id `<task id>:first`): RL's random chains (`rollout.chain_order`
   "random") put any task of a scenario first, and a policy that saw a later task only calling
-  its skill calls it there too, undefined."""
+  its skill calls it there too, undefined. seed: self-distillation's sampling seed (derived
+  from the run's seed); each temperature's plays draw their own seeds from it, so a
+  temperature listed twice is a second, different try."""
 
   appworld_root: str | None = None
   splits: tuple[str, ...] = ("train",)
@@ -89,6 +91,7 @@ class ExpertConfig:
   temperatures: tuple[float, ...] = (0.3, 0.7, 1.0)
   rewrites: bool = False
   firsts: bool = False
+  seed: int = 0
 
   def __post_init__(self):
     if self.source not in SOURCES:
@@ -165,22 +168,23 @@ def _chains(task_ids: Iterable[str]) -> list[rollout.Chain]:
 
 
 def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
-         config: ExpertConfig, source: str, pool: appworld.EnvPool | None = None
-         ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
+         config: ExpertConfig, source: str, pool: appworld.EnvPool | None = None,
+         seed: int = 0) -> tuple[list[data_lib.Trajectory], ExpertStats]:
   """Runs `policy` on the chains (one library per chain) in the real engine (`pool`, or a
-  pool started for the call); returns the successful trajectories that `config.selection`
-  keeps, in chain order."""
+  pool started for the call), sampling seeds from `seed`; returns the successful
+  trajectories that `config.selection` keeps, in chain order."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   if pool is None:
     pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
                                          outputs_root=config.outputs_root, keep_outputs=False)
     with appworld.EnvPool(pool_config) as started:
-      return play(policy, chains, tokenizer, config, source, started)
+      return play(policy, chains, tokenizer, config, source, started, seed)
   agent = AgentConfig(use_library=config.use_library)
   ctx = rollout.RolloutContext(policy, pool, tokenizer, agent, Retriever(), root)
   rollout_config = rollout.RolloutConfig(group_size=1,
                                          chain_length=max(len(c.task_ids) for c in chains),
-                                         experiment_prefix=config.experiment_prefix)
+                                         experiment_prefix=config.experiment_prefix,
+                                         seed=seed)
   batch = asyncio.run(rollout.run_groups(ctx, chains, rollout_config))
   stats = ExpertStats()
   out = []
@@ -256,8 +260,9 @@ def self_distilled_trajectories(policy_at: Callable[[float], Any], config: Exper
     if not remaining:
       break
     attempt = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_t{i}")
+    seed = int(np.random.SeedSequence([config.seed, i]).generate_state(1)[0])
     kept, stats = play(policy_at(temperature), _chains(remaining), tokenizer, attempt,
-                       f"self@{temperature:g}", pool)
+                       f"self@{temperature:g}", pool, seed)
     for field in dataclasses.fields(ExpertStats):
       setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
     accepted = {appworld.scenario_id(task_id_of(t)) for t in kept}
