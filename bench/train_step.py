@@ -11,7 +11,9 @@ attention scores and values, forward + backward; PaLM's MFU definition). MFU = m
 peak. Rematerialisation is extra work that MFU does not credit.
 
 `temp_bytes` is what XLA plans for the step's temporaries (activations, logits, attention
-scores), read from the compiled step.
+scores), read from the compiled step. `setup_bytes_over_params`: the bytes of every live
+array once the model and its trainer exist (parameters, optimiser state), over the
+parameters' bytes: 3 under AdamW when the trainer holds the model's own arrays.
 
 `--zero_advantages` also times, in the same rounds, the step on the same batch with every
 advantage 0 (as when every rollout of every group scored alike): with no KL and no entropy
@@ -32,6 +34,7 @@ gradient checkpointing per layer when `--remat` is not "none" (as ours).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -41,6 +44,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from sage_jax import sharding as shd
 from sage_jax.model import attention_kernels, get_preset, init_model
@@ -165,7 +169,10 @@ def main():
   else:
     model = init_model(cfg, seed=0)
   config = grpo.GRPOConfig(logprob_chunk=args.logprob_chunk)
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
   trainer = grpo_trainer(model, config, OptimizerConfig(learning_rate=1e-6), mesh=mesh)
+  gc.collect()
+  setup_bytes = sum(x.nbytes for x in jax.live_arrays())
 
   # `pack` sequences of exactly seq_len / pack + 1 tokens fill a row of seq_len positions
   # with no padding.
@@ -234,6 +241,8 @@ def main():
       "preset": args.preset, "params": cfg.num_params(), "vocab_size": cfg.vocab_size,
       "dtype": args.dtype, "remat": args.remat, "logprob_chunk": args.logprob_chunk,
       "attention_block": args.attention_block, "temp_bytes": temp_bytes,
+      "param_bytes": param_bytes, "setup_bytes": setup_bytes,
+      "setup_bytes_over_params": round(setup_bytes / param_bytes, 3),
       "attention_kernel": attention_kernels.kernel_for(cfg.attention_impl, cfg.jnp_dtype,
                                                        cfg.head_dim),
       "seq_len": args.seq_len, "pack": args.pack, "rows": args.rows,
