@@ -198,9 +198,7 @@ class Pipeline:
     trainer = sft_loop.sft_trainer(self.model, run.sft, run.sft_optimizer, run.trainer,
                                    mesh=self.mesh)
     directory = self.workdir / "sft"
-    checkpointer = Checkpointer(dataclasses.replace(
-        run.checkpoint, directory=os.fspath(directory / "checkpoints"), keep_best=0),
-        run_config=self.config_dict)
+    checkpointer = self._sft_checkpointer(run_config=self.config_dict)
 
     def dev(step: int) -> dict:  # the sampler takes SFT's params only when it evaluates them
       self.sync_sampler(trainer.params)
@@ -220,15 +218,19 @@ class Pipeline:
     """Makes the finished SFT stage's last params the model's (a run resumed after SFT).
     Only the params are read: SFT's optimiser state, twice the params under Adam, stays on
     disk."""
-    checkpointer = Checkpointer(dataclasses.replace(
-        self.run.checkpoint, directory=os.fspath(self.workdir / "sft" / "checkpoints"),
-        keep_best=0))
+    checkpointer = self._sft_checkpointer()
     try:
       params = checkpointer.restore_params(abstract_like(nnx.state(self.model)))
     finally:
       checkpointer.close()
     nnx.update(self.model, params)
     self.sync_sampler(params)
+
+  def _sft_checkpointer(self, run_config: Any = None) -> Checkpointer:
+    """SFT's checkpoints, <workdir>/sft/checkpoints (the last ones: no dev metric ranks them)."""
+    return Checkpointer(dataclasses.replace(
+        self.run.checkpoint, directory=os.fspath(self.workdir / "sft" / "checkpoints"),
+        keep_best=0), run_config=run_config)
 
   def rl(self) -> None:
     run = self.run

@@ -165,11 +165,15 @@ def test_selection_keeps_scenarios_whose_first_two_tasks_succeeded(gold, mini_ro
     expert.ExpertConfig(selection="chain")
 
 
+def _wrong_answer(tok):
+  """A play that submits a wrong answer at once: the task fails."""
+  return expert.TextTurnsSession(["```python\napis.supervisor.complete_task(answer='?')\n```"], tok)
+
+
 def test_self_distillation_rejection_samples_over_temperatures(mini_root, tok, pool):
   """A policy that fails one scenario's second task at the first temperature: the other
   scenarios are kept from the first temperature, that one from the second."""
   from sage_jax.agent import ScriptedPolicy
-  from sage_jax.agent.gold_solutions import TextTurnsSession
 
   dev = appworld.read_split(mini_root, "dev")
   broken_task = next(t for t in dev if t.endswith("_2"))
@@ -181,8 +185,7 @@ def test_self_distillation_rejection_samples_over_temperatures(mini_root, tok, p
 
     def session(self, context):
       if self.temperature < 0.5 and context.task_id == broken_task:
-        return TextTurnsSession(["```python\napis.supervisor.complete_task(answer='?')\n```"],
-                                tok)
+        return _wrong_answer(tok)
       return scripted.session(context)
 
   config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
@@ -201,7 +204,6 @@ def test_a_repeated_temperature_is_a_new_try(mini_root, tok, pool):
   """Each temperature's plays draw their own sampling seeds, and the run's seed moves them:
   a temperature listed twice samples again rather than replaying the first try."""
   from sage_jax.agent import ScriptedPolicy
-  from sage_jax.agent.gold_solutions import TextTurnsSession
 
   dev = appworld.read_split(mini_root, "dev")
   scripted = ScriptedPolicy(mini_root, tok)
@@ -214,8 +216,7 @@ def test_a_repeated_temperature_is_a_new_try(mini_root, tok, pool):
     def session(self, context):
       seeds.setdefault(context.task_id, []).append(context.seed)
       if len(seeds[context.task_id]) == 1:
-        return TextTurnsSession(["```python\napis.supervisor.complete_task(answer='?')\n```"],
-                                tok)
+        return _wrong_answer(tok)
       return scripted.session(context)
 
   config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
