@@ -49,6 +49,7 @@ from sage_jax.envs import appworld
 from sage_jax.rl import rollout
 from sage_jax.sft import data as data_lib
 from sage_jax.tokenizer import Tokenizer
+from sage_jax.train.loop import step_seed
 
 
 SELECTIONS = ("scenario", "task")
@@ -260,9 +261,8 @@ def self_distilled_trajectories(policy_at: Callable[[float], Any], config: Exper
     if not remaining:
       break
     attempt = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_t{i}")
-    seed = int(np.random.SeedSequence([config.seed, i]).generate_state(1)[0])
     kept, stats = play(policy_at(temperature), _chains(remaining), tokenizer, attempt,
-                       f"self@{temperature:g}", pool, seed)
+                       f"self@{temperature:g}", pool, step_seed(config.seed, i))
     for field in dataclasses.fields(ExpertStats):
       setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
     accepted = {appworld.scenario_id(task_id_of(t)) for t in kept}
