@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import jax
 from etils import epath
@@ -282,7 +282,7 @@ class Checkpointer:
     self.check_step(step)
     return step
 
-  def _read(self, step: int, read: Any) -> Any:
+  def _read(self, step: int, read: Callable[[], Any]) -> Any:
     _quiet_orbax_leftovers()
     try:
       return read()
