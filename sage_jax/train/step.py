@@ -215,8 +215,9 @@ class Trainer:
 
   def release_state(self) -> TrainState:
     """Drops the current state and returns its abstract form, for a checkpoint to be restored
-    into, so that the fresh state and the restored one never live together: holding both
-    doubled a resumed run's peak memory (the Adam moments alone are twice the parameters).
+    into, so that the fresh optimiser state and the restored one never live together: holding
+    both doubled a resumed run's peak memory (the Adam moments alone are twice the
+    parameters). The model keeps its parameters until the restored state replaces them.
     Until a state is assigned again the trainer has none."""
     abstract = self.abstract_state()
     self.state = None
