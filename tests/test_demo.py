@@ -43,53 +43,73 @@ def _train(workdir, *overrides, config="configs/sage.py:demo", env=ONE_DEVICE):
   return out.stdout
 
 
-def test_demo_trains_resumes_evaluates_and_exports(tmp_path):
-  workdir = tmp_path / "run"
-  stdout = _train(workdir, "--config.rl.total_steps=1")
+def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tmp_path):
+  """The short demo with --workdir=gs://... (a fake GCS server; the other runs of this file
+  and of tests/test_learning_appworld.py have local workdirs): the run's files are in the
+  bucket, none in a local "gs:" directory; a rerun resumes from the bucket's checkpoint; the
+  export command reads the run from the bucket and writes what transformers loads."""
+  fake_gcs.create_bucket(gcs_url, "runs")
+  env = {**ONE_DEVICE, **fake_gcs.server_env(gcs_url)}
+  workdir = "gs://runs/demo"
+  root = storage.path(workdir)
+  stdout = _train(workdir, "--config.rl.total_steps=1", env=env)
   assert "| tgc |" in stdout
-  first = json.load(open(workdir / "summary.json"))
-  assert set(first["before"]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}
-  assert os.path.isdir(workdir / "checkpoints" / "1")
-  config = json.load(open(workdir / "config.json"))
+  summary = storage.read_json(root / "summary.json")
+  assert summary["workdir"] == workdir
+  assert set(summary["before"]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}
+  config = storage.read_json(root / "config.json")
   assert config["grpo"]["chain_length"] == 3
   # Dev evaluation samples greedily (the eval section), training at the agent's temperature.
   assert config["agent"]["temperature"] > 0 and config["eval"]["temperature"] == 0.0
-  assert json.load(open(workdir / "eval_before" / "eval_dev.json"))["temperature"] == 0.0
+  assert storage.read_json(root / "eval_before" / "eval_dev.json")["temperature"] == 0.0
+  for name in ("expert_trajectories.jsonl", "tokenizer/tokenizer.json", "sft/done.json",
+               "sft/checkpoints/1/files.json", "checkpoints/1/files.json",
+               "checkpoints/config.json", "eval_after/eval_dev.json", "plots/training.png",
+               "hf/config.json", "hf/model.safetensors.index.json", "hf/tokenizer.json"):
+    assert (root / name).exists(), name
+  assert any(f.name.startswith("events.out.tfevents") for f in (root / "tb").iterdir())
+  assert not os.path.exists(os.path.join(REPO, "gs:"))
 
-  # Resume: one more RL step continues from the checkpoint of step 1; SFT is not redone.
-  _train(workdir, "--config.rl.total_steps=2")
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  # Resume: one more RL step continues from the bucket's checkpoint of step 1; SFT is not
+  # redone.
+  _train(workdir, "--config.rl.total_steps=2", env=env)
+  metrics = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+  rows = metrics(root)
   assert [r["step"] for r in rows] == [1, 2]
-  assert os.path.isdir(workdir / "checkpoints" / "2")
+  assert [r["step"] for r in metrics(root / "sft")] == [1]
+  assert (root / "checkpoints" / "2" / "files.json").exists()
   # chains_per_step x group_size x chain_length episodes per SAGE step.
   assert all(r["compute/episodes"] == 2 * 4 * 3 for r in rows)
-  assert os.path.exists(workdir / "plots" / "training.png")
 
   # The export command writes what transformers loads; it equals the run's own export.
   out = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}",
-                        f"--out={tmp_path / 'export'}"], cwd=REPO, capture_output=True,
-                       text=True, timeout=600, env=ONE_DEVICE)
+                        "--out=gs://runs/export"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
-  assert "Dev evaluation" in open(tmp_path / "export" / "README.md").read()
+  export = storage.path("gs://runs/export")
+  assert "Dev evaluation" in (export / "README.md").read_text()
+  for name, local in (("gs://runs/export", "export"), (f"{workdir}/hf", "hf"),
+                      (f"{workdir}/tokenizer", "tokenizer")):
+    storage.copy_tree(name, tmp_path / local)
   # The export carries the run's compact tokenizer, sized to the model's vocabulary.
   tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
   text = "<|im_start|>user\nHello world"
-  assert tok(text)["input_ids"] == Tokenizer(workdir / "tokenizer").encode(text)
+  assert tok(text)["input_ids"] == Tokenizer(tmp_path / "tokenizer").encode(text)
   assert tok.decode(tok(text)["input_ids"]) == text
   assert len(tok) == json.load(open(tmp_path / "export" / "config.json"))["vocab_size"]
   ids = torch.tensor([tok(text)["input_ids"]])
   logits = []
-  for d in (workdir / "hf", tmp_path / "export"):
+  for d in (tmp_path / "hf", tmp_path / "export"):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
     with torch.no_grad():
       logits.append(model(ids).logits.numpy())
   np.testing.assert_array_equal(logits[0], logits[1])
 
-  # The SFT stage's checkpoint exports too.
+  # The SFT stage's checkpoint exports too, here to a local directory.
   out = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}",
                         "--stage=sft", "--step=1", f"--out={tmp_path / 'sft_export'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600, env=ONE_DEVICE)
+                       cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.loads(out.stdout.strip().splitlines()[-1]) == {
       "out": str(tmp_path / "sft_export"), "stage": "sft", "step": 1}
@@ -175,46 +195,6 @@ def test_bad_config_fails_before_compiling(tmp_path):
     assert out.returncode != 0
     assert key in out.stderr, (override, out.stderr[-2000:])
     assert not os.path.exists(tmp_path / "bad" / "config.json")
-
-
-def test_gs_workdir_trains_resumes_evaluates_and_exports(gcs_url, tmp_path):
-  """The short demo with --workdir=gs://... (a fake GCS server): the run's files are in the
-  bucket, none in a local "gs:" directory, and a rerun resumes from the bucket's checkpoint."""
-  fake_gcs.create_bucket(gcs_url, "runs")
-  env = {**ONE_DEVICE, **fake_gcs.server_env(gcs_url)}
-  workdir = "gs://runs/demo"
-  _train(workdir, "--config.rl.total_steps=1", "--config.pipeline.eval_before=false", env=env)
-  root = storage.path(workdir)
-  metrics = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in metrics(root)] == [1]
-  assert storage.read_json(root / "config.json")["grpo"]["chain_length"] == 3
-  assert storage.read_json(root / "summary.json")["workdir"] == workdir
-  for name in ("expert_trajectories.jsonl", "tokenizer/tokenizer.json", "sft/done.json",
-               "sft/checkpoints/1/files.json", "checkpoints/1/files.json",
-               "checkpoints/config.json", "eval_after/eval_dev.json", "plots/training.png",
-               "hf/config.json", "hf/model.safetensors.index.json", "hf/tokenizer.json"):
-    assert (root / name).exists(), name
-  assert any(f.name.startswith("events.out.tfevents") for f in (root / "tb").iterdir())
-  assert not os.path.exists(os.path.join(REPO, "gs:"))
-
-  # Resume: one more RL step from the bucket's checkpoint of step 1; SFT is not redone.
-  _train(workdir, "--config.rl.total_steps=2", "--config.pipeline.eval_before=false",
-         "--config.pipeline.eval_after=false", "--config.pipeline.export=false", env=env)
-  assert [r["step"] for r in metrics(root)] == [1, 2]
-  assert [r["step"] for r in metrics(root / "sft")] == [1]
-  assert (root / "checkpoints" / "2" / "files.json").exists()
-
-  # The export command reads the run from the bucket and writes the model there.
-  out = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}",
-                        "--out=gs://runs/export"], cwd=REPO, capture_output=True, text=True,
-                       timeout=600, env=env)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
-  export = storage.path("gs://runs/export")
-  assert "Dev evaluation" in (export / "README.md").read_text()
-  storage.copy_tree(export, tmp_path / "export")
-  tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
-  assert len(tok) == json.load(open(tmp_path / "export" / "config.json"))["vocab_size"]
 
 
 def test_bad_workdir_fails_at_startup_by_name(gcs_url, tmp_path):
