@@ -19,6 +19,7 @@ live on the same devices as the train state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -75,13 +76,12 @@ def _tree_bytes(abstract_tree, axes_tree, mesh, rules) -> int:
   return sum(_per_device_bytes(x.shape, x.dtype, a, mesh, rules) for x, a in zip(leaves, axes))
 
 
-def plan(cfg: Qwen2Config, mesh_shape: tuple[int, int, int],
-         rules: shd.ShardingRules = shd.ShardingRules(), mu_dtype: str | None = None,
-         grad_dtype: str | None = None) -> MemoryPlan:
-  """Bytes per device of params, gradients and AdamW moments for `cfg` on a mesh. With LoRA
-  (`cfg.lora`), params include the adapters and the frozen base; gradients and moments cover
-  the adapters only."""
-  mesh = AbstractMesh(tuple(mesh_shape), shd.MESH_AXES)
+@functools.lru_cache(maxsize=8)
+def _abstract_params(cfg: Qwen2Config):
+  """Shapes and logical axes of the model's parameters, all and trainable ones. Cached: each
+  of the ~10^3 initialiser draws of a 32B model costs time linear in what was traced before
+  it (Flax checks a traced value's sharding, and JAX's error for that walks the trace), so
+  tracing one takes 7-25 s on a CPU core, and a run's plan asks for a model more than once."""
   base = cfg.replace(lora=lora.LoraConfig())
   model = nnx.eval_shape(lambda: lora.add_adapters(Qwen2(base, rngs=nnx.Rngs(0)), cfg.lora))
   params = nnx.state(model, nnx.Param)
@@ -91,6 +91,17 @@ def plan(cfg: Qwen2Config, mesh_shape: tuple[int, int, int],
   axes = jax.tree.map(shd.logical_axes_of, params, is_leaf=is_var)
   train_values = jax.tree.map(lambda v: v.get_value(), trainable, is_leaf=is_var)
   train_axes = jax.tree.map(shd.logical_axes_of, trainable, is_leaf=is_var)
+  return values, axes, train_values, train_axes
+
+
+def plan(cfg: Qwen2Config, mesh_shape: tuple[int, int, int],
+         rules: shd.ShardingRules = shd.ShardingRules(), mu_dtype: str | None = None,
+         grad_dtype: str | None = None) -> MemoryPlan:
+  """Bytes per device of params, gradients and AdamW moments for `cfg` on a mesh. With LoRA
+  (`cfg.lora`), params include the adapters and the frozen base; gradients and moments cover
+  the adapters only."""
+  mesh = AbstractMesh(tuple(mesh_shape), shd.MESH_AXES)
+  values, axes, train_values, train_axes = _abstract_params(cfg)
   tx = optax.adamw(1e-5, mu_dtype=mu_dtype and jnp.dtype(mu_dtype))
   opt_state = jax.eval_shape(tx.init, train_values)
   # AdamW's moments mirror the trainable tree (and so its sharding); scalars are negligible.
