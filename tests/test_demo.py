@@ -147,19 +147,23 @@ def test_grpo_baseline_config(tmp_path):
 
 def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
   """`--config.seed` alone: the same seed reproduces the SFT and SAGE steps exactly, another
-  seed changes them (initial weights, data order, sampled rollouts)."""
+  seed changes them (initial weights, data order, sampled rollouts). The later runs read the
+  first run's SFT data (the gold trajectories, which no seed changes) instead of playing the
+  gold solutions again."""
 
-  def steps(name, seed):
+  def steps(name, seed, *overrides):
     workdir = tmp_path / name
     _train(workdir, f"--config.seed={seed}", "--config.rl.total_steps=1",
            "--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
-           "--config.pipeline.export=false", "--config.pipeline.plot=false")
+           "--config.pipeline.export=false", "--config.pipeline.plot=false", *overrides)
     (sft,) = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
     (rl,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     return ({k: sft[k] for k in ("loss", "grad_norm", "batch/real_positions")},
             {k: rl[k] for k in ("logprob", "entropy", "generated_tokens/total")})
 
-  first, again, other = steps("a", 0), steps("b", 0), steps("c", 1)
+  first = steps("a", 0)
+  data = f"--config.pipeline.expert_trajectories={tmp_path / 'a' / 'expert_trajectories.jsonl'}"
+  again, other = steps("b", 0, data), steps("c", 1, data)
   assert first == again
   assert first[0]["loss"] != other[0]["loss"] and first[1]["logprob"] != other[1]["logprob"]
 
