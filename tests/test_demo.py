@@ -89,9 +89,8 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
   assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
   export = storage.path("gs://runs/export")
   assert "Dev evaluation" in (export / "README.md").read_text()
-  for name, local in (("gs://runs/export", "export"), (f"{workdir}/hf", "hf"),
-                      (f"{workdir}/tokenizer", "tokenizer")):
-    storage.copy_tree(name, tmp_path / local)
+  for remote, local in ((export, "export"), (root / "hf", "hf"), (root / "tokenizer", "tokenizer")):
+    storage.copy_tree(remote, tmp_path / local)
   # The export carries the run's compact tokenizer, sized to the model's vocabulary.
   tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
   text = "<|im_start|>user\nHello world"
