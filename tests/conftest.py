@@ -13,6 +13,13 @@ os.environ.setdefault(
     os.path.join(os.environ.get("SAGE_JAX_CACHE", os.path.expanduser("~/.cache/sage_jax")),
                  "jax_compile_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# Parallel test workers (below) share the cores: each one's OpenMP and BLAS threads (torch's)
+# get its share, since such threads spin while they wait and slow the other workers down.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+  _threads = str(max(1, len(os.sched_getaffinity(0))
+                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+  for _key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_key, _threads)
 # Before fsspec and gcsfs are imported: they read these then.
 for key, value in fake_gcs.CLIENT_ENV.items():
   os.environ.setdefault(key, value)
@@ -54,3 +61,20 @@ def gcs_url():
         os.environ.pop(key, None)
       else:
         os.environ[key] = value
+
+
+# Parallel workers (pytest-xdist's `-n auto`, set in pyproject.toml): one per core, at most 4.
+# Most tests keep a core busy only part of the time (compiling, waiting on AppWorld worker
+# processes or subprocesses), so on 2 cores two workers finish the suite well before one.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+  return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(config, items):
+  """Files with the longest tests first: a worker that starts one at the end runs alone."""
+  rank = lambda item: 0 if item.get_closest_marker("long") else (
+      1 if item.get_closest_marker("slow") else 2)
+  items.sort(key=rank)

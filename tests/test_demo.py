@@ -43,6 +43,7 @@ def _train(workdir, *overrides, config="configs/sage.py:demo", env=ONE_DEVICE):
   return out.stdout
 
 
+@pytest.mark.long
 def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tmp_path):
   """The short demo with --workdir=gs://... (a fake GCS server; the other runs of this file
   and of tests/test_learning_appworld.py have local workdirs): the run's files are in the
@@ -144,6 +145,7 @@ def test_grpo_baseline_config(tmp_path):
   assert row["compute/prompt_tokens"] > row["compute/generated_tokens"] > 0
 
 
+@pytest.mark.long
 def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
   """`--config.seed` alone: the same seed reproduces the SFT and SAGE steps exactly, another
   seed changes them (initial weights, data order, sampled rollouts). The later runs read the

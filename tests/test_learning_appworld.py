@@ -40,7 +40,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -140,6 +140,7 @@ def _safetensors(directory):
   return out
 
 
+@pytest.mark.long
 def test_demo_pipeline_runs_as_two_processes(tmp_path):
   """SFT, SAGE steps with per-process environment delays, checkpoints, dev evaluation (one
   scenario: one process has none to run) and export, as 2 processes x 2 CPU devices; then
