@@ -13,11 +13,17 @@ os.environ.setdefault(
     os.path.join(os.environ.get("SAGE_JAX_CACHE", os.path.expanduser("~/.cache/sage_jax")),
                  "jax_compile_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+def _cores() -> int:
+  """Cores this process may run on (all of the machine's where affinity is not known)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # Parallel test workers (below) share the cores: each one's OpenMP and BLAS threads (torch's)
 # get its share, since such threads spin while they wait and slow the other workers down.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-  _threads = str(max(1, len(os.sched_getaffinity(0))
-                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+  _threads = str(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
   for _key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_key, _threads)
 # Before fsspec and gcsfs are imported: they read these then.
@@ -71,7 +77,7 @@ MAX_WORKERS = 4
 
 
 def pytest_xdist_auto_num_workers(config):
-  return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+  return max(1, min(MAX_WORKERS, _cores()))
 
 
 def pytest_collection_modifyitems(config, items):
