@@ -22,8 +22,9 @@ def _cores() -> int:
 
 # Parallel test workers (below) share the cores: each one's OpenMP and BLAS threads (torch's)
 # get its share, since such threads spin while they wait and slow the other workers down.
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-  _threads = str(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+  _threads = str(max(1, _cores() // _workers))
   for _key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_key, _threads)
 # Before fsspec and gcsfs are imported: they read these then.
