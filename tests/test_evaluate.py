@@ -20,7 +20,7 @@ _config = scripted_eval_config
 @pytest.fixture(scope="module")
 def pool(mini_root, tmp_path_factory):
   outputs = str(tmp_path_factory.mktemp("eval_outputs"))
-  config = pool_config(mini_root, outputs, timeout_seconds=20, call_timeout_s=90.0)
+  config = pool_config(mini_root, outputs)
   with appworld.EnvPool(config) as pool:
     yield pool
 

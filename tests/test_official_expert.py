@@ -22,7 +22,7 @@ from tests.appworld_fixtures import pool_config, scripted_eval_config
 @pytest.fixture(scope="module")
 def pool(official_root, tmp_path_factory):  # noqa: F811
   outputs = str(tmp_path_factory.mktemp("official_outputs"))
-  config = pool_config(official_root, outputs, timeout_seconds=20, call_timeout_s=90.0)
+  config = pool_config(official_root, outputs)
   with appworld.EnvPool(config) as pool:
     yield pool
 
