@@ -22,7 +22,11 @@ DIR is a local path or a URL that etils.epath handles, e.g. gs://bucket/run (`sa
 AppWorld's working files then stay on each host).
 
 A run that is interrupted resumes where it stopped: finished stages are skipped and the
-loops continue from their latest checkpoint.
+loops continue from their latest checkpoint. A SIGTERM (a preemption) stops the run after the
+step in progress, with a checkpoint of it: no later stage, evaluation or export runs, and the
+command exits with status 143 (what an unhandled SIGTERM gives) so that a scheduler or retry
+loop runs it again. An evaluation done before is redone when the weights it scored have
+changed since (a rerun with more steps evaluates the new last step).
 
   python -m sage_jax.pipeline --config=configs/sage.py:<preset> --workdir=DIR
 
@@ -37,6 +41,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -62,12 +67,14 @@ from sage_jax.tokenizer import Tokenizer
 from sage_jax.tools import memory_plan
 from sage_jax.train import rl_loop
 from sage_jax.train.checkpoint import Checkpointer
+from sage_jax.train.loop import LoopResult
 from sage_jax.train.state import abstract_like
 from sage_jax.train.metrics import MetricsConfig
 from sage_jax.weights import loader
 
 SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate",
                 "later_skill_usage_rate")
+PREEMPTED_EXIT_CODE = 128 + 15  # as if SIGTERM had ended the process
 
 
 def _write_json(path, value: Any) -> None:
@@ -116,6 +123,8 @@ class Pipeline:
     self.driver = AsyncEngine(self.engine)
     self.policy = rollout.SamplerPolicy(self.driver, self.run.agent)
     self.eval_policy = rollout.SamplerPolicy(self.driver, self.run.eval.agent(self.run.agent))
+    # The checkpoint (stage, step) whose weights the model holds; None: the starting weights.
+    self.weights_from: dict | None = None
 
   def close(self) -> None:
     self.driver.close()
@@ -125,19 +134,22 @@ class Pipeline:
 
   def evaluate(self, name: str, training_scenarios: bool = False) -> dict:
     """Dev evaluation of the current params, or with `training_scenarios` one on the
-    scenarios RL trains on; cached in <workdir>/<name>/ once done."""
+    scenarios RL trains on; kept in <workdir>/<name>/ and reused while the params are the
+    checkpoint it evaluated."""
     out = self.workdir / name
     split, scenarios = ((self.run.pipeline.train_split, self.run.pipeline.train_scenarios)
                         if training_scenarios else (self.run.eval.split,
                                                     self.run.eval.max_scenarios))
     report = storage.read_json(out / f"eval_{split}.json")
-    if report is None:
+    stage_step = lambda c: c and (c["stage"], c["step"])  # the same run, wherever it is now
+    if report is None or stage_step(report.get("checkpoint")) != stage_step(self.weights_from):
       # The run's config with its derived seeds, as config.json holds it.
       config = {**self.config_dict,
                 "eval": {**self.config_dict["eval"], "data": self.root, "experiment": name,
                          "split": split, "max_scenarios": scenarios}}
       report = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
-                               engine=self.engine, tokenizer=self.tokenizer)
+                               engine=self.engine, tokenizer=self.tokenizer,
+                               checkpoint=self.weights_from)
     return report["metrics"]["overall"]
 
   def compact_tokenizer_dir(self) -> str:
@@ -193,7 +205,7 @@ class Pipeline:
                   if appworld.scenario_id(sft_expert.task_of_id(e.id)) in keep]
     return examples
 
-  def sft(self) -> None:
+  def sft(self) -> LoopResult:
     run = self.run
     trainer = sft_loop.sft_trainer(self.model, run.sft, run.sft_optimizer, run.trainer,
                                    mesh=self.mesh)
@@ -202,17 +214,19 @@ class Pipeline:
 
     def dev(step: int) -> dict:  # the sampler takes SFT's params only when it evaluates them
       self.sync_sampler(trainer.params)
+      self._trained("sft", step)
       return self.evaluate(f"eval_sft_step{step}")
 
     try:
-      sft_loop.run_sft(trainer, self.expert_examples(), config=run.sft,
-                       batch_config=self.batch_config,
-                       evaluate=dev if run.sft.eval_every else None,
-                       checkpointer=checkpointer,
-                       metrics=dataclasses.replace(run.metrics, log_dir=os.fspath(directory)))
+      result = sft_loop.run_sft(
+          trainer, self.expert_examples(), config=run.sft, batch_config=self.batch_config,
+          evaluate=dev if run.sft.eval_every else None, checkpointer=checkpointer,
+          metrics=dataclasses.replace(run.metrics, log_dir=os.fspath(directory)))
     finally:
       checkpointer.close()
     self.sync_sampler(trainer.params)
+    self._trained("sft", result.end_step)
+    return result
 
   def adopt_sft_result(self) -> None:
     """Makes the finished SFT stage's last params the model's (a run resumed after SFT).
@@ -220,11 +234,18 @@ class Pipeline:
     disk."""
     checkpointer = self._sft_checkpointer()
     try:
-      params = checkpointer.restore_params(abstract_like(nnx.state(self.model)))
+      step = checkpointer.latest_step()
+      params = checkpointer.restore_params(abstract_like(nnx.state(self.model)), step)
     finally:
       checkpointer.close()
     nnx.update(self.model, params)
     self.sync_sampler(params)
+    self._trained("sft", step)
+
+  def _trained(self, stage: str, step: int) -> None:
+    """Records that the model holds `stage`'s checkpoint `step` (step 0: nothing trained)."""
+    if step:
+      self.weights_from = {"run": os.fspath(self.workdir), "stage": stage, "step": step}
 
   def _sft_checkpointer(self, run_config: Any = None) -> Checkpointer:
     """SFT's checkpoints, <workdir>/sft/checkpoints (the last ones: no dev metric ranks them)."""
@@ -232,7 +253,7 @@ class Pipeline:
         self.run.checkpoint, directory=os.fspath(self.workdir / "sft" / "checkpoints"),
         keep_best=0), run_config=run_config)
 
-  def rl(self) -> None:
+  def rl(self) -> LoopResult:
     run = self.run
     trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
                                    mesh=self.mesh)
@@ -245,6 +266,7 @@ class Pipeline:
                                        num_chains=run.pipeline.chains_per_step)
 
     def dev(step: int) -> dict:
+      self._trained("rl", step)
       return self.evaluate(f"eval_step{step}")
 
     checkpointer = Checkpointer(dataclasses.replace(
@@ -255,15 +277,17 @@ class Pipeline:
     # frozen and sharded like the parameters; nothing is kept when KL is off.
     reference = rl_loop.frozen_copy(trainer.params) if run.grpo.use_kl else None
     try:
-      rl_loop.run_rl(trainer, rollout=collect, config=run.rl, grpo_config=run.grpo,
-                     batch_config=self.batch_config,
-                     evaluate=dev if run.rl.eval_every else None,
-                     sync_params=self.sync_sampler, checkpointer=checkpointer,
-                     metrics=dataclasses.replace(run.metrics, log_dir=os.fspath(self.workdir)),
-                     reference_params=reference)
+      result = rl_loop.run_rl(
+          trainer, rollout=collect, config=run.rl, grpo_config=run.grpo,
+          batch_config=self.batch_config, evaluate=dev if run.rl.eval_every else None,
+          sync_params=self.sync_sampler, checkpointer=checkpointer,
+          metrics=dataclasses.replace(run.metrics, log_dir=os.fspath(self.workdir)),
+          reference_params=reference)
     finally:
       checkpointer.close()
     self.sync_sampler(trainer.params)
+    self._trained("rl", result.end_step)
+    return result
 
   def sync_sampler(self, params: nnx.State) -> None:
     """Every process's sampler samples from `params` (a collective: all processes call it)."""
@@ -295,7 +319,9 @@ def summary_table(summary: dict) -> str:
 
 
 def run(config: Any, workdir: str) -> dict:
-  """Runs the configured stages; returns the summary (also written to summary.json)."""
+  """Runs the configured stages; returns the summary (also written to summary.json), or,
+  when a signal stopped a stage (its checkpoint saved), what was done with `preempted`
+  naming the stage."""
   started = time.time()
   pipe = Pipeline(config, workdir)
   p = pipe.run.pipeline
@@ -307,14 +333,15 @@ def run(config: Any, workdir: str) -> dict:
         summary["train_before"] = pipe.evaluate("eval_before", training_scenarios=True)
     sft_marker = pipe.workdir / "sft" / "done.json"
     if "sft" in p.stages and storage.read_json(sft_marker) is None:
-      pipe.sft()
+      if pipe.sft().preempted:
+        return {**summary, "preempted": "sft"}
       _write_json(sft_marker, {"finished": time.time()})
     elif "sft" in p.stages:  # resumed after SFT: its last params are the starting point
       pipe.adopt_sft_result()
     if p.eval_train and "sft" in p.stages and "rl" in p.stages:  # what RL starts from
       summary["train_after_sft"] = pipe.evaluate("eval_after_sft", training_scenarios=True)
-    if "rl" in p.stages:
-      pipe.rl()
+    if "rl" in p.stages and pipe.rl().preempted:
+      return {**summary, "preempted": "rl"}
     if p.eval_after:
       summary["after"] = pipe.evaluate("eval_after")
       if p.eval_train:
@@ -354,6 +381,10 @@ def main(argv) -> None:
   if lead:
     print(config, flush=True)
   summary = run(config, workdir)
+  if "preempted" in summary:
+    logging.warning("Stopped by a signal during the %s stage, its checkpoint saved; run the "
+                    "same command again to resume.", summary["preempted"])
+    sys.exit(PREEMPTED_EXIT_CODE)
   if lead:
     print(summary["table"])
     print(f"workdir: {summary['workdir']}  ({summary['elapsed_s']} s)")

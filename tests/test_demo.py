@@ -3,8 +3,10 @@ train (SFT -> SAGE) -> checkpoint -> resume -> evaluate -> export -> transformer
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -21,13 +23,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The demo's shape at a fraction of its cost: one SFT step, short turns, 2 chains a step, one
-# training and one dev scenario evaluated, without AppWorld's own re-scoring
-# (tests/test_evaluate.py has it) and without redraws (after one SFT step no rollout writes
-# code: every chain would be redrawn; tests/test_train_rl_appworld.py covers dynamic sampling).
+# training and one dev scenario, without AppWorld's own re-scoring (tests/test_evaluate.py has
+# it), without redraws (after one SFT step no rollout writes code: every chain would be
+# redrawn; tests/test_train_rl_appworld.py covers dynamic sampling) and without evaluating the
+# training scenario (the gs:// run does).
 SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
          "--config.pool.num_workers=2", "--config.agent.max_turn_tokens=48",
          "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false",
-         "--config.grpo.max_redraws=0", "--config.pipeline.chains_per_step=2")
+         "--config.grpo.max_redraws=0", "--config.pipeline.chains_per_step=2",
+         "--config.pipeline.eval_train=false")
 
 
 # The demo as the README runs it, on one CPU device (not the test session's 8 simulated ones,
@@ -35,10 +39,14 @@ SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
 ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
+def _command(workdir, *overrides, config="configs/sage.py:demo"):
+  return [sys.executable, "-m", "sage_jax.train", f"--config={config}",
+          f"--workdir={workdir}", *SHORT, *overrides]
+
+
 def _train(workdir, *overrides, config="configs/sage.py:demo", env=ONE_DEVICE):
-  cmd = [sys.executable, "-m", "sage_jax.train", f"--config={config}",
-         f"--workdir={workdir}", *SHORT, *overrides]
-  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
+  out = subprocess.run(_command(workdir, *overrides, config=config), cwd=REPO,
+                       capture_output=True, text=True, timeout=1500, env=env)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
   return out.stdout
 
@@ -53,11 +61,16 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
   env = {**ONE_DEVICE, **fake_gcs.server_env(gcs_url)}
   workdir = "gs://runs/demo"
   root = storage.path(workdir)
-  stdout = _train(workdir, "--config.rl.total_steps=1", env=env)
-  assert "| tgc |" in stdout
+  stdout = _train(workdir, "--config.rl.total_steps=1", "--config.pipeline.eval_train=true",
+                  env=env)
+  assert ("| metric | train before | train after SFT | train after | dev before | dev after |"
+          in stdout)
   summary = storage.read_json(root / "summary.json")
   assert summary["workdir"] == workdir
-  assert set(summary["before"]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}
+  for stage in ("before", "after", "train_before", "train_after_sft", "train_after"):
+    assert set(summary[stage]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}, stage
+  # The training scenario's evaluations are of the train split, the dev ones of dev.
+  assert storage.read_json(root / "eval_after_sft" / "eval_train.json")["split"] == "train"
   config = storage.read_json(root / "config.json")
   assert config["grpo"]["chain_length"] == 3
   # Dev evaluation samples greedily (the eval section), training at the agent's temperature.
@@ -71,9 +84,19 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
   assert any(f.name.startswith("events.out.tfevents") for f in (root / "tb").iterdir())
   assert not os.path.exists(os.path.join(REPO, "gs:"))
 
+  evaluated = lambda name, split="dev": storage.read_json(
+      root / name / f"eval_{split}.json").get("checkpoint")
+  assert evaluated("eval_before") is None  # the starting weights
+  assert evaluated("eval_after") == {"run": workdir, "stage": "rl", "step": 1}
+
   # Resume: one more RL step continues from the bucket's checkpoint of step 1; SFT is not
-  # redone.
-  _train(workdir, "--config.rl.total_steps=2", env=env)
+  # redone. The evaluation after RL is redone for step 2, the one before is kept.
+  before = storage.read_json(root / "eval_before" / "eval_dev.json")
+  _train(workdir, "--config.rl.total_steps=2", "--config.pipeline.eval_train=true", env=env)
+  assert storage.read_json(root / "eval_before" / "eval_dev.json") == before
+  assert evaluated("eval_after") == {"run": workdir, "stage": "rl", "step": 2}
+  assert evaluated("eval_after_sft", "train") == {"run": workdir, "stage": "sft", "step": 1}
+  assert evaluated("eval_after", "train") == {"run": workdir, "stage": "rl", "step": 2}
   metrics = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
   rows = metrics(root)
   assert [r["step"] for r in rows] == [1, 2]
@@ -116,6 +139,42 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
   assert (tmp_path / "sft_export" / "config.json").exists()
 
 
+def test_sigterm_stops_the_run_after_its_step_and_a_rerun_finishes_it(tmp_path):
+  """A SIGTERM during SFT (a preemption) stops the run after the SFT step in progress, with a
+  checkpoint of that step: SFT is not marked done, no later stage runs, and the command exits
+  with 143 so that a retry loop reruns it. The rerun resumes SFT from that checkpoint (here
+  told to stop one step later) and goes on to RL."""
+  workdir = tmp_path / "run"
+  quick = ("--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
+           "--config.pipeline.export=false", "--config.pipeline.plot=false",
+           "--config.rl.total_steps=1", "--config.pipeline.chains_per_step=1")
+  proc = subprocess.Popen(_command(workdir, "--config.sft.total_steps=300", *quick), cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=ONE_DEVICE)
+  sft_metrics = workdir / "sft" / "metrics.jsonl"
+  deadline = time.monotonic() + 900
+  while not (sft_metrics.exists() and sft_metrics.read_text().strip()):
+    assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-5000:]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=600)
+  assert proc.returncode == 143, stderr[-5000:]
+  assert "run the same command again to resume" in stderr
+  stopped = len(sft_metrics.read_text().splitlines())
+  assert 1 <= stopped < 300
+  saved = [int(d) for d in os.listdir(workdir / "sft" / "checkpoints") if d.isdigit()]
+  assert max(saved) == stopped  # the step the signal stopped at was saved
+  assert not (workdir / "sft" / "done.json").exists()
+  for later in ("metrics.jsonl", "checkpoints", "summary.json", "eval_after_sft"):
+    assert not (workdir / later).exists(), later
+
+  _train(workdir, f"--config.sft.total_steps={stopped + 1}", *quick)
+  rows = [json.loads(line) for line in sft_metrics.read_text().splitlines()]
+  assert [r["step"] for r in rows] == list(range(1, stopped + 2))
+  assert (workdir / "sft" / "done.json").exists()
+  assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == [1]
+
+
 def test_sft_only_config(tmp_path):
   workdir = tmp_path / "sft"
   stdout = _train(workdir, "--config.pipeline.eval_before=false", "--config.sft.eval_every=1",
@@ -155,8 +214,9 @@ def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
   def steps(name, seed, *overrides):
     workdir = tmp_path / name
     _train(workdir, f"--config.seed={seed}", "--config.rl.total_steps=1",
-           "--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
-           "--config.pipeline.export=false", "--config.pipeline.plot=false", *overrides)
+           "--config.pipeline.chains_per_step=1", "--config.pipeline.eval_before=false",
+           "--config.pipeline.eval_after=false", "--config.pipeline.export=false",
+           "--config.pipeline.plot=false", *overrides)
     (sft,) = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
     (rl,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     return ({k: sft[k] for k in ("loss", "grad_norm", "batch/real_positions")},
@@ -174,8 +234,10 @@ def test_kl_to_the_starting_model(tmp_path):
   step's KL is 0 (policy == reference), a later one is not (an entropy bonus moves the policy:
   after one SFT step no rollout writes code, all score alike, so their advantages are 0)."""
   workdir = tmp_path / "kl"
-  # One update a step (the demo makes 4, whose later ones already see a moved policy).
+  # One update a step (the demo makes 4, whose later ones already see a moved policy), on
+  # one chain's rollouts.
   _train(workdir, "--config.grpo.kl_coef=0.05", "--config.rl.total_steps=2",
+         "--config.pipeline.chains_per_step=1",
          "--config.grpo.num_mini_batches=1", "--config.optimizer.warmup_steps=0",
          "--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
          "--config.pipeline.export=false", "--config.pipeline.plot=false",
