@@ -57,8 +57,8 @@ def test_sage_raises_skill_use_and_keeps_success_on_its_training_chains(tmp_path
   done = subprocess.run(
       [sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
        f"--workdir={workdir}", "--config.pipeline.eval_before=false",
-       "--config.pipeline.eval_after=false", "--config.pipeline.export=false",
-       "--config.pipeline.plot=false"],
+       "--config.pipeline.eval_after=false", "--config.pipeline.eval_train=false",
+       "--config.pipeline.export=false", "--config.pipeline.plot=false"],
       cwd=REPO, capture_output=True, text=True, timeout=2400, env=ONE_DEVICE)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]

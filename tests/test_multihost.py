@@ -150,7 +150,8 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   overrides = ["--config.sft.total_steps=2", "--config.rl.total_steps=2",
                "--config.eval.max_scenarios=1", "--config.pool.num_workers=2",
                "--config.checkpoint.save_every=1", "--config.agent.max_turn_tokens=48",
-               "--config.pipeline.train_scenarios=1", "--config.grpo.max_redraws=0"]
+               "--config.pipeline.train_scenarios=1", "--config.grpo.max_redraws=0",
+               "--config.pipeline.eval_train=false"]
   command = [sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
              "--config=configs/sage.py:demo", f"--workdir={workdir}", "--",
              sys.executable, os.path.join(REPO, "tests", "delayed_train.py"),
