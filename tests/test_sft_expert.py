@@ -13,6 +13,7 @@ from sage_jax.envs import appworld
 from sage_jax.sft import data as sft_data
 from sage_jax.sft import expert
 from sage_jax.tokenizer import Tokenizer
+from tests import appworld_fixtures
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 
 
@@ -23,10 +24,10 @@ def tok():
 
 @pytest.fixture(scope="module")
 def pool(mini_root, tmp_path_factory):
-  config = appworld.EnvPoolConfig(num_workers=2, appworld_root=mini_root,
-                                  outputs_root=str(tmp_path_factory.mktemp("expert_outputs")),
-                                  timeout_seconds=20, call_timeout_s=90.0,
-                                  memory_limit_mb=1536, max_interactions=20)
+  # Observations as long as the pipeline's (the trajectories hold them).
+  config = appworld_fixtures.pool_config(
+      mini_root, str(tmp_path_factory.mktemp("expert_outputs")),
+      max_output_chars=appworld.EnvPoolConfig.max_output_chars)
   with appworld.EnvPool(config) as pool:
     yield pool
 

@@ -16,17 +16,16 @@ from sage_jax.train import checkpoint as ckpt
 from sage_jax.train import rl_loop
 from sage_jax.train.metrics import MetricsConfig, read_jsonl
 from sage_jax.train.optimizer import OptimizerConfig
+from tests import appworld_fixtures
 
 
 @pytest.mark.slow
 def test_rl_loop_with_the_appworld_sequential_rollout(tmp_path):
   root = appworld.ensure_mini_world()
   tok = Tokenizer()
-  pool_config = appworld.EnvPoolConfig(num_workers=2, appworld_root=root,
-                                       outputs_root=str(tmp_path / "outputs"),
-                                       timeout_seconds=20, call_timeout_s=90.0,
-                                       memory_limit_mb=1536, max_interactions=20)
-  with appworld.EnvPool(pool_config) as pool:
+  with appworld.EnvPool(appworld_fixtures.pool_config(
+      root, str(tmp_path / "outputs"),
+      max_output_chars=appworld.EnvPoolConfig.max_output_chars)) as pool:
     ctx = rollout.RolloutContext(ScriptedPolicy(root, tok), pool, tok, AgentConfig(),
                                  Retriever(), root)
     run = rl_loop.appworld_rollout(ctx, appworld.read_split(root, "train"),
@@ -88,12 +87,10 @@ def test_dynamic_sampling_redraws_chains_without_signal(tmp_path):
   tok = Tokenizer()
   scenarios = appworld.group_by_scenario(appworld.read_split(root, "train"))
   steady, mixed = sorted(scenarios)[:2]
-  pool_config = appworld.EnvPoolConfig(num_workers=2, appworld_root=root,
-                                       outputs_root=str(tmp_path / "outputs"),
-                                       timeout_seconds=20, call_timeout_s=90.0,
-                                       max_interactions=20)
   config = rollout.RolloutConfig(chain_length=2, group_size=2, max_redraws=2)
-  with appworld.EnvPool(pool_config) as pool:
+  with appworld.EnvPool(appworld_fixtures.pool_config(
+      root, str(tmp_path / "outputs"),
+      max_output_chars=appworld.EnvPoolConfig.max_output_chars)) as pool:
     ctx = rollout.RolloutContext(_FailsOddRollouts(root, tok, mixed), pool, tok,
                                  AgentConfig(max_steps=2), Retriever(), root)
     # Two scenarios, two chains: the first draw has one chain of each and keeps the mixed
