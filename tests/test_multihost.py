@@ -30,6 +30,14 @@ def _env():
   return env
 
 
+def _failure(output: str) -> str:
+  """What a failed launch printed: from the first Python traceback (the process that failed
+  first; the others' shutdown errors follow it) and the end."""
+  first = output.find("Traceback (most recent call last)")
+  head = output[first:first + 6000] + "\n[...]\n" if first >= 0 else ""
+  return head + output[-3000:]
+
+
 def _launch(num_processes, devices, out, *args, wait=True):
   command = [sys.executable, LAUNCH, f"--num_processes={num_processes}",
              f"--cpu_devices={devices}", f"--workdir={out}", "--", sys.executable, JOB,
@@ -39,7 +47,7 @@ def _launch(num_processes, devices, out, *args, wait=True):
   if not wait:
     return proc
   output, _ = proc.communicate(timeout=900)
-  assert proc.returncode == 0, output[-4000:]
+  assert proc.returncode == 0, _failure(output)
   return _result(out)
 
 
@@ -100,11 +108,11 @@ def _stop_one_process(num_processes, devices, out, ckpt):
   metrics = os.path.join(out, "metrics.jsonl")
   deadline = time.monotonic() + 600
   while not (os.path.exists(metrics) and open(metrics).read().strip()):
-    assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()[-4000:]
+    assert time.monotonic() < deadline and proc.poll() is None, _failure(proc.stdout.read())
     time.sleep(0.2)
   os.kill(pids[-1], signal.SIGTERM)
   output, _ = proc.communicate(timeout=600)
-  assert proc.returncode == 0, output[-4000:]
+  assert proc.returncode == 0, _failure(output)
   return _result(out)
 
 
