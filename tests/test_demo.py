@@ -32,6 +32,9 @@ SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
          "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false",
          "--config.grpo.max_redraws=0", "--config.pipeline.chains_per_step=2",
          "--config.pipeline.eval_train=false")
+# Runs that check only what training wrote: no evaluations, export or plots.
+TRAIN_ONLY = ("--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
+              "--config.pipeline.export=false", "--config.pipeline.plot=false")
 
 
 # The demo as the README runs it, on one CPU device (not the test session's 8 simulated ones,
@@ -145,9 +148,7 @@ def test_sigterm_stops_the_run_after_its_step_and_a_rerun_finishes_it(tmp_path):
   with 143 so that a retry loop reruns it. The rerun resumes SFT from that checkpoint (here
   told to stop one step later) and goes on to RL."""
   workdir = tmp_path / "run"
-  quick = ("--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
-           "--config.pipeline.export=false", "--config.pipeline.plot=false",
-           "--config.rl.total_steps=1", "--config.pipeline.chains_per_step=1")
+  quick = (*TRAIN_ONLY, "--config.rl.total_steps=1", "--config.pipeline.chains_per_step=1")
   proc = subprocess.Popen(_command(workdir, "--config.sft.total_steps=300", *quick), cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           env=ONE_DEVICE)
@@ -214,9 +215,7 @@ def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
   def steps(name, seed, *overrides):
     workdir = tmp_path / name
     _train(workdir, f"--config.seed={seed}", "--config.rl.total_steps=1",
-           "--config.pipeline.chains_per_step=1", "--config.pipeline.eval_before=false",
-           "--config.pipeline.eval_after=false", "--config.pipeline.export=false",
-           "--config.pipeline.plot=false", *overrides)
+           "--config.pipeline.chains_per_step=1", *TRAIN_ONLY, *overrides)
     (sft,) = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
     (rl,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     return ({k: sft[k] for k in ("loss", "grad_norm", "batch/real_positions")},
@@ -237,11 +236,9 @@ def test_kl_to_the_starting_model(tmp_path):
   # One update a step (the demo makes 4, whose later ones already see a moved policy), on
   # one chain's rollouts.
   _train(workdir, "--config.grpo.kl_coef=0.05", "--config.rl.total_steps=2",
-         "--config.pipeline.chains_per_step=1",
-         "--config.grpo.num_mini_batches=1", "--config.optimizer.warmup_steps=0",
-         "--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
-         "--config.pipeline.export=false", "--config.pipeline.plot=false",
-         "--config.grpo.entropy_coef=0.1", "--config.optimizer.learning_rate=0.01")
+         "--config.pipeline.chains_per_step=1", "--config.grpo.num_mini_batches=1",
+         "--config.optimizer.warmup_steps=0", "--config.grpo.entropy_coef=0.1",
+         "--config.optimizer.learning_rate=0.01", *TRAIN_ONLY)
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2]
   assert abs(rows[0]["kl"]) < 1e-6 and rows[1]["kl"] > 1e-6
