@@ -248,10 +248,12 @@ class Pipeline:
       self.weights_from = {"run": os.fspath(self.workdir), "stage": stage, "step": step}
 
   def _sft_checkpointer(self, run_config: Any = None) -> Checkpointer:
-    """SFT's checkpoints, <workdir>/sft/checkpoints (the last ones: no dev metric ranks them)."""
+    """SFT's checkpoints, <workdir>/sft/checkpoints (the last ones: no dev metric ranks them),
+    every `sft.save_every` steps."""
     return Checkpointer(dataclasses.replace(
         self.run.checkpoint, directory=os.fspath(self.workdir / "sft" / "checkpoints"),
-        keep_best=0), run_config=run_config)
+        keep_best=0, save_every=self.run.sft.save_every or self.run.checkpoint.save_every),
+        run_config=run_config)
 
   def rl(self) -> LoopResult:
     run = self.run

@@ -30,11 +30,15 @@ def test_resuming_after_sft_keeps_only_its_params(tmp_path):
   c = sage_configs.get_config("demo")
   c.pipeline.update(stages=("sft",), eval_before=False, eval_after=False, eval_train=False,
                     export=False, plot=False)
-  c.sft.update(total_steps=2)
+  # SFT saves on its own cadence, not RL's: every 2nd step and the last.
+  c.sft.update(total_steps=3, save_every=2)
+  c.checkpoint.update(save_every=1, keep_last=3)
   c.pool.num_workers = 2
   c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
   workdir = str(tmp_path / "run")
   pipeline.run(c, workdir)
+  saved = os.listdir(os.path.join(workdir, "sft", "checkpoints"))
+  assert sorted(int(d) for d in saved if d.isdigit()) == [2, 3]
 
   pipe = pipeline.Pipeline(c, workdir)
   try:

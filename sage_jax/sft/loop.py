@@ -38,20 +38,25 @@ class SFTConfig:
   """total_steps: optimiser updates (0: `num_epochs` passes over the data). num_epochs: used
   when total_steps is 0. batch_size: sequences per update. loss_aggregation: "token-mean"
   (every assistant token of the batch weighs the same) or "seq-mean-token-mean".
-  eval_every: evaluation every this many steps (0 = never). seed: data order.
-  logprob_chunk: tokens per chunk of the logits computation (0 = all at once)."""
+  eval_every: evaluation every this many steps (0 = never). save_every: a checkpoint every
+  this many steps (0 = the run's `checkpoint.save_every`; SFT steps are often far shorter
+  than RL steps). seed: data order. logprob_chunk: tokens per chunk of the logits
+  computation (0 = all at once)."""
 
   total_steps: int = 0
   num_epochs: int = 1
   batch_size: int = 16
   loss_aggregation: Aggregation = "token-mean"
   eval_every: int = 0
+  save_every: int = 0
   seed: int = 0
   logprob_chunk: int = 2048
 
   def __post_init__(self):
-    if self.batch_size < 1 or self.total_steps < 0 or self.num_epochs < 1:
-      raise ValueError(f"{self}: batch_size and num_epochs must be >= 1, total_steps >= 0")
+    if (self.batch_size < 1 or self.total_steps < 0 or self.num_epochs < 1
+        or self.save_every < 0):
+      raise ValueError(f"{self}: batch_size and num_epochs must be >= 1, total_steps and "
+                       "save_every >= 0")
     if self.loss_aggregation not in ("token-mean", "seq-mean-token-mean"):
       raise ValueError(f"loss_aggregation={self.loss_aggregation!r}; SFT uses token-mean or "
                        "seq-mean-token-mean")
