@@ -303,10 +303,24 @@ def _init(settings: dict[str, Any]) -> Worker:
                 load_ground_truth=False) as world:
     world.execute("apis.supervisor.show_profile()")
     shutil.rmtree(world.base_output_directory, ignore_errors=True)
+  _build_api_docs(get_all_apps())
   # Forks share this process's memory until they write to it; the collector would write to
   # every object it scans.
   gc.freeze()
   return Worker(settings, data, get_all_apps())
+
+
+def _build_api_docs(apps: list[str]) -> None:
+  """Builds the API docs AppWorld checks every request against. It builds an app's docs (its
+  OpenAPI schema: 0.1-0.4 s) at the first request to that app in a process and keeps them in
+  that process only, so every episode process paid again for each app its code called; built
+  here, before any fork, they are inherited."""
+  from appworld import requester
+  build = getattr(requester, "_get_api_name_to_doc", None)  # AppWorld's cached builder
+  if build is None:
+    return
+  for app in apps:
+    build(app, include_private_apis=True)  # the arguments AppWorld's requests use
 
 
 def _serve_pipe(session: Worker, reader: Connection, writer: Connection) -> None:
