@@ -132,10 +132,11 @@ def test_skill_library_is_installed_before_the_first_turn(pool, mini_root):  # n
   assert ep.result.error is None
 
 
-def test_episodes_inherit_every_apps_api_docs_from_their_worker(pool, mini_root):  # noqa: F811
+def test_episodes_inherit_what_appworld_builds_at_first_use(pool, mini_root):  # noqa: F811
   """AppWorld checks each request against its app's API docs, which it builds (0.1-0.4 s an
-  app) at a process's first request to that app; the worker builds them all before it forks
-  episode processes, so no episode builds any."""
+  app) at a process's first request to that app, and imports pytest (~0.1 s) at an
+  evaluation's first check; the worker does both before it forks episode and evaluation
+  processes, so no episode builds any docs and no evaluation imports pytest."""
   probe = ("from appworld import requester\n"
            "from appworld.apps import get_all_apps\n"
            "built = requester._get_api_name_to_doc.cache_info().misses\n"
@@ -144,6 +145,9 @@ def test_episodes_inherit_every_apps_api_docs_from_their_worker(pool, mini_root)
            "print(requester._get_api_name_to_doc.cache_info().misses - built)")
   with pool.episode(appworld.read_split(mini_root, "train")[0], "api_docs") as ep:
     assert ep.execute(probe).result().strip() == "0"
+    # (agent code may not import sys; AppWorld's requester module holds it)
+    loaded = "print('pytest' in requester.sys.modules)"
+    assert ep.execute(loaded).result().strip() == "True"
 
 
 def test_bad_requests_get_clear_errors(pool, mini_root):  # noqa: F811
