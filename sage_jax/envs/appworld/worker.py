@@ -288,7 +288,8 @@ def _init(settings: dict[str, Any]) -> Worker:
   from appworld.apps import get_all_apps
   from appworld.common.constants import DB_VERSION
   data = settings["appworld_root"]
-  data_root.check(data, DB_VERSION, get_all_apps())
+  apps = get_all_apps()
+  data_root.check(data, DB_VERSION, apps)
   os.environ["APPWORLD_ROOT"] = _outputs_root(data, settings["outputs_root"])
   episode_process.become_subreaper()
   if settings["sandbox"] != "off":
@@ -303,11 +304,11 @@ def _init(settings: dict[str, Any]) -> Worker:
                 load_ground_truth=False) as world:
     world.execute("apis.supervisor.show_profile()")
     shutil.rmtree(world.base_output_directory, ignore_errors=True)
-  _build_before_forks(get_all_apps())
+  _build_before_forks(apps)
   # Forks share this process's memory until they write to it; the collector would write to
   # every object it scans.
   gc.freeze()
-  return Worker(settings, data, get_all_apps())
+  return Worker(settings, data, apps)
 
 
 def _build_before_forks(apps: list[str]) -> None:
