@@ -15,12 +15,16 @@ single-host runs pay nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import itertools
 import logging
 import math
 import os
 import pickle
-from typing import Any, Sequence
+import sys
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +67,12 @@ def initialize() -> None:
     jax.distributed.initialize()
   else:
     return
+  # Gloo (CPU collectives) connects a group of devices at its first collective and gives up
+  # when a peer is 30 s late there. Right after joining, processes are seconds apart: the
+  # groups of JAX's host gathers are connected now, not at a job's first gather, after a
+  # setup (loading weights, compiling) whose time differs between hosts.
+  with _stdout_to_stderr():
+    multihost_utils.sync_global_devices("sage_jax.multihost.initialize")
   logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
 
@@ -123,6 +133,39 @@ def allgather_objects(value: Any) -> list[Any]:
   padded[:data.size] = data
   gathered = allgather(padded)
   return [pickle.loads(gathered[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
+
+
+def connect(mesh: Mesh) -> None:
+  """Runs one small sum over each subset of `mesh`'s axes, so that the device groups that a
+  program on the mesh communicates in are connected now, while processes are in step, not
+  at that program's first run (after a compilation whose time differs between hosts; see
+  `initialize`)."""
+  if jax.process_count() == 1:
+    return
+  spec = PartitionSpec(*mesh.axis_names)
+  ones = jax.make_array_from_callback(mesh.devices.shape, NamedSharding(mesh, spec),
+                                      lambda index: np.ones((1,) * mesh.devices.ndim))
+  axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+  for size in range(1, len(axes) + 1):
+    for group in itertools.combinations(axes, size):
+      total = jax.shard_map(functools.partial(jax.lax.psum, axis_name=group), mesh=mesh,
+                            in_specs=spec, out_specs=spec)
+      with _stdout_to_stderr():
+        jax.jit(total)(ones).block_until_ready()
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+  """Gloo reports each connected group on the process's stdout, which entry points keep for
+  their own output (e.g. `generate`'s text): while connecting, file descriptor 1 is stderr."""
+  sys.stdout.flush()
+  saved = os.dup(1)
+  os.dup2(2, 1)
+  try:
+    yield
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
 
 
 def sync_barrier(name: str) -> None:

@@ -99,6 +99,7 @@ class Pipeline:
     p = self.run.pipeline
     self.root = appworld.resolve_root(p.data)
     self.mesh = shd.make_mesh(self.run.mesh)
+    multihost.connect(self.mesh)
     self.batch_config = self.run.batch
     if jax.process_count() > 1:  # each process must own whole rows of every train batch
       multihost.check_batch_split(self.mesh, ("data", "fsdp"))

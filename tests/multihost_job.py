@@ -1,6 +1,7 @@
 """A small GRPO job that tests run as one or several JAX processes (launch/local.py).
 
   python tests/multihost_job.py --out=DIR [--steps=N] [--step_sleep_s=S] [--ckpt=DIR]
+      [--late_start_s=S]
 
 A tiny Qwen2 (vocabulary 256) on a global (fsdp) mesh over every process's devices; each step
 draws a fixed global batch of synthetic episodes from (seed, step), every process packs its
@@ -27,6 +28,9 @@ _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _STEPS = flags.DEFINE_integer("steps", 1, "Loop steps.")
 _SLEEP = flags.DEFINE_float("step_sleep_s", 0.0, "Seconds each step sleeps (a slow rollout).")
 _CKPT = flags.DEFINE_string("ckpt", "", "Checkpoint directory (resumes from it).")
+_LATE = flags.DEFINE_float("late_start_s", 0.0,
+                           "Seconds the last process waits before building its model (a host "
+                           "whose setup is slower than the others').")
 _SEQUENCES = 12
 
 
@@ -66,6 +70,9 @@ def main(argv):
 
   os.makedirs(_OUT.value, exist_ok=True)
   mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
+  multihost.connect(mesh)
+  if jax.process_index() == jax.process_count() - 1:
+    time.sleep(_LATE.value)
   cfg = get_preset("tiny", vocab_size=256)
   model = shd.create_sharded(lambda: init_model(cfg, seed=0), mesh)
   trainer = rl_loop.grpo_trainer(model, grpo.GRPOConfig(), OptimizerConfig(learning_rate=1e-2),
