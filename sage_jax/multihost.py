@@ -16,6 +16,7 @@ single-host runs pay nothing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import itertools
@@ -164,6 +165,7 @@ def _stdout_to_stderr() -> Iterator[None]:
   try:
     yield
   finally:
+    ctypes.CDLL(None).fflush(None)  # what C's stdio still buffers goes to stderr too
     os.dup2(saved, 1)
     os.close(saved)
 
