@@ -4,10 +4,11 @@ that every process runs in the same order.
 Sampling is host-local and training is global (DESIGN.md, principle 6). Each process samples
 with its own copy of the weights on a mesh over its own devices, so continuous batching and
 AppWorld timing never make processes wait for each other; the cross-process steps are
-(0) at startup, connecting the device groups (`initialize`, `connect`), (1) the weight sync after an update (`WeightSync`), (2) the global train batch
-(`make_global`, with the layout agreed through `allgather`), (3) gathers of episode metrics
-and evaluation records (`allgather_objects`), and (4) the stop decision after each step
-(`any_process`). Each is a collective: every process calls it, in the same order.
+(0) at startup, connecting the device groups (`initialize`, `connect`), (1) the weight sync
+after an update (`WeightSync`), (2) the global train batch (`make_global`, with the layout
+agreed through `allgather`), (3) gathers of episode metrics and evaluation records
+(`allgather_objects`), and (4) the stop decision after each step (`any_process`). Each is a
+collective: every process calls it, in the same order.
 
 With one process every function here is the identity or a local device-to-device copy, so
 single-host runs pay nothing.
