@@ -71,10 +71,11 @@ def initialize() -> None:
     return
   # Gloo (CPU collectives) connects a group of devices at its first collective and gives up
   # when a peer is 30 s late there. Right after joining, processes are seconds apart: the
-  # groups of JAX's host gathers are connected now, not at a job's first gather, after a
-  # setup (loading weights, compiling) whose time differs between hosts.
-  with _stdout_to_stderr():
-    multihost_utils.sync_global_devices("sage_jax.multihost.initialize")
+  # groups of JAX's host gathers (over the processes x local devices grid of
+  # `multihost_utils.process_allgather`) are connected now, not at a job's first gather,
+  # after a setup (loading weights, compiling) whose time differs between hosts.
+  connect(Mesh(np.asarray(jax.devices()).reshape(jax.process_count(), -1),
+               ("processes", "local_devices")))
   logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
 
@@ -141,19 +142,20 @@ def connect(mesh: Mesh) -> None:
   """Runs one small sum over each subset of `mesh`'s axes, so that the device groups that a
   program on the mesh communicates in are connected now, while processes are in step, not
   at that program's first run (after a compilation whose time differs between hosts; see
-  `initialize`)."""
+  `initialize`). It waits for every device's sum, so no connection is still being made (and
+  reported by gloo on stdout) when it returns."""
   if jax.process_count() == 1:
     return
   spec = PartitionSpec(*mesh.axis_names)
   ones = jax.make_array_from_callback(mesh.devices.shape, NamedSharding(mesh, spec),
                                       lambda index: np.ones((1,) * mesh.devices.ndim))
   axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
-  for size in range(1, len(axes) + 1):
-    for group in itertools.combinations(axes, size):
+  groups = [g for size in range(1, len(axes) + 1) for g in itertools.combinations(axes, size)]
+  with _stdout_to_stderr():
+    for group in groups:
       total = jax.shard_map(functools.partial(jax.lax.psum, axis_name=group), mesh=mesh,
                             in_specs=spec, out_specs=spec)
-      with _stdout_to_stderr():
-        jax.jit(total)(ones).block_until_ready()
+      jax.jit(total)(ones).block_until_ready()
 
 
 @contextlib.contextmanager
