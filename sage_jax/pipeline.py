@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -74,7 +75,13 @@ from sage_jax.weights import loader
 
 SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate",
                 "later_skill_usage_rate")
-PREEMPTED_EXIT_CODE = 128 + 15  # as if SIGTERM had ended the process
+
+
+def preempted_exit_code(stop_signal: int | None) -> int:
+  """A stopped run's exit status: 128 + the signal this process caught, as if that signal had
+  ended it (130 after Ctrl-C); 143 (SIGTERM's) on a process that another one's signal or a
+  preemption notice stopped. Either way a scheduler or retry loop sees an unfinished run."""
+  return 128 + (stop_signal or signal.SIGTERM)
 
 
 def _write_json(path, value: Any) -> None:
@@ -324,7 +331,7 @@ def summary_table(summary: dict) -> str:
 def run(config: Any, workdir: str) -> dict:
   """Runs the configured stages; returns the summary (also written to summary.json), or,
   when a signal stopped a stage (its checkpoint saved), what was done with `preempted`
-  naming the stage."""
+  naming the stage and `stop_signal` the signal this process caught (None: another's)."""
   started = time.time()
   pipe = Pipeline(config, workdir)
   p = pipe.run.pipeline
@@ -336,15 +343,18 @@ def run(config: Any, workdir: str) -> dict:
         summary["train_before"] = pipe.evaluate("eval_before", training_scenarios=True)
     sft_marker = pipe.workdir / "sft" / "done.json"
     if "sft" in p.stages and storage.read_json(sft_marker) is None:
-      if pipe.sft().preempted:
-        return {**summary, "preempted": "sft"}
+      result = pipe.sft()
+      if result.preempted:
+        return {**summary, "preempted": "sft", "stop_signal": result.stop_signal}
       _write_json(sft_marker, {"finished": time.time()})
     elif "sft" in p.stages:  # resumed after SFT: its last params are the starting point
       pipe.adopt_sft_result()
     if p.eval_train and "sft" in p.stages and "rl" in p.stages:  # what RL starts from
       summary["train_after_sft"] = pipe.evaluate("eval_after_sft", training_scenarios=True)
-    if "rl" in p.stages and pipe.rl().preempted:
-      return {**summary, "preempted": "rl"}
+    if "rl" in p.stages:
+      result = pipe.rl()
+      if result.preempted:
+        return {**summary, "preempted": "rl", "stop_signal": result.stop_signal}
     if p.eval_after:
       summary["after"] = pipe.evaluate("eval_after")
       if p.eval_train:
@@ -387,7 +397,7 @@ def main(argv) -> None:
   if "preempted" in summary:
     logging.warning("Stopped by a signal during the %s stage, its checkpoint saved; run the "
                     "same command again to resume.", summary["preempted"])
-    sys.exit(PREEMPTED_EXIT_CODE)
+    sys.exit(preempted_exit_code(summary["stop_signal"]))
   if lead:
     print(summary["table"])
     print(f"workdir: {summary['workdir']}  ({summary['elapsed_s']} s)")

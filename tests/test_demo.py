@@ -176,6 +176,14 @@ def test_sigterm_stops_the_run_after_its_step_and_a_rerun_finishes_it(tmp_path):
   assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == [1]
 
 
+def test_a_stopped_run_exits_as_the_signal_it_caught():
+  """Ctrl-C gives the shell's 130; SIGTERM, and a stop that another process's signal or a
+  preemption notice asked for, 143 (the test above runs the whole path with SIGTERM)."""
+  from sage_jax import pipeline
+  assert pipeline.preempted_exit_code(signal.SIGINT) == 130
+  assert pipeline.preempted_exit_code(signal.SIGTERM) == pipeline.preempted_exit_code(None) == 143
+
+
 def test_sft_only_config(tmp_path):
   workdir = tmp_path / "sft"
   stdout = _train(workdir, "--config.pipeline.eval_before=false", "--config.sft.eval_every=1",

@@ -1,4 +1,4 @@
-"""Resume: 6 RL steps straight vs 3 steps + SIGTERM + resume + 3 steps give identical params,
+"""Resume: 6 RL steps straight vs 3 steps + a signal + resume + 3 steps give identical params,
 metrics and logs (same data order and RNG); a damaged newest step falls back to the newest
 intact one, with the same result."""
 
@@ -55,14 +55,14 @@ def _comparable(history):
 
 def test_interrupted_and_resumed_run_equals_straight_run(tmp_path):
   straight, trainer_a = _run(tmp_path / "straight")
-  assert straight.end_step == 6 and not straight.preempted
+  assert straight.end_step == 6 and not straight.preempted and straight.stop_signal is None
 
-  def kill_after_3(step, _):
+  def interrupt_after_3(step, _):  # Ctrl-C: stops the loop like SIGTERM, and says which it was
     if step == 3:
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), signal.SIGINT)
 
-  first, _ = _run(tmp_path / "resumed", on_step=kill_after_3)
-  assert first.preempted and first.end_step == 3
+  first, _ = _run(tmp_path / "resumed", on_step=interrupt_after_3)
+  assert first.preempted and first.end_step == 3 and first.stop_signal == signal.SIGINT
   assert ckpt.Checkpointer(ckpt.CheckpointConfig(
       directory=str(tmp_path / "resumed"))).all_steps() == [3]
   # A fresh process would start from another random init: the checkpoint must win.

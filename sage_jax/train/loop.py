@@ -35,12 +35,15 @@ SyncParams = Callable[[nnx.State], None]
 @dataclasses.dataclass
 class LoopResult:
   """start_step: where this run began (after a resume); end_step: completed steps;
-  preempted: stopped by a signal (a checkpoint was saved); history: metrics per step."""
+  preempted: stopped by a signal (a checkpoint was saved); history: metrics per step;
+  stop_signal: the signal this process caught (None when another process's signal or a
+  preemption notice stopped it), so that its command can exit as that signal asks."""
 
   start_step: int
   end_step: int
   preempted: bool
   history: list[dict[str, float]]
+  stop_signal: int | None = None
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -112,4 +115,5 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
     if checkpointer is not None:
       checkpointer.wait()
     writer.close()
-  return LoopResult(start_step=start, end_step=step, preempted=preempted, history=history)
+  return LoopResult(start_step=start, end_step=step, preempted=preempted, history=history,
+                    stop_signal=guard.signal)
