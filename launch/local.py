@@ -13,8 +13,9 @@ JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i, which `multihost.initialize()` in ever
 point reads; with --cpu_devices=D each simulates D CPU devices and collectives go over gloo.
 Process 0 prints to this terminal, process i > 0 to <workdir>/logs/process_<i>.log (./logs/
 for a remote workdir such as gs://bucket/run). A
-SIGTERM or SIGINT here is passed to every process (they save one checkpoint and stop
-together); when one process fails, the others are stopped and its exit code is returned.
+SIGTERM or SIGINT here (Ctrl-C) is passed to every process once (they save one checkpoint
+and stop together; a second Ctrl-C stops them at once); a hangup is passed on too. When one
+process fails, the others are stopped and its exit code is returned.
 """
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ def run_processes(cmd: list[str], envs: list[dict[str, str]], log_dir: str) -> i
     if i:
       os.makedirs(log_dir, exist_ok=True)
     out = None if i == 0 else open(os.path.join(log_dir, f"process_{i}.log"), "w")
+    # Each in its own process group: a terminal's Ctrl-C reaches the processes only through
+    # `forward`, once (also delivered directly, it would be the second signal, which gives up
+    # the graceful stop).
     procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out,
-                                  stderr=subprocess.STDOUT if out else None))
+                                  stderr=subprocess.STDOUT if out else None, process_group=0))
     print(f"launch: process {i} pid {procs[-1].pid}", flush=True)
 
   def forward(signum, frame):
@@ -87,7 +91,8 @@ def run_processes(cmd: list[str], envs: list[dict[str, str]], log_dir: str) -> i
       if p.poll() is None:
         p.send_signal(signum)
 
-  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+  previous = {s: signal.signal(s, forward)
+              for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
   try:
     failed_at = None
     while any(p.poll() is None for p in procs):

@@ -43,7 +43,7 @@ def _launch(num_processes, devices, out, *args, wait=True):
              f"--cpu_devices={devices}", f"--workdir={out}", "--", sys.executable, JOB,
              f"--out={out}", *args]
   proc = subprocess.Popen(command, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
   if not wait:
     return proc
   output, _ = proc.communicate(timeout=900)
@@ -98,8 +98,9 @@ def test_every_process_samples_from_the_same_weights(one_process, two_processes)
   np.testing.assert_allclose(copies[0], one_process["copies"][0], rtol=1e-4, atol=1e-4)
 
 
-def _stop_one_process(num_processes, devices, out, ckpt):
-  """Starts the job, sends SIGTERM to its last process once a step has been logged."""
+def _stop(num_processes, devices, out, ckpt, ctrl_c):
+  """Starts the job; once a step has been logged, sends SIGTERM to its last process, or
+  (ctrl_c) SIGINT to the launcher's process group, as a terminal's Ctrl-C does."""
   proc = _launch(num_processes, devices, out, f"--steps={STEPS}", "--step_sleep_s=2",
                  f"--ckpt={ckpt}", wait=False)
   pids = []
@@ -113,18 +114,25 @@ def _stop_one_process(num_processes, devices, out, ckpt):
   while not (os.path.exists(metrics) and open(metrics).read().strip()):
     assert time.monotonic() < deadline and proc.poll() is None, _failure(proc.stdout.read())
     time.sleep(0.2)
-  os.kill(pids[-1], signal.SIGTERM)
+  if ctrl_c:
+    os.killpg(proc.pid, signal.SIGINT)
+  else:
+    os.kill(pids[-1], signal.SIGTERM)
   output, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, _failure(output)
+  if ctrl_c:  # process 0 got it once: from the launcher, not also from the terminal
+    assert output.count("saving a checkpoint and stopping") == 1, _failure(output)
   return _result(out)
 
 
-@pytest.mark.parametrize("first,then", [((2, 2), (1, 2)), ((1, 2), (2, 2))],
-                         ids=["2-then-1", "1-then-2"])
-def test_sigterm_to_one_process_stops_all_and_resume_changes_process_count(
-    first, then, one_process, tmp_path):
+@pytest.mark.parametrize("first,then,ctrl_c", [((2, 2), (1, 2), False), ((1, 2), (2, 2), True)],
+                         ids=["sigterm-2-then-1", "ctrl_c-1-then-2"])
+def test_a_signal_stops_every_process_after_one_step_and_resume_changes_process_count(
+    first, then, ctrl_c, one_process, tmp_path):
+  """SIGTERM to one of 2 processes, or Ctrl-C at the launcher (which passes it on): every
+  process saves the same step and stops; a run with the other process count resumes it."""
   ckpt = str(tmp_path / "ckpt")
-  stopped = _stop_one_process(*first, str(tmp_path / "first"), ckpt)
+  stopped = _stop(*first, str(tmp_path / "first"), ckpt, ctrl_c)
   assert stopped["preempted"] and 1 <= stopped["end_step"] < STEPS
   steps = sorted(int(d) for d in os.listdir(ckpt) if d.isdigit())
   assert steps == [stopped["end_step"]]  # one checkpoint, of the step all processes stopped at
@@ -172,6 +180,7 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   log = open(workdir / "logs" / "process_1.log").read()
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log[-3000:]
   assert "| tgc |" in done.stdout and "| tgc |" not in log  # process 0 reports
+  assert "Gloo" not in done.stdout  # collectives' connection reports go to stderr
   rl = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
   sft = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
   assert [r["step"] for r in rl] == [1, 2] and [r["step"] for r in sft] == [1, 2]
