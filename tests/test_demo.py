@@ -54,18 +54,29 @@ def _train(workdir, *overrides, config="configs/sage.py:demo", env=ONE_DEVICE):
   return out.stdout
 
 
+# The gs:// run's: it evaluates the training scenario too, and trains with a KL term.
+KL = ("--config.pipeline.eval_train=true", "--config.grpo.kl_coef=0.05",
+      "--config.grpo.num_mini_batches=1", "--config.optimizer.warmup_steps=0",
+      "--config.grpo.entropy_coef=0.1", "--config.optimizer.learning_rate=0.01")
+
+
 @pytest.mark.long
 def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tmp_path):
   """The short demo with --workdir=gs://... (a fake GCS server; the other runs of this file
   and of tests/test_learning_appworld.py have local workdirs): the run's files are in the
   bucket, none in a local "gs:" directory; a rerun resumes from the bucket's checkpoint; the
-  export command reads the run from the bucket and writes what transformers loads."""
+  export command reads the run from the bucket and writes what transformers loads.
+
+  With kl_coef > 0 the KL reference is the model RL starts from, also after the resume: the
+  first step's KL is 0 (policy == reference), the resumed second step's is not. One update a
+  step (the demo makes 4, whose later ones already see a moved policy); an entropy bonus
+  moves the policy (after one SFT step no rollout writes code, all score alike, so their
+  advantages are 0)."""
   fake_gcs.create_bucket(gcs_url, "runs")
   env = {**ONE_DEVICE, **fake_gcs.server_env(gcs_url)}
   workdir = "gs://runs/demo"
   root = storage.path(workdir)
-  stdout = _train(workdir, "--config.rl.total_steps=1", "--config.pipeline.eval_train=true",
-                  env=env)
+  stdout = _train(workdir, "--config.rl.total_steps=1", *KL, env=env)
   assert ("| metric | train before | train after SFT | train after | dev before | dev after |"
           in stdout)
   summary = storage.read_json(root / "summary.json")
@@ -95,7 +106,7 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
   # Resume: one more RL step continues from the bucket's checkpoint of step 1; SFT is not
   # redone. The evaluation after RL is redone for step 2, the one before is kept.
   before = storage.read_json(root / "eval_before" / "eval_dev.json")
-  _train(workdir, "--config.rl.total_steps=2", "--config.pipeline.eval_train=true", env=env)
+  _train(workdir, "--config.rl.total_steps=2", *KL, env=env)
   assert storage.read_json(root / "eval_before" / "eval_dev.json") == before
   assert evaluated("eval_after") == {"run": workdir, "stage": "rl", "step": 2}
   assert evaluated("eval_after_sft", "train") == {"run": workdir, "stage": "sft", "step": 1}
@@ -103,6 +114,7 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
   metrics = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
   rows = metrics(root)
   assert [r["step"] for r in rows] == [1, 2]
+  assert abs(rows[0]["kl"]) < 1e-6 and rows[1]["kl"] > 1e-6
   assert [r["step"] for r in metrics(root / "sft")] == [1]
   assert (root / "checkpoints" / "2" / "files.json").exists()
   # chains_per_step x group_size x chain_length episodes per SAGE step.
@@ -234,22 +246,6 @@ def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
   again, other = steps("b", 0, data), steps("c", 1, data)
   assert first == again
   assert first[0]["loss"] != other[0]["loss"] and first[1]["logprob"] != other[1]["logprob"]
-
-
-def test_kl_to_the_starting_model(tmp_path):
-  """With kl_coef > 0 the pipeline keeps the model RL starts from as the reference: the first
-  step's KL is 0 (policy == reference), a later one is not (an entropy bonus moves the policy:
-  after one SFT step no rollout writes code, all score alike, so their advantages are 0)."""
-  workdir = tmp_path / "kl"
-  # One update a step (the demo makes 4, whose later ones already see a moved policy), on
-  # one chain's rollouts.
-  _train(workdir, "--config.grpo.kl_coef=0.05", "--config.rl.total_steps=2",
-         "--config.pipeline.chains_per_step=1", "--config.grpo.num_mini_batches=1",
-         "--config.optimizer.warmup_steps=0", "--config.grpo.entropy_coef=0.1",
-         "--config.optimizer.learning_rate=0.01", *TRAIN_ONLY)
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  assert [r["step"] for r in rows] == [1, 2]
-  assert abs(rows[0]["kl"]) < 1e-6 and rows[1]["kl"] > 1e-6
 
 
 def test_bad_config_fails_before_compiling(tmp_path):
