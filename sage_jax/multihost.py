@@ -255,7 +255,6 @@ class WeightSync:
       raise ValueError(f"sampler_mesh.tensor={config.tensor} does not divide this host's "
                        f"{local} devices")
     self.mesh = local_mesh(mesh_config)
-    connect(self.mesh)  # the sampler's own groups: their gloo reports stay off stdout too
     self.dtype = sampling_dtype(config.param_dtype)
     self.local_shardings = shd.state_shardings(params, self.mesh, rules)
     grids = host_grids(mesh_config)
