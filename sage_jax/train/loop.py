@@ -116,4 +116,4 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
       checkpointer.wait()
     writer.close()
   return LoopResult(start_step=start, end_step=step, preempted=preempted, history=history,
-                    stop_signal=guard.signal)
+                    stop_signal=guard.signal if preempted else None)
