@@ -82,6 +82,26 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path):
       [r["reward/mean"] for r in read_jsonl(str(tmp_path / "straight"))], abs=0)
 
 
+def test_a_signal_during_the_last_save_lets_it_land_and_stops_the_run(tmp_path, monkeypatch):
+  """Ctrl-C while the last step's checkpoint is being finalised: the save lands whole, and the
+  loop reports a stop (what follows it, such as the pipeline's next stage, does not start)."""
+  wait, signalled = ckpt.Checkpointer.wait, []
+
+  def wait_signalled_once(self):
+    if not signalled:
+      signalled.append(True)
+      os.kill(os.getpid(), signal.SIGINT)
+    wait(self)
+
+  monkeypatch.setattr(ckpt.Checkpointer, "wait", wait_signalled_once)
+  stopped, _ = _run(tmp_path, total_steps=2)
+  assert signalled
+  assert (stopped.end_step, stopped.preempted, stopped.stop_signal) == (2, True, signal.SIGINT)
+  assert ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(tmp_path))).all_steps() == [2]
+  resumed, _ = _run(tmp_path, total_steps=2)  # restores the landed step: nothing left to do
+  assert (resumed.start_step, resumed.end_step, resumed.preempted) == (2, 2, False)
+
+
 @pytest.mark.slow
 def test_killed_process_resumes_to_the_same_params(tmp_path):
   """A real process killed with SIGTERM after step 3 saves and exits; a new process resumes

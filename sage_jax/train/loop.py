@@ -8,7 +8,8 @@ steps; with the peak memory so far, `memory/*`), evaluates every `eval_every` st
 ("dev/<name>"), saves when due (every `save_every`, at evaluations, at the end), and on
 SIGTERM / SIGINT (or orbax's multi-host preemption notice) saves, waits for the save to land,
 and returns. With several processes, a signal to any one of them stops all of them after the
-same step, with one checkpoint.
+same step, with one checkpoint. A signal that comes while the last step is being saved lets
+that save land and still counts as a stop, so that what follows the loop does not start.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ SyncParams = Callable[[nnx.State], None]
 @dataclasses.dataclass
 class LoopResult:
   """start_step: where this run began (after a resume); end_step: completed steps;
-  preempted: stopped by a signal (a checkpoint was saved); history: metrics per step;
+  preempted: stopped by a signal (a checkpoint was saved; end_step is total_steps when the
+  signal came during the last save); history: metrics per step;
   stop_signal: the signal this process caught (None when another process's signal or a
   preemption notice stopped it), so that its command can exit as that signal asks."""
 
@@ -77,8 +79,8 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
   history: list[dict[str, float]] = []
   step, preempted = start, False
   extra_meta = dict(meta or {})
-  try:
-    with PreemptionGuard() as guard:
+  with PreemptionGuard() as guard:
+    try:
       while step < total_steps:
         t0 = time.perf_counter()
         values = dict(one_step(step, step_seed(seed, step)))
@@ -111,9 +113,11 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
                             meta={**extra_meta, "step": step, "seed": seed}, metrics=dev)
         if preempted:
           break
-  finally:
-    if checkpointer is not None:
-      checkpointer.wait()
-    writer.close()
+    finally:
+      if checkpointer is not None:  # within the guard: a signal cannot cut the last save short
+        checkpointer.wait()
+      writer.close()
+    if not preempted:  # a signal during the last step's save stops the run once it has landed
+      preempted = multihost.any_process(guard.requested)
   return LoopResult(start_step=start, end_step=step, preempted=preempted, history=history,
                     stop_signal=guard.signal if preempted else None)
