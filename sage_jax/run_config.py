@@ -52,7 +52,10 @@ class PipelineConfig:
   scenarios of the train split (file order), in SFT and RL (0 = all). expert_trajectories: an
   SFT JSONL file ("" = made from the gold solutions of the train split). eval_before /
   eval_after: dev evaluation around training, and with eval_train also one on the training
-  scenarios. export: write the final model in HF format to <workdir>/hf. plot: PNG curves."""
+  scenarios. export: write the final model in HF format to <workdir>/hf. plot: PNG curves.
+  compilation_cache_dir: JAX's persistent compilation cache (a path or gs:// URL every host
+  reaches; "" = JAX's own setting, e.g. JAX_COMPILATION_CACHE_DIR): a rerun after a
+  preemption loads its compiled programs instead of compiling them again."""
 
   stages: tuple[str, ...] = ("sft", "rl")
   data: str = "mini"
@@ -65,6 +68,7 @@ class PipelineConfig:
   eval_train: bool = False
   export: bool = True
   plot: bool = True
+  compilation_cache_dir: str = ""
 
   def __post_init__(self):
     unknown = [s for s in self.stages if s not in STAGES]

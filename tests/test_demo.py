@@ -210,10 +210,11 @@ def test_sft_only_config(tmp_path):
 
 
 def test_grpo_baseline_config(tmp_path):
-  workdir = tmp_path / "grpo"
+  workdir, cache = tmp_path / "grpo", tmp_path / "jax_cache"
   _train(workdir, "--config.rl.total_steps=1", "--config.pipeline.eval_before=false",
          "--config.pipeline.eval_after=false", "--config.pipeline.plot=false",
-         config="configs/grpo.py:demo")
+         f"--config.pipeline.compilation_cache_dir={cache}", config="configs/grpo.py:demo")
+  assert os.listdir(cache)  # the run's compiled programs, there rather than in the env's cache
   config = json.load(open(workdir / "config.json"))
   assert config["grpo"]["single_task"] and config["reward"]["variant"] == "outcome"
   (row,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
