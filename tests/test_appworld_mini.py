@@ -3,10 +3,9 @@
 import ast
 import hashlib
 import json
+import logging
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -46,13 +45,32 @@ def _digests(root):
 
 
 @pytest.fixture(scope="module")
-def fresh_build(tmp_path_factory):
-  """The mini world built anew by the build command."""
-  out = tmp_path_factory.mktemp("fresh") / "mini_appworld"
-  done = subprocess.run([sys.executable, "-m", "sage_jax.envs.appworld.build_mini",
-                         f"--out={out}"], capture_output=True, text=True, timeout=900)
-  assert done.returncode == 0, done.stderr[-3000:]
-  return str(out)
+def rebuilt(mini_root, tmp_path_factory):  # noqa: F811
+  """A copy of the cached world that an episode wrote into, in a cache of its own, after
+  `ensure_mini_world()` found it damaged and rebuilt it with the build command (the README's,
+  in a child process): (its root, what ensure_mini_world returned, the warnings it logged)."""
+  saved = os.environ.get("SAGE_JAX_CACHE")
+  os.environ["SAGE_JAX_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+  warnings = []
+  handler = logging.Handler(logging.WARNING)
+  handler.emit = lambda record: warnings.append(record.getMessage())
+  logging.getLogger().addHandler(handler)
+  try:
+    damaged = mini_world.mini_world_root()
+    shutil.copytree(mini_root, damaged)
+    for d, _, _ in os.walk(damaged):
+      os.chmod(d, 0o755)
+    os.makedirs(os.path.join(damaged, "experiments"))
+    with open(os.path.join(damaged, "experiments", "stray.txt"), "w") as f:
+      f.write("written by an episode")
+    returned = appworld.ensure_mini_world()
+  finally:
+    logging.getLogger().removeHandler(handler)
+    if saved is None:
+      os.environ.pop("SAGE_JAX_CACHE")
+    else:
+      os.environ["SAGE_JAX_CACHE"] = saved
+  return damaged, returned, warnings
 
 
 def _assert_same_files(built, cached):
@@ -62,14 +80,23 @@ def _assert_same_files(built, cached):
 
 
 @pytest.mark.slow
-def test_build_command_makes_the_same_bytes(mini_root, fresh_build):  # noqa: F811
-  _assert_same_files(fresh_build, mini_root)
+def test_a_damaged_cache_is_rebuilt_to_the_same_bytes(mini_root, rebuilt):  # noqa: F811
+  damaged, returned, warnings = rebuilt
+  assert mini_world.build_command("/w")[1:] == [
+      "-m", "sage_jax.envs.appworld.build_mini", "--out=/w"]  # the README's command
+  assert returned == damaged
+  assert [m for m in warnings if "damaged" in m] == [
+      f"The cached mini AppWorld at {damaged} is damaged (its files differ from the digest "
+      "stored when it was built): rebuilding it."]
+  assert mini_world.damage(damaged) is None
+  _assert_same_files(damaged, mini_root)
   with open(os.path.join(mini_root, mini_world.DIGEST)) as f:
-    assert mini_world.data_digest(fresh_build) == f.read().strip()
+    assert mini_world.data_digest(damaged) == f.read().strip()
+  assert os.listdir(os.path.dirname(damaged)) == [mini_world.BUILDER_VERSION]
 
 
 @pytest.mark.slow
-def test_readme_pool_example_leaves_the_cache_as_built(mini_root, fresh_build):  # noqa: F811
+def test_readme_pool_example_leaves_the_cache_as_built(mini_root, rebuilt):  # noqa: F811
   """The README's EnvPool example (no outputs_root) writes nothing into the data root."""
   import asyncio  # noqa: PLC0415
 
@@ -90,7 +117,7 @@ def test_readme_pool_example_leaves_the_cache_as_built(mini_root, fresh_build): 
   assert gold.success and not noop.success
   assert not os.path.exists(scratch)  # the pool's own outputs directory is gone with it
   assert mini_world.damage(mini_root) is None
-  _assert_same_files(fresh_build, mini_root)
+  _assert_same_files(rebuilt[0], mini_root)
 
 
 def test_cache_is_read_only_and_checked_against_its_digest(mini_root, tmp_path):  # noqa: F811
@@ -120,25 +147,6 @@ def test_cache_is_read_only_and_checked_against_its_digest(mini_root, tmp_path):
   assert "differ" in mini_world.damage(copy)
   os.remove(os.path.join(copy, mini_world.DIGEST))
   assert mini_world.damage(copy) == "no stored digest"
-
-
-@pytest.mark.slow
-def test_a_damaged_cache_is_rebuilt(mini_root, tmp_path, monkeypatch, caplog):  # noqa: F811
-  monkeypatch.setenv("SAGE_JAX_CACHE", str(tmp_path / "cache"))
-  damaged = mini_world.mini_world_root()
-  shutil.copytree(mini_root, damaged)
-  for d, _, _ in os.walk(damaged):
-    os.chmod(d, 0o755)
-  os.makedirs(os.path.join(damaged, "experiments"))
-  with open(os.path.join(damaged, "experiments", "stray.txt"), "w") as f:
-    f.write("written by an episode")
-  assert appworld.ensure_mini_world() == damaged
-  assert [r.message for r in caplog.records if "damaged" in r.message] == [
-      f"The cached mini AppWorld at {damaged} is damaged (its files differ from the digest "
-      "stored when it was built): rebuilding it."]
-  assert mini_world.damage(damaged) is None
-  _assert_same_files(damaged, mini_root)
-  assert os.listdir(os.path.dirname(damaged)) == [mini_world.BUILDER_VERSION]
 
 
 def test_appworld_layout(mini_root):  # noqa: F811

@@ -33,7 +33,8 @@ from sage_jax.envs.appworld.mini import populate
 from sage_jax.envs.appworld.mini import scenarios
 
 _OUT = flags.DEFINE_string("out", None, "Directory to build into (must not exist or be empty).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed that decides who owns what in the world.")
+_SEED = flags.DEFINE_integer("seed", mini_world.DEFAULT_SEED,
+                             "Seed that decides who owns what in the world.")
 
 DB_VERSION_KEY = "db_version"
 

@@ -80,6 +80,11 @@ def _remove(root: str) -> None:
   shutil.rmtree(root, ignore_errors=True)
 
 
+def build_command(out: str) -> list[str]:
+  """The build command as the README gives it (its default seed is DEFAULT_SEED)."""
+  return [sys.executable, "-m", "sage_jax.envs.appworld.build_mini", f"--out={out}"]
+
+
 def ensure_mini_world() -> str:
   """Builds the mini world into the cache unless an intact one is there; returns its root.
 
@@ -105,8 +110,7 @@ def ensure_mini_world() -> str:
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(dir=parent, prefix=f".{BUILDER_VERSION}-building-")
   try:
-    command = [sys.executable, "-m", "sage_jax.envs.appworld.build_mini", f"--out={staging}",
-               f"--seed={DEFAULT_SEED}"]
+    command = build_command(staging)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
       raise RuntimeError(f"Building the mini AppWorld failed ({' '.join(command)}):\n"
