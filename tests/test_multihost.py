@@ -161,16 +161,16 @@ def _safetensors(directory):
 
 @pytest.mark.long
 def test_demo_pipeline_runs_as_two_processes(tmp_path):
-  """SFT, SAGE steps with per-process environment delays, checkpoints, dev evaluation (one
-  scenario: one process has none to run) and export, as 2 processes x 2 CPU devices; then
-  `export` and `generate` as 2 processes. Every step's sync checks that the processes'
-  sampling copies agree (the run fails otherwise)."""
+  """SFT, SAGE steps with per-process environment delays, checkpoints, the dev evaluation
+  after training (one scenario: one process has none to run) and export, as 2 processes x 2
+  CPU devices; then `export` and `generate` as 2 processes. Every step's sync checks that
+  the processes' sampling copies agree (the run fails otherwise)."""
   workdir = tmp_path / "run"
   overrides = ["--config.sft.total_steps=2", "--config.rl.total_steps=2",
                "--config.eval.max_scenarios=1", "--config.pool.num_workers=2",
                "--config.checkpoint.save_every=1", "--config.agent.max_turn_tokens=48",
                "--config.pipeline.train_scenarios=1", "--config.grpo.max_redraws=0",
-               "--config.pipeline.eval_train=false"]
+               "--config.pipeline.eval_train=false", "--config.pipeline.eval_before=false"]
   command = [sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
              "--config=configs/sage.py:demo", f"--workdir={workdir}", "--",
              sys.executable, os.path.join(REPO, "tests", "delayed_train.py"),
@@ -187,9 +187,8 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   # Every process ran its own share of each step's 3 chains x 4 rollouts x 3 tasks (1 and 2).
   assert all(r["episodes"] == 36 and r["time/sync_s"] > 0 for r in rl)
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "config.json"]
-  for name in ("eval_before", "eval_after"):
-    report = json.load(open(workdir / name / "eval_dev.json"))
-    assert len(report["records"]) == 3 and report["appworld"] is not None
+  report = json.load(open(workdir / "eval_after" / "eval_dev.json"))
+  assert len(report["records"]) == 3 and report["appworld"] is not None
   assert not os.path.exists(workdir / "appworld")  # outputs stayed on each host
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
