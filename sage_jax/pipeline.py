@@ -388,8 +388,13 @@ def main(argv) -> None:
     os.environ["XLA_FLAGS"] = f"{xla_flags} {CPU_REMAT_FLAG}".strip()
   if not flags.FLAGS["verbosity"].present:  # orbax logs every file at INFO
     absl_logging.set_verbosity(absl_logging.WARNING)
-  if config.pipeline.compilation_cache_dir:  # before anything compiles
-    jax.config.update("jax_compilation_cache_dir", config.pipeline.compilation_cache_dir)
+  cache_dir = config.pipeline.compilation_cache_dir
+  if cache_dir:  # checked like the workdir, and set before anything compiles
+    try:
+      storage.open_workdir(cache_dir)
+    except storage.WorkdirError as e:
+      raise storage.WorkdirError(f"--config.pipeline.compilation_cache_dir={e}") from None
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
   multihost.initialize()
   logging.getLogger("httpx").setLevel(logging.WARNING)
   lead = multihost.is_lead()

@@ -268,11 +268,15 @@ def test_bad_config_fails_before_compiling(tmp_path):
 
 def test_bad_workdir_fails_at_startup_by_name(gcs_url, tmp_path):
   env = {**ONE_DEVICE, **fake_gcs.server_env(gcs_url), "PYTHONPATH": REPO}
-  for workdir, problem in (("gs://no-such-bucket/run", "bucket gs://no-such-bucket does not exist"),
-                           ("foo://x/run", "unknown scheme foo://")):
+  cache = "--config.pipeline.compilation_cache_dir=foo://x/cache"
+  for workdir, extra, error in (
+      ("gs://no-such-bucket/run", [],
+       "--workdir=gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist"),
+      ("foo://x/run", [], "--workdir=foo://x/run: unknown scheme foo://"),
+      (str(tmp_path / "run"), [cache], f"{cache}: unknown scheme foo://")):
     out = subprocess.run([sys.executable, "-m", "sage_jax.train",
-                          f"--config={REPO}/configs/sage.py:demo", f"--workdir={workdir}"],
+                          f"--config={REPO}/configs/sage.py:demo", f"--workdir={workdir}", *extra],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode != 0
-    assert f"--workdir={workdir}: {problem}" in out.stderr, out.stderr[-2000:]
-  assert not os.listdir(tmp_path)  # nothing local in the bucket's place
+    assert error in out.stderr, out.stderr[-2000:]
+  assert not os.listdir(tmp_path)  # nothing local in the bucket's place, no workdir
