@@ -97,10 +97,7 @@ class Pipeline:
     self.config = config
     self.run = run_config.resolve(config, jax.device_count(), jax.local_device_count())
     memory_plan.check_fits(self.run, jax.local_devices()[0])
-    try:
-      self.workdir = storage.open_workdir(workdir)
-    except storage.WorkdirError as e:
-      raise storage.WorkdirError(f"--workdir={e}") from None
+    self.workdir = storage.open_workdir(workdir, flag="--workdir")
     self.config_dict = run_config.with_seeds(config, self.run)
     _write_json(self.workdir / "config.json", self.config_dict)
     p = self.run.pipeline
@@ -390,10 +387,7 @@ def main(argv) -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
   cache_dir = config.pipeline.compilation_cache_dir
   if cache_dir:  # checked like the workdir, and set before anything compiles
-    try:
-      storage.open_workdir(cache_dir)
-    except storage.WorkdirError as e:
-      raise storage.WorkdirError(f"--config.pipeline.compilation_cache_dir={e}") from None
+    storage.open_workdir(cache_dir, flag="--config.pipeline.compilation_cache_dir")
     jax.config.update("jax_compilation_cache_dir", cache_dir)
   multihost.initialize()
   logging.getLogger("httpx").setLevel(logging.WARNING)

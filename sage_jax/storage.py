@@ -57,10 +57,20 @@ def path(p: PathLike) -> epath.Path:
   return result
 
 
-def open_workdir(workdir: PathLike) -> epath.Path:
+def open_workdir(workdir: PathLike, flag: str = "") -> epath.Path:
   """The run's workdir, checked now rather than at the first checkpoint an hour later: a
   local one is created; a remote one's bucket must answer (its filesystem package installed,
-  the bucket there and visible with these credentials)."""
+  the bucket there and visible with these credentials). `flag`, the command-line flag that
+  gave `workdir`, starts the error's message."""
+  try:
+    return _open_dir(workdir)
+  except WorkdirError as e:
+    if not flag:
+      raise
+    raise WorkdirError(f"{flag}={e}") from None
+
+
+def _open_dir(workdir: PathLike) -> epath.Path:
   root = path(workdir)
   if not is_remote(root):
     root.mkdir(parents=True, exist_ok=True)

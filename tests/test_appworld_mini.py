@@ -49,27 +49,23 @@ def rebuilt(mini_root, tmp_path_factory):  # noqa: F811
   """A copy of the cached world that an episode wrote into, in a cache of its own, after
   `ensure_mini_world()` found it damaged and rebuilt it with the build command (the README's,
   in a child process): (its root, what ensure_mini_world returned, the warnings it logged)."""
-  saved = os.environ.get("SAGE_JAX_CACHE")
-  os.environ["SAGE_JAX_CACHE"] = str(tmp_path_factory.mktemp("cache"))
   warnings = []
   handler = logging.Handler(logging.WARNING)
   handler.emit = lambda record: warnings.append(record.getMessage())
   logging.getLogger().addHandler(handler)
-  try:
-    damaged = mini_world.mini_world_root()
-    shutil.copytree(mini_root, damaged)
-    for d, _, _ in os.walk(damaged):
-      os.chmod(d, 0o755)
-    os.makedirs(os.path.join(damaged, "experiments"))
-    with open(os.path.join(damaged, "experiments", "stray.txt"), "w") as f:
-      f.write("written by an episode")
-    returned = appworld.ensure_mini_world()
-  finally:
-    logging.getLogger().removeHandler(handler)
-    if saved is None:
-      os.environ.pop("SAGE_JAX_CACHE")
-    else:
-      os.environ["SAGE_JAX_CACHE"] = saved
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("SAGE_JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
+    try:
+      damaged = mini_world.mini_world_root()
+      shutil.copytree(mini_root, damaged)
+      for d, _, _ in os.walk(damaged):
+        os.chmod(d, 0o755)
+      os.makedirs(os.path.join(damaged, "experiments"))
+      with open(os.path.join(damaged, "experiments", "stray.txt"), "w") as f:
+        f.write("written by an episode")
+      returned = appworld.ensure_mini_world()
+    finally:
+      logging.getLogger().removeHandler(handler)
   return damaged, returned, warnings
 
 

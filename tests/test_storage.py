@@ -78,3 +78,5 @@ def test_bad_workdirs_are_named(gcs_url):
   with pytest.raises(storage.WorkdirError,
                      match=r"gs://no-such-bucket/run: bucket gs://no-such-bucket does not exist"):
     storage.open_workdir("gs://no-such-bucket/run")
+  with pytest.raises(storage.WorkdirError, match=r"^--workdir=foo://x/run: unknown scheme"):
+    storage.open_workdir("foo://x/run", flag="--workdir")
