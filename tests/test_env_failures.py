@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from sage_jax.model import get_preset, init_model
-from sage_jax.rl import advantages, grpo, rollout
+from sage_jax.rl import advantages, episode, grpo, rollout
+from sage_jax.rl import rewards as rewards_lib
 from sage_jax.rl import metrics as rl_metrics
 from sage_jax.rl import batch as B
 from sage_jax.train import rl_loop
@@ -53,3 +54,53 @@ def test_failed_episodes_are_left_out_of_the_loss():
   out = rl_loop.grpo_update(trainer, [_episode(8, 1.0), _episode(6, -1.0),
                                       _episode(12, 1.0, failed=True)], config, batch_config)
   assert out["updates"] == 1.0 and out["batch/real_positions"] == 7 + 5
+
+
+def _two_rollouts(config, later_fails):
+  """Two rollouts of one 3-task chain that write skill f at task 1; rollout 1's task
+  `later_fails` meets an environment failure. Rewards and advantages assigned."""
+  chains = []
+  for rollout_id in (0, 1):
+    chain = [rec(0, True, generated=["f"], rollout=rollout_id),
+             rec(1, True, used=["f"], rollout=rollout_id),
+             rec(2, True, used=["f"], rollout=rollout_id)]
+    chains.append(chain)
+  chains[1][later_fails] = _failed(rec(later_fails, False, rollout=1))
+  rewards_lib.assign_rewards(chains, config)
+  stats = advantages.assign_advantages([r for c in chains for r in c])
+  return chains, stats
+
+
+def test_a_bonus_that_hangs_on_a_failed_environment_is_not_trained_on():
+  # Task 3 failed under rollout 1: task 1's generation bonus is still known (task 2 credits
+  # it) and task 2 saved nothing, so everything but the failed episode is trained on.
+  chains, stats = _two_rollouts(rewards_lib.RewardConfig(), later_fails=2)
+  assert [[episode.trained_on(r) for r in c] for c in chains] == [[1, 1, 1], [1, 1, 0]]
+  assert stats.num_env_failures == 1 and stats.num_rewards_unknown == 0
+  # Task 2 failed and task 3 credits task 1: known too.
+  chains, _ = _two_rollouts(rewards_lib.RewardConfig(), later_fails=1)
+  assert [episode.trained_on(r) for r in chains[1]] == [True, False, True]
+  # Chain bonus: the chain would have succeeded but for the failed task, so no earlier or
+  # later task's bonus is known; scored as a failure, task 1 would get 1 instead of 2 and a
+  # negative advantage for a chain it did nothing wrong in.
+  chains, stats = _two_rollouts(rewards_lib.RewardConfig(variant="chain"), later_fails=1)
+  assert [episode.trained_on(r) for r in chains[1]] == [False, False, False]
+  assert stats.num_rewards_unknown == 2
+  assert [r.advantage for r in chains[1]] == [0.0, 0.0, 0.0]
+  assert [r.advantage for r in chains[0]] == [0.0, 0.0, 0.0]  # alone in its set now
+  # Outcome rewards never look ahead.
+  chains, _ = _two_rollouts(rewards_lib.RewardConfig(variant="outcome"), later_fails=1)
+  assert [episode.trained_on(r) for r in chains[1]] == [True, False, True]
+
+
+def test_a_sage_generation_bonus_no_later_task_credits_is_unknown_after_a_failure():
+  chain = [rec(0, True, generated=["f"]), _failed(rec(1, False)), rec(2, True)]
+  rewards_lib.chain_rewards(chain, rewards_lib.RewardConfig())
+  assert [r.reward_unknown for r in chain] == [True, False, False]
+  assert [episode.trained_on(r) for r in chain] == [False, False, True]
+  chain[0].no_code_turns = 1  # the no-code penalty replaces any bonus: known
+  rewards_lib.chain_rewards(chain, rewards_lib.RewardConfig())
+  assert [episode.trained_on(r) for r in chain] == [True, False, True]
+  for k, record in enumerate(chain):  # a mapping the update reads carries the same flags
+    assert episode.trained_on({"env_failed": record.env_failed,
+                               "reward_unknown": record.reward_unknown}) == (k != 1)

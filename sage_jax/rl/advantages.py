@@ -11,9 +11,10 @@ normalised among themselves:
 A (group, position) whose rewards are all equal gives zero advantages (it carries no learning
 signal) and is counted in the statistics.
 
-Episodes on which the environment failed (`EpisodeRecord.env_failed`) are left out of their
-set's normalisation and get advantage 0; the update leaves them out of the loss
-(`train.rl_loop.grpo_update`).
+Episodes on which the environment failed (`EpisodeRecord.env_failed`), and those whose
+reward hangs on a later task on which it failed (`reward_unknown`, see `rl.rewards`), are
+left out of their set's normalisation and get advantage 0; the update leaves them out of the
+loss (`rl.episode.trained_on`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sage_jax.rl.episode import EpisodeRecord
+from sage_jax.rl.episode import EpisodeRecord, trained_on
 
 ESTIMATORS = ("grpo", "drgrpo", "rloo")
 STDS = ("population", "unbiased")
@@ -54,6 +55,7 @@ class AdvantageStats:
   num_groups: int  # (group, chain position) sets normalised together
   num_constant_groups: int  # of which all rewards were equal (zero advantage)
   num_env_failures: int  # episodes left out because the environment failed under them
+  num_rewards_unknown: int  # left out because a later task's environment failed
   reward_mean: float
   reward_std: float
   reward_mean_by_position: tuple[float, ...]
@@ -82,11 +84,9 @@ def assign_advantages(records: Sequence[EpisodeRecord],
                       config: AdvantageConfig = AdvantageConfig()) -> AdvantageStats:
   """Sets `.advantage` of every record from its (group, chain position) peers."""
   sets = collections.defaultdict(list)
-  failed = 0
   for record in records:
-    if getattr(record, "env_failed", False):
+    if not trained_on(record):
       record.advantage = 0.0
-      failed += 1
       continue
     sets[(record.group, record.chain_position)].append(record)
   constant = 0
@@ -101,7 +101,10 @@ def assign_advantages(records: Sequence[EpisodeRecord],
   by_position = tuple(float(np.mean([r.reward for r in records if r.chain_position == p]))
                       for p in positions)
   return AdvantageStats(
-      num_groups=len(sets), num_constant_groups=constant, num_env_failures=failed,
+      num_groups=len(sets), num_constant_groups=constant,
+      num_env_failures=sum(bool(getattr(r, "env_failed", False)) for r in records),
+      num_rewards_unknown=sum(bool(getattr(r, "reward_unknown", False))
+                              and not getattr(r, "env_failed", False) for r in records),
       reward_mean=float(rewards.mean()) if rewards.size else 0.0,
       reward_std=float(rewards.std()) if rewards.size else 0.0,
       reward_mean_by_position=by_position)

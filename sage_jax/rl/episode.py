@@ -14,6 +14,7 @@ observation ids appended (never re-tokenised):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,9 @@ class EpisodeRecord:
   # filled by rewards / advantages
   reward: float = 0.0
   advantage: float = 0.0
+  # set by rewards: the reward depends on a later task of the chain on which the environment
+  # failed (a skill-generation or chain bonus that cannot be known)
+  reward_unknown: bool = False
 
   def __post_init__(self):
     n = len(self.tokens)
@@ -116,3 +120,12 @@ class EpisodeRecord:
     out["visible_skills"] = list(self.visible_skills)
     out["length"] = int(len(self.tokens))
     return out
+
+
+def trained_on(episode: Any) -> bool:
+  """Whether advantages and the update use the episode (a record or a mapping): not when the
+  environment failed under it, nor when its reward is unknown for a failure under a later
+  task of its chain."""
+  get = episode.get if isinstance(episode, Mapping) else (
+      lambda name, default: getattr(episode, name, default))
+  return not (get("env_failed", False) or get("reward_unknown", False))

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from sage_jax.rl.episode import EpisodeRecord
+from sage_jax.rl.episode import EpisodeRecord, trained_on
 from sage_jax.rl.rewards import generation_credited
 
 UNITS = ("scenario", "chain")
@@ -113,8 +113,8 @@ def compute_counts(episodes: Sequence[Any]) -> dict[str, float]:
     observations, library), i.e. prefilled.
   - compute/generated_tokens: tokens the model sampled (`generated_tokens` where episodes
     carry it, else their loss tokens).
-  - compute/trained_tokens: loss tokens of the episodes that enter the update (all but those
-    on which the environment failed).
+  - compute/trained_tokens: loss tokens of the episodes that enter the update
+    (`rl.episode.trained_on`).
   """
   generated = prompt = trained = 0
   for e in episodes:
@@ -123,7 +123,7 @@ def compute_counts(episodes: Sequence[Any]) -> dict[str, float]:
     made = loss_tokens if made is None else int(made)
     generated += made
     prompt += len(e.tokens) - made
-    if not getattr(e, "env_failed", False):
+    if trained_on(e):
       trained += loss_tokens
   return {"compute/episodes": float(len(episodes)), "compute/prompt_tokens": float(prompt),
           "compute/generated_tokens": float(generated),

@@ -25,6 +25,11 @@ passed.
   responses without code: the paper penalises a response that holds no code, and a cut
   response holds none (not penalising it would let a policy escape the penalty by running
   out of tokens); "outcome" leaves them to the outcome reward alone.
+- Environment failures: an episode on which the environment failed is not trained on
+  (`rl.episode.trained_on`), and neither is an earlier task of its chain whose bonus hangs on
+  it (`reward_unknown`): a SAGE task that saved a skill no other later task credits, or a
+  chain-based task whose chain the failed one alone keeps from succeeding. Scoring the failed task as a
+  failure instead would take the bonus from the skills an environment fault hid.
 """
 
 from __future__ import annotations
@@ -89,19 +94,28 @@ def generation_credited(chain: Sequence[EpisodeRecord], k: int) -> bool:
 
 
 def chain_rewards(chain: Sequence[EpisodeRecord], config: RewardConfig) -> list[float]:
-  """Rewards of one rollout's chain (records in chain order); also stored in `.reward`."""
+  """Rewards of one rollout's chain (records in chain order); also stored in `.reward`, with
+  `.reward_unknown` where a bonus depends on a task the environment failed under."""
   rewards = []
   all_succeeded = all(r.success for r in chain)
+  # Every task that ran succeeded: only the failed environment can have cost the bonus.
+  chain_unknown = any(r.env_failed for r in chain) and all(
+      r.success for r in chain if not r.env_failed)
   for k, record in enumerate(chain):
+    record.reward_unknown = False
     if no_code(record, config):
       reward = config.no_code_penalty
     else:
       reward = outcome(record, config)
-      if config.variant == "chain" and all_succeeded:
-        reward += config.chain_bonus
+      if config.variant == "chain":
+        if all_succeeded:
+          reward += config.chain_bonus
+        record.reward_unknown = chain_unknown
       elif config.variant == "sage":
         if generation_credited(chain, k):
           reward += config.w_gen
+        elif record.events.saved:  # a failed later task might have used what it saved
+          record.reward_unknown = any(later.env_failed for later in chain[k + 1:])
         if k > 0 and record.success and record.used_skill:
           reward += config.w_use
     record.reward = float(reward)

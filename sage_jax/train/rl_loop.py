@@ -43,6 +43,7 @@ from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl import batch as batch_lib
 from sage_jax.rl import grpo
 from sage_jax.rl import metrics as metrics_lib
+from sage_jax.rl.episode import trained_on
 from sage_jax.train.checkpoint import Checkpointer
 from sage_jax.train.loop import Evaluate, LoopResult, SyncParams, run_steps, step_seed
 from sage_jax.train.metrics import MetricsConfig, scalars
@@ -112,9 +113,10 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
                 reference_params: nnx.State | None = None) -> dict[str, float]:
   """`grpo_config.num_mini_batches` optimiser updates on `episodes` (with advantages set);
   returns the update metrics (means over mini-batches) and batch layout statistics.
-  Episodes on which the environment failed (`env_failed`) are left out of the loss; when no
-  process has any other episode, there is no update."""
-  episodes = [e for e in episodes if not metrics_lib.field(e, "env_failed")]
+  Episodes that `rl.episode.trained_on` rejects (the environment failed under them or under
+  the later task their reward hangs on) are left out of the loss; when no process has any
+  other episode, there is no update."""
+  episodes = [e for e in episodes if trained_on(e)]
   trainable = np.asarray(multihost.allgather(np.asarray([len(episodes)], np.int64))).sum()
   if trainable == 0:
     return {"updates": 0.0, "batch/positions": 0.0, "batch/real_positions": 0.0}
