@@ -301,7 +301,7 @@ def resolve(config: Any, num_devices: int | None = None,
 def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -> None:
   rollout, pipeline = run.rollout, run.pipeline
   estimator = run.advantage.estimator
-  if rollout.group_size == 1 and estimator in ("grpo", "rloo") and "rl" in pipeline.stages:
+  if rollout.group_size == 1 and "rl" in pipeline.stages:  # every estimator centres
     raise ConfigError("config.grpo.group_size: 1 leaves no group to normalise over; the "
                       f"{estimator!r} advantage is 0 for every episode (use >= 2)")
   if run.model.vocabulary == "compact" and run.expert.source == "self":

@@ -5,7 +5,7 @@
 
 A tiny Qwen2 (vocabulary 256) on a global (fsdp) mesh over every process's devices; each step
 draws a fixed global batch of synthetic episodes from (seed, step), every process packs its
-own share, and the GRPO update runs on the global batch; then the weights are synced into
+own share (at step 1 process 0 holds all of it), and the GRPO update runs on the global batch; then the weights are synced into
 each process's sampling copy. Process 0 writes DIR/result.json (the loop's steps, the loss
 per step) and DIR/params.npz (the final parameters, gathered); every process writes
 DIR/copy_<i>.json, the fingerprint of its sampling copy after each step.
@@ -91,7 +91,11 @@ def main(argv):
   def one_step(step, seed):
     del seed
     time.sleep(_SLEEP.value)
-    mine = episodes(step)[multihost.share(_SEQUENCES)]
+    # Step 1 gives process 0 the whole batch: a host left with nothing to train on (dynamic
+    # sampling, environment failures) still takes part in the update.
+    share = multihost.share(_SEQUENCES) if step != 1 else slice(
+        0, _SEQUENCES if multihost.is_lead() else 0)
+    mine = episodes(step)[share]
     return rl_loop.grpo_update(trainer, mine, grpo.GRPOConfig(), batch_config)
 
   checkpointer = (checkpoint.Checkpointer(checkpoint.CheckpointConfig(

@@ -104,3 +104,16 @@ def test_a_sage_generation_bonus_no_later_task_credits_is_unknown_after_a_failur
   for k, record in enumerate(chain):  # a mapping the update reads carries the same flags
     assert episode.trained_on({"env_failed": record.env_failed,
                                "reward_unknown": record.reward_unknown}) == (k != 1)
+
+
+def test_fewer_episodes_than_mini_batches_make_fewer_updates():
+  # Failures (or dynamic sampling) can leave a step fewer episodes than its mini-batches; a
+  # process may even hold none (tests/multihost_job.py, step 1). Each remaining episode is
+  # trained on; the mini-batches no episode reaches are skipped, not an error.
+  model = init_model(get_preset("tiny").replace(vocab_size=16), seed=0)
+  config = grpo.GRPOConfig(num_mini_batches=4)
+  trainer = rl_loop.grpo_trainer(model, config, OptimizerConfig(learning_rate=1e-2))
+  batch_config = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=1, length_buckets=(16,))
+  out = rl_loop.grpo_update(trainer, [_episode(8, 1.0), _episode(6, -1.0),
+                                      _episode(12, 1.0, failed=True)], config, batch_config)
+  assert out["updates"] == 2.0 and out["batch/real_positions"] == 7 + 5

@@ -122,6 +122,41 @@ def test_kl_k3_and_other_estimators():
   np.testing.assert_allclose(loss, base, rtol=1e-6)
 
 
+def _grad(config, new, batch):
+  return np.asarray(jax.grad(lambda lp: jnp.sum(grpo.per_token_loss(config, lp, batch)[0]))(
+      jnp.asarray([new], jnp.float32))[0])
+
+
+def test_off_mask_prompt_tokens_cannot_overflow_the_k3_gradient():
+  # Token 1 is a prompt token (off the mask, reference logprob 0) that the policy finds very
+  # unlikely: exp(0 - (-100)) overflows float32, and its gradient would be 0 * inf = NaN.
+  new = [-0.5, -100.0]
+  batch = _batch([-1.0, 0.0], [1.0, 0.0], mask=[1, 0], ref=[-1.0, 0.0])
+  config = grpo.GRPOConfig(kl_coef=0.1)
+  grad = _grad(config, new, batch)
+  assert np.isfinite(grad).all() and grad[1] == 0.0
+  d = -1.0 - (-0.5)
+  loss, _ = grpo.per_token_loss(config, jnp.asarray([new]), batch)
+  np.testing.assert_allclose(np.asarray(loss[0]), [-1.2 + 0.1 * (E(d) - d - 1), 0.0],
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize("level", grpo.RATIO_LEVELS)
+def test_a_huge_ratio_is_clamped_not_infinite(level):
+  # A negative-advantage token whose ratio is e^100: at negative_weight 0 its loss is 0 and
+  # so is its gradient (0 * inf would be NaN and spread to every weight).
+  batch = _batch([-101.0, -1.0], [-1.0, 1.0])
+  config = grpo.GRPOConfig(negative_weight=0.0, ratio_level=level)
+  loss, stats = grpo.per_token_loss(config, jnp.asarray([[-1.0, -1.0]]), batch)
+  assert np.isfinite(np.asarray(loss)).all() and np.isfinite(_grad(config, [-1.0, -1.0],
+                                                                   batch)).all()
+  if level == "token":
+    assert float(loss[0, 0]) == 0.0 and float(stats["max/ratio"].max()) == pytest.approx(
+        E(grpo.MAX_LOG_RATIO), rel=1e-5)
+  loss, _ = grpo.per_token_loss(grpo.GRPOConfig(), jnp.asarray([[-1.0, -1.0]]), batch)
+  assert np.isfinite(np.asarray(loss)).all()  # weight 1: large, still a number
+
+
 def test_masked_tokens_contribute_nothing():
   mask = [1, 0, 1, 0]
   loss, stats = _loss_tokens(grpo.GRPOConfig(), mask=mask)
@@ -159,10 +194,16 @@ def test_aggregation_seq_mean_token_mean():
   assert loss == pytest.approx((-2 + 1) / 2, rel=1e-6)
 
 
+def test_aggregation_seq_mean_token_sum():
+  loss, _ = _two_sequences("seq-mean-token-sum")
+  # (sum(-2, -2, -2) + sum(+1)) / 2 sequences
+  assert loss == pytest.approx((-6 + 1) / 2, rel=1e-6)
+
+
 def test_aggregation_dr_grpo_constant_normaliser():
   loss, _ = _two_sequences("seq-mean-token-sum-norm", norm_constant=10)
-  # (sum(-2, -2, -2) / 10 + sum(+1) / 10) / 2 sequences
-  assert loss == pytest.approx((-6 / 10 + 1 / 10) / 2, rel=1e-6)
+  # (sum(-2, -2, -2) + sum(+1)) / 10, whatever the number of sequences (verl's agg_loss)
+  assert loss == pytest.approx((-6 + 1) / 10, rel=1e-6)
 
 
 def test_loss_weights_direct():
@@ -171,8 +212,10 @@ def test_loss_weights_direct():
   np.testing.assert_allclose(np.concatenate(w), [.25, .25, 0, .25, 0, .25, 0, 0])
   w = B.loss_weights(masks, "seq-mean-token-mean")
   np.testing.assert_allclose(np.concatenate(w), [1 / 9, 1 / 9, 0, 1 / 9, 0, 1 / 3, 0, 0])
+  w = B.loss_weights(masks, "seq-mean-token-sum", norm_constant=4)
+  np.testing.assert_allclose(np.concatenate(w), [1 / 3, 1 / 3, 0, 1 / 3, 0, 1 / 3, 0, 0])
   w = B.loss_weights(masks, "seq-mean-token-sum-norm", norm_constant=4)
-  np.testing.assert_allclose(np.concatenate(w), [1 / 12, 1 / 12, 0, 1 / 12, 0, 1 / 12, 0, 0])
+  np.testing.assert_allclose(np.concatenate(w), [1 / 4, 1 / 4, 0, 1 / 4, 0, 1 / 4, 0, 0])
   with pytest.raises(ValueError, match="norm_constant"):
     B.loss_weights(masks, "seq-mean-token-sum-norm")
   with pytest.raises(ValueError, match="unknown aggregation"):

@@ -63,6 +63,8 @@ def _with(overrides, devices=1):
     ({"model.remat": "all"}, 1, r"config.model: remat='all'; expected 'none', 'full' or 'dots'"),
     ({"model.attention_block": -8}, 1, r"config.model: attention_block=-8; expected 0"),
     ({"grpo.group_size": 1}, 1, r"config.grpo.group_size: 1 leaves no group"),
+    ({"grpo.group_size": 1, "grpo.advantage_estimator": "drgrpo"}, 1,
+     r"config.grpo.group_size: 1 leaves no group.*'drgrpo' advantage is 0"),
     ({"grpo.chain_length": 4}, 1, r"config.grpo.chain_length: 4 exceeds the 3 tasks"),
     ({"pipeline.chains_per_step": 3, "grpo.group_size": 2, "mesh.data": 4, "mesh.fsdp": 1}, 4,
      r"config.pipeline.chains_per_step: 3 chains x grpo.group_size 2 = 6 rollouts per step, not "
@@ -137,9 +139,8 @@ def test_new_method_knobs_resolve_and_are_validated():
     _with({"grpo.advantage_estimator": "rloo", "grpo.group_size": 1})
 
 
-def test_group_size_one_is_fine_without_std_normalisation_or_rl():
-  assert _with({"grpo.group_size": 1,
-                "grpo.advantage_estimator": "drgrpo"}).rollout.group_size == 1
+def test_group_size_one_is_fine_without_rl():
+  # Every estimator centres a reward on its group's: alone in its group, it is 0.
   assert _with({"grpo.group_size": 1, "pipeline.stages": ["sft"]}).rollout.group_size == 1
 
 

@@ -44,8 +44,10 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import jax
 import numpy as np
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"]
+AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm")
 
 _FIELDS_INT = ("tokens", "positions", "segment_ids", "targets")
 _FIELDS_FLOAT = ("loss_mask", "weights", "advantages", "old_logprobs", "sampler_logprobs",
@@ -217,10 +219,14 @@ def loss_weights(masks: Sequence[np.ndarray], aggregation: str = "token-mean",
                  num_sequences: int | None = None) -> list[np.ndarray]:
   """Each sequence's per-token weight so that the batch loss is sum(weight * token_loss).
 
+  The modes and their results are verl's `agg_loss` (and tunix's) on the batch's loss matrix:
   token-mean: every masked token of the batch counts the same (1 / masked tokens of the batch).
   seq-mean-token-mean: mean over sequences of each sequence's token mean.
-  seq-mean-token-sum-norm (Dr.GRPO): each sequence's token sum divided by a constant
-    (`norm_constant`, e.g. the generation budget), then the mean over sequences.
+  seq-mean-token-sum: mean over sequences of each sequence's token sum.
+  seq-mean-token-sum-norm (Dr.GRPO): the sum over every masked token of the batch divided by
+    a constant (`norm_constant`, e.g. the generation budget), whatever the number of
+    sequences. The Dr.GRPO paper's form, the mean over sequences of sum / constant, is
+    seq-mean-token-sum at a learning rate divided by the constant.
   A sequence without masked tokens contributes nothing (and still counts as a sequence in
   the sequence means). `total_tokens` / `num_sequences` are the batch's counts when `masks`
   are one process's part of it (default: the counts of `masks`).
@@ -234,10 +240,12 @@ def loss_weights(masks: Sequence[np.ndarray], aggregation: str = "token-mean",
     return [m / total if total else m * 0 for m in masks]
   if aggregation == "seq-mean-token-mean":
     return [m / (n * m.sum()) if m.sum() else m * 0 for m in masks]
+  if aggregation == "seq-mean-token-sum":
+    return [m / n for m in masks]
   if aggregation == "seq-mean-token-sum-norm":
     if not norm_constant or norm_constant <= 0:
       raise ValueError("seq-mean-token-sum-norm needs a positive norm_constant")
-    return [m / (n * float(norm_constant)) for m in masks]
+    return [m / float(norm_constant) for m in masks]
   raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
 
 
@@ -377,10 +385,10 @@ def stack_micro_batches(micros: Sequence[TrainBatch]) -> TrainBatch:
 def split_mini_batches(records: Sequence[Any], num_mini_batches: int,
                        rng: np.random.Generator | None = None) -> list[list[Any]]:
   """Splits a rollout batch into `num_mini_batches` nearly equal groups (shuffled by `rng`
-  when given, else in order), one optimiser update each."""
+  when given, else in order), one optimiser update each. With fewer records than groups some
+  groups are empty: in a multi-process batch every process must take part in each update,
+  even one that holds few or no records (dynamic sampling, environment failures)."""
   if num_mini_batches < 1:
     raise ValueError(f"num_mini_batches={num_mini_batches} must be >= 1")
-  if num_mini_batches > len(records):
-    raise ValueError(f"{len(records)} sequences cannot make {num_mini_batches} mini-batches")
   order = np.arange(len(records)) if rng is None else rng.permutation(len(records))
   return [[records[i] for i in part] for part in np.array_split(order, num_mini_batches)]

@@ -9,16 +9,20 @@ Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_ol
                 weights, is GSPO's per-sequence objective)
               "sequence-token" (GSPO-token): r_t = sg(r) * pi_theta(t) / sg(pi_theta(t)): the
                 sequence ratio's value, each token's own gradient
+              the log-ratio clamped to [-20, 20] first (as verl does): r cannot overflow, so
+                a weight of 0 (negative_weight) never meets an infinite ratio (0 * inf = NaN)
   dual clip (A < 0 only): pg = min(pg, -A * c), c = dual_clip_c > 1
   negative weight (A < 0 only, optional): pg *= negative_weight (0: positive samples only)
   truncated importance weight (optional): pg *= min(pi_old / pi_sampler, tis_cap), no gradient
   KL to a frozen reference (optional, k3): kl = exp(ref - logp) - (ref - logp) - 1,
-    optionally clamped to [-kl_clamp, kl_clamp] (verl clamps k3 to [-10, 10])
+    optionally clamped to [-kl_clamp, kl_clamp] (verl clamps k3 to [-10, 10]); off the mask
+    it is 0 before the exp, so a very unlikely prompt token cannot overflow it (its gradient
+    would be NaN even though the mask drops its value)
   loss_t = pg + kl_coef * kl - entropy_coef * entropy
 
-The batch loss is sum_t weight_t * loss_t with weights from `rl.batch.loss_weights` (token-mean,
-seq-mean-token-mean, or Dr.GRPO's constant normaliser), computed over the whole batch so that
-micro-batches add up exactly.
+The batch loss is sum_t weight_t * loss_t with weights from `rl.batch.loss_weights` (verl's
+aggregation modes: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm),
+computed over the whole batch so that micro-batches add up exactly.
 
 `old_logprobs` are the rollout's `model_logprobs` (the unmodified model at sampling time), so
 one update per batch is strictly on-policy: r = 1 at the start of the update, up to numerics.
@@ -40,6 +44,7 @@ from sage_jax.rl.batch import AGGREGATIONS, Aggregation, TrainBatch
 
 KLEstimator = Literal["k1", "k2", "k3"]
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
+MAX_LOG_RATIO = 20.0  # |log pi_theta / pi_old| beyond it is clamped (exp(20) ~ 5e8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +56,8 @@ class GRPOConfig:
   dual_clip_c: dual-clip bound c (> 1, e.g. 3.0) on the loss of negative-advantage tokens;
     None = off.
   loss_aggregation: "token-mean" (every token of the batch weighs the same),
-    "seq-mean-token-mean", or "seq-mean-token-sum-norm" (Dr.GRPO; needs `norm_constant`).
+    "seq-mean-token-mean", "seq-mean-token-sum", or "seq-mean-token-sum-norm" (Dr.GRPO;
+    needs `norm_constant`); see `rl.batch.loss_weights`.
   norm_constant: the constant normaliser of seq-mean-token-sum-norm, e.g. the generation
     budget in tokens.
   kl_coef: weight of the KL penalty to the frozen reference (0 = off, no reference forward).
@@ -174,7 +180,7 @@ def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
   elif config.ratio_level == "sequence-token":
     log_ratio = (jax.lax.stop_gradient(sequence_mean(log_ratio, mask, batch.segment_ids))
                  + logprobs - jax.lax.stop_gradient(logprobs))
-  ratio = jnp.exp(log_ratio)
+  ratio = jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
   low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
   pg_unclipped = -adv * ratio
   pg_clipped = -adv * jnp.clip(ratio, low, high)
@@ -203,7 +209,8 @@ def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
   stats["pg_loss"] = pg
   loss = pg
   if config.use_kl:
-    kl = kl_penalty(logprobs, batch.ref_logprobs, config.kl_estimator)
+    on_mask = jnp.where(mask > 0, logprobs, batch.ref_logprobs)  # log-ratio 0 off the mask
+    kl = kl_penalty(on_mask, batch.ref_logprobs, config.kl_estimator)
     if config.kl_clamp is not None:
       kl = jnp.clip(kl, -config.kl_clamp, config.kl_clamp)
     loss = loss + config.kl_coef * kl

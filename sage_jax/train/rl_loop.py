@@ -111,8 +111,10 @@ def compute_counts(episodes: Sequence[Any]) -> dict[str, float]:
 def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRPOConfig,
                 batch_config: batch_lib.BatchConfig, *, seed: int = 0,
                 reference_params: nnx.State | None = None) -> dict[str, float]:
-  """`grpo_config.num_mini_batches` optimiser updates on `episodes` (with advantages set);
-  returns the update metrics (means over mini-batches) and batch layout statistics.
+  """`grpo_config.num_mini_batches` optimiser updates on `episodes` (with advantages set),
+  fewer when the processes together hold fewer episodes (a mini-batch no process has an
+  episode for is skipped); returns the update metrics (means over mini-batches) and batch
+  layout statistics.
   Episodes that `rl.episode.trained_on` rejects (the environment failed under them or under
   the later task their reward hangs on) are left out of the loss; when no process has any
   other episode, there is no update."""
@@ -129,7 +131,8 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
                                        aggregation=grpo_config.loss_aggregation,
                                        norm_constant=grpo_config.norm_constant,
                                        allgather=multihost.allgather)
-    batches.append((batch, info))
+    if info.num_sequences:  # else no process had an episode for it (the counts are global)
+      batches.append((batch, info))
   if grpo_config.recomputes_old_logprobs:  # pi_old of every mini-batch before any update
     batches = [(b.replace(old_logprobs=trainer.logprobs(b)), i) for b, i in batches]
   if grpo_config.use_kl:
