@@ -75,7 +75,44 @@ def appworld_metrics(outputs_root: str, experiment: str, task_ids: list[str]) ->
 # --- An official-style dataset: the mini world's data with gold solutions in AppWorld's form --
 
 OFFICIAL_SCENARIOS = ("1d3abf7", "e95e02e", "ead7476")  # an action, an answer, a float value
-OFFICIAL_HEADER = "# Gold solution in AppWorld's official form: the task's values are inside.\n"
+CANARY = "# Canary String: appworld:0000000:00000000-0000-0000-0000-000000000000\n"
+COMPILED_HEADER = (CANARY + "from appworld.collections.apis import ApiCollection\n"
+                   "from appworld.requester import Requester\n\n\n")
+# The task generator's program, as AppWorld ships it beside the compiled solution: it needs
+# the generator's inputs (main_user, public_data) and packages the worlds block.
+GENERATOR_SOLUTION = CANARY + """from typing import Any
+
+from icecream import ic as ic
+from munch import Munch
+
+from appworld.apps.admin.models import MainUserMunch
+from appworld.collections.apis import ApiCollection
+from appworld.common.utils import AnswerType, find_all_from_pages
+from appworld.requester import Requester
+
+
+def ic_output_handler(*args: Any) -> str:
+    print()
+    return ">> "
+
+
+ic.configureOutput(ic_output_handler)
+
+
+def solution(
+    main_user: MainUserMunch, apis: ApiCollection, requester: Requester, public_data: Munch
+) -> AnswerType:
+    answer = _solution(main_user, apis, requester, public_data)
+    apis.supervisor.complete_task(answer=answer, status="success")
+    return answer
+
+
+def _solution(
+    main_user: MainUserMunch, apis: ApiCollection, requester: Requester, public_data: Munch
+) -> AnswerType:
+    access_token = apis.venmo.access_token_from(main_user)
+    return find_all_from_pages(apis.venmo.show_transactions, access_token=access_token)
+"""
 
 
 def official_form(solution: str) -> str:
@@ -105,9 +142,11 @@ def official_form(solution: str) -> str:
     body.append(ast.Assign(targets=target, value=last.value) if target else ast.Expr(last.value))
   body += [s for s in rest if s is not call_stmt]
   new = ast.FunctionDef(name="solution", args=ast.arguments(
-      posonlyargs=[], args=[ast.arg("apis"), ast.arg("requester")], kwonlyargs=[],
-      kw_defaults=[], defaults=[]), body=body, decorator_list=[], returns=None)
-  return OFFICIAL_HEADER + ast.unparse(ast.fix_missing_locations(new)) + "\n"
+      posonlyargs=[], args=[ast.arg("apis", ast.Name("ApiCollection")),
+                            ast.arg("requester", ast.Name("Requester"))],
+      kwonlyargs=[], kw_defaults=[], defaults=[]), body=body, decorator_list=[],
+      returns=ast.Constant(None))
+  return COMPILED_HEADER + ast.unparse(ast.fix_missing_locations(new)) + "\n"
 
 
 def _copy_tree(src: str, dst: str) -> None:
@@ -123,7 +162,7 @@ def _copy_tree(src: str, dst: str) -> None:
 @pytest.fixture(scope="session")
 def official_root(mini_root, tmp_path_factory) -> str:
   """An APPWORLD_ROOT in AppWorld's format holding OFFICIAL_SCENARIOS (split "train") with
-  official-form gold solutions (solution.py and compiled_solution.py)."""
+  official-form gold solutions (compiled_solution.py, and the generator's solution.py)."""
   root = str(tmp_path_factory.mktemp("official_appworld"))
   data = os.path.join(mini_root, "data")
   for part in ("base_dbs", "api_docs"):
@@ -131,10 +170,11 @@ def official_root(mini_root, tmp_path_factory) -> str:
   task_ids = [t for t in all_task_ids(mini_root) if t.split("_")[0] in OFFICIAL_SCENARIOS]
   for task_id in task_ids:
     _copy_tree(task_dir(mini_root, task_id), task_dir(root, task_id))
-    official = official_form(gold_solution(mini_root, task_id))
-    for name in ("solution.py", "compiled_solution.py"):
-      with open(os.path.join(task_dir(root, task_id), "ground_truth", name), "w") as f:
-        f.write(official)
+    truth = os.path.join(task_dir(root, task_id), "ground_truth")
+    with open(os.path.join(truth, "compiled_solution.py"), "w") as f:
+      f.write(official_form(gold_solution(mini_root, task_id)))
+    with open(os.path.join(truth, "solution.py"), "w") as f:
+      f.write(GENERATOR_SOLUTION)
   os.makedirs(os.path.join(root, "data", "datasets"))
   with open(os.path.join(root, "data", "datasets", "train.txt"), "w") as f:
     f.write("\n".join(sorted(task_ids)) + "\n")

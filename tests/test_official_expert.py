@@ -1,5 +1,6 @@
-"""The scripted expert on gold solutions in AppWorld's official form
-(`def solution(apis, requester)` with the task's values inside), on an official-style dataset
+"""The scripted expert on gold solutions in AppWorld's official form (compiled_solution.py:
+`def solution(apis, requester)` with the task's values inside; solution.py beside it is the
+task generator's program), on an official-style dataset
 built from the mini world: the solutions pass as AppWorld runs them, the expert turns them
 into parameterised skills, scores TGC = SGC = 100 (AppWorld's evaluator agrees) and yields
 SFT data for every task."""
@@ -13,7 +14,6 @@ from sage_jax.envs import appworld
 from sage_jax.eval import runner as evaluate
 from sage_jax.sft import expert as sft_expert
 from sage_jax.tokenizer import Tokenizer
-from tests.appworld_fixtures import gold_solution
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import official_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config, scripted_eval_config
@@ -35,8 +35,9 @@ def test_official_solutions_pass_as_appworld_runs_them(pool, official_root):  # 
   task_ids = appworld.read_split(official_root, "train")
   assert len(task_ids) == 9
   for task_id in task_ids:
-    source = gold_solution(official_root, task_id)
-    assert source.count("def ") == 1 and "def solution(apis, requester):" in source
+    source = gold_solutions.read_solution(official_root, task_id)  # compiled_solution.py
+    assert source.count("def ") == 1 and "Canary" not in source
+    assert "def solution(apis: ApiCollection, requester: Requester) -> None:" in source
     with pool.episode(task_id, "official_gold") as ep:
       ep.execute(source + "\nsolution(apis, requester)\n").result()
     assert ep.result.success, task_id
@@ -44,10 +45,11 @@ def test_official_solutions_pass_as_appworld_runs_them(pool, official_root):  # 
 
 def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
   task_id = "ead7476_1"  # Send $45.00 to Daniel Okafor on Venmo with the description '...'.
-  solution = gold_solution(official_root, task_id)
+  solution = gold_solutions.read_solution(official_root, task_id)
   instruction = gold_solutions.read_instruction(official_root, task_id)
-  for siblings in ([], [(gold_solution(official_root, t), gold_solutions.read_instruction(
-      official_root, t)) for t in ("ead7476_2", "ead7476_3")]):
+  for siblings in ([], [(gold_solutions.read_solution(official_root, t),
+                         gold_solutions.read_instruction(official_root, t))
+                        for t in ("ead7476_2", "ead7476_3")]):
     name, definition, call = gold_solutions.official_skill(solution, instruction, siblings)
     fn = ast.parse(definition).body[0]
     assert [a.arg for a in fn.args.args] == ["query", "amount", "description"]
@@ -63,7 +65,10 @@ def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
   assert _code(reuse[0]).strip() == call
   assert gold_solutions.official_skill("def solution(apis, requester):\n    pass\n\n"
                                "solution(apis, requester)\n", instruction) is None
-  with_import = gold_solutions.official_skill("import math\n\n" + solution, instruction)[1]
+  # Imports the skill reads travel with it; those of the entry's annotations do not.
+  assert definition.startswith("def send_venmo")
+  reads_math = solution.replace("amount=45.0", "amount=math.floor(45.0)")
+  with_import = gold_solutions.official_skill("import math\n" + reads_math, instruction)[1]
   assert with_import.startswith("import math\ndef send_venmo")
 
 

@@ -4,9 +4,10 @@ Two forms of gold solution are understood:
 
 - The mini world's: a parameterised top-level function (the scenario's procedure), then a
   call with the task's arguments and `complete_task`.
-- AppWorld's official form: `def solution(apis, requester): ...` with the task's values
-  written inside and `complete_task` at its end, called by AppWorld's own verifier as
-  `solution(apis, requester)`. The expert turns it into a skill (`official_skill`): the
+- AppWorld's official form: `ground_truth/compiled_solution.py`, `def solution(apis,
+  requester): ...` with the task's values written inside and `complete_task` at its end,
+  called by AppWorld's own verifier as `solution(apis, requester)` (the `solution.py` beside
+  it is the task generator's program, which needs the generator's inputs and packages). The expert turns it into a skill (`official_skill`): the
   values that change between the tasks of the scenario (the sibling solutions of the same
   structure), or else the values that appear in the task instruction, become parameters;
   the name comes from the instruction's words shared by the scenario's tasks.
@@ -227,9 +228,13 @@ def official_skill(solution: str, instruction: str,
   new.name = name
   new.args = ast.arguments(posonlyargs=[], args=[ast.arg(p) for p in params.values()],
                            kwonlyargs=[], kw_defaults=[], defaults=[])
-  # The solution file's imports travel with the skill (the agent's block keeps them).
+  new.returns = None  # the entry's annotations name AppWorld's classes, not the skill's
+  # The solution file's imports the skill reads travel with it (the agent's block keeps
+  # them); those of the entry's type annotations (AppWorld's own classes) do not.
+  read = {n.id for n in ast.walk(new) if isinstance(n, ast.Name)}
   imports = [ast.unparse(n) for n in ast.parse(solution).body
-             if isinstance(n, (ast.Import, ast.ImportFrom))]
+             if isinstance(n, (ast.Import, ast.ImportFrom))
+             and any((a.asname or a.name).split(".")[0] in read for a in n.names)]
   definition = "\n".join([*imports, ast.unparse(ast.fix_missing_locations(new))])
   call = f"{name}({', '.join(repr(v) for _, v in params)})"
   return name, definition, call
@@ -283,10 +288,22 @@ def expert_turns(solution: str, library: Iterable[str] | Mapping[str, str] = (),
           f"```python\n{definitions}\n\n\n{call_code.strip()}\n```"]
 
 
+SOLUTION_FILES = ("compiled_solution.py", "solution.py")  # the first found is read
+_CANARY = re.compile(r"^# Canary String:.*\n?", re.MULTILINE)
+
+
 def read_solution(appworld_root: str, task_id: str) -> str:
-  path = os.path.join(appworld_root, "data", "tasks", task_id, "ground_truth", "solution.py")
-  with open(path) as f:
-    return f.read()
+  """A task's gold solution: AppWorld's `compiled_solution.py` (what its verifier runs) when
+  there is one, else `solution.py` (the mini world's), without the benchmark's canary line
+  (which marks text that must stay out of training data)."""
+  truth = os.path.join(appworld_root, "data", "tasks", task_id, "ground_truth")
+  for name in SOLUTION_FILES:
+    path = os.path.join(truth, name)
+    if os.path.exists(path):
+      with open(path) as f:
+        return _CANARY.sub("", f.read())
+  raise FileNotFoundError(f"{truth}: no gold solution ({' or '.join(SOLUTION_FILES)}); the "
+                          f"test splits of AppWorld ship none")
 
 
 def read_instruction(appworld_root: str, task_id: str) -> str:
