@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from sage_jax.envs.appworld.config import EnvPoolConfig
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.rl.metrics import task_metrics
 
@@ -50,19 +51,28 @@ def markdown_table(metrics: dict, title: str = "") -> str:
   return "\n".join(l for l in lines if l) + "\n"
 
 
-def appworld_scores(outputs_root: str, experiment: str, task_ids: Sequence[str]) -> dict:
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def appworld_scores(outputs_root: str, experiment: str, task_ids: Sequence[str],
+                    evaluation_timeout_s: float = EnvPoolConfig.evaluation_timeout_s) -> dict:
   """AppWorld's own evaluation of an experiment's saved outputs (TGC, SGC in percent), run in
-  a child process so that this one never imports appworld."""
-  code = (
-      "import json, sys, logging\n"
-      "logging.disable(logging.WARNING)\n"
-      "from appworld.evaluator import evaluate_tasks\n"
-      "m = evaluate_tasks(json.loads(sys.argv[1]), experiment_name=sys.argv[2],"
-      " include_details=True, save_reports=False)\n"
-      "sys.__stdout__.write('METRICS' + json.dumps(m['aggregate']))\n")
-  done = subprocess.run([sys.executable, "-c", code, json.dumps(list(task_ids)), experiment],
-                        capture_output=True, text=True,
-                        env=dict(os.environ, APPWORLD_ROOT=outputs_root))
+  a child process so that this one never imports appworld.
+
+  Each task's saved state is evaluated as the pool evaluates it (checked, confined, within
+  `evaluation_timeout_s`; sage_jax/envs/appworld/evaluation.py): the outputs were written by
+  agent code. A refused state counts as a failed task.
+  """
+  command = [sys.executable, "-m", "sage_jax.envs.appworld.evaluation", outputs_root,
+             experiment, json.dumps(list(task_ids)), str(evaluation_timeout_s)]
+  # Each task is bounded by its own limit; this one only guards against the child hanging.
+  limit = 120 + len(task_ids) * (evaluation_timeout_s + 5)
+  path = os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=limit,
+                          env=dict(os.environ, APPWORLD_ROOT=outputs_root, PYTHONPATH=path))
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError(f"AppWorld's evaluation did not end within {limit:g} s") from e
   if done.returncode != 0 or "METRICS" not in done.stdout:
     raise RuntimeError(f"AppWorld's evaluation failed:\n{(done.stdout + done.stderr)[-3000:]}")
   return json.loads(done.stdout.rpartition("METRICS")[2])

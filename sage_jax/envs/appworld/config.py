@@ -44,6 +44,10 @@ class EnvPoolConfig:
   # switched the alarm off, or spins in C) is killed with its episode process by the worker,
   # and its episode ends there.
   kill_grace_s: float = 5.0
+  # Limit on evaluating an episode's saved state, kept by the worker (evaluation.py): an
+  # evaluation still running then is killed, and the episode counts as failed by the agent
+  # (`Evaluation.refused`); AppWorld's evaluation of its own saves takes seconds.
+  evaluation_timeout_s: float = 30.0
   # Serve each worker over HTTP on 127.0.0.1 instead of a pipe.
   use_servers: bool = False
   # Directory for the workers' stderr logs; None discards them.
@@ -63,6 +67,13 @@ class EnvPoolConfig:
         f"call_timeout_s ({self.call_timeout_s}) must exceed AppWorld's timeout_seconds "
         f"({self.timeout_seconds}) + kill_grace_s ({self.kill_grace_s}), so that the "
         "worker's own limits fire first.")
+    if self.evaluation_timeout_s <= 0:
+      raise ValueError(f"evaluation_timeout_s must be > 0, got {self.evaluation_timeout_s}.")
+    if self.call_timeout_s <= self.evaluation_timeout_s + self.kill_grace_s:
+      raise ValueError(
+        f"call_timeout_s ({self.call_timeout_s}) must exceed evaluation_timeout_s "
+        f"({self.evaluation_timeout_s}) + kill_grace_s ({self.kill_grace_s}), so that the "
+        "worker's own limit on an evaluation fires first.")
     if self.start_timeout_s <= 0:
       raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}.")
     if self.memory_limit_mb is not None and self.memory_limit_mb < 512:

@@ -1,4 +1,4 @@
-"""The worker's forks: one confined process per episode, one unconfined per evaluation.
+"""The worker's forks: one confined process per episode, one per evaluation.
 
 The worker process itself never runs agent code and never loads a task's ground truth; it
 forks (imports stay warm):
@@ -10,19 +10,27 @@ forks (imports stay warm):
   `grace_s` after AppWorld's own timeout (because it switched the alarm off, or spins in C)
   is killed with its process, and the episode ends there. Every file descriptor but its
   channel to the worker is closed, so it cannot answer the pool in the worker's name.
-- an *evaluation process* per evaluation, which reads the world's state that the episode
-  process saved after its last execution and scores it with AppWorld's own evaluator.
-  Its memory, which held the answers, dies with it, so no later episode fork inherits them.
+- an *evaluation process* per evaluation, which scores the world's state that the episode
+  process saved with AppWorld's own evaluator (evaluation.py). That state is the agent's to
+  forge, so this process is confined too (it reads the task, the data it needs and the saved
+  state; it writes only its own scratch directory) and the worker kills it at its own
+  deadline. Its memory, which held the answers, dies with it, so no later episode fork
+  inherits them.
+
+Both run in a process group of their own and die with the worker (PR_SET_PDEATHSIG), so
+killing the worker leaves none of them behind.
 """
 
 import ctypes
 import fcntl
 import json
 import os
+import select
 import signal
 import socket
 import stat
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -32,6 +40,10 @@ from sage_jax.envs.appworld import sandbox
 
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+class EvaluationTimeout(Exception):
+  """The evaluation process was still running at its deadline and was killed."""
 
 
 class EpisodeEnded(Exception):
@@ -74,6 +86,21 @@ def _restrict_inherited_fds(keep: int) -> None:
       os.close(fd)
 
 
+def _enter_fork(worker: int, keep: int, read_paths: list[str], write_dir: str,
+                confine: bool) -> None:
+  """What a fresh fork of the worker does first: a process group of its own (the worker
+  kills whatever it forks, too), death with the worker, only `keep` of the worker's
+  descriptors, and (when `confine`) the sandbox."""
+  os.setpgid(0, 0)
+  _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+  if os.getppid() != worker:  # the worker died before the line above
+    os._exit(1)
+  _restrict_inherited_fds(keep=keep)
+  os.chdir(write_dir)
+  if confine:
+    sandbox.confine(read_paths, [write_dir])
+
+
 def episode_read_paths(data: str, task_id: str) -> list[str]:
   """What an episode process may read of the data root: its own task's public files."""
   task = os.path.join(data, "data", "tasks", task_id)
@@ -82,8 +109,13 @@ def episode_read_paths(data: str, task_id: str) -> list[str]:
 
 
 def sandbox_read_paths() -> list[str]:
-  """The installation an episode process needs, with this package's own sources."""
-  return sandbox.system_read_paths() + [os.path.dirname(os.path.abspath(sage_jax.__file__))]
+  """The installation a fork of this process needs, with the source files of this package's
+  modules loaded here, and no other file of the package: the mini world's builder and
+  scenarios hold its gold procedures. A fork imports nothing more of the package."""
+  package = os.path.dirname(os.path.abspath(sage_jax.__file__)) + os.sep
+  loaded = {os.path.abspath(m.__file__) for m in list(sys.modules.values())
+            if getattr(m, "__file__", None) and os.path.abspath(m.__file__).startswith(package)}
+  return sandbox.system_read_paths() + sorted(loaded)
 
 
 class EpisodeProcess:
@@ -95,17 +127,13 @@ class EpisodeProcess:
     parent, child = socket.socketpair()
     sys.stdout.flush()
     sys.stderr.flush()
+    worker = os.getpid()
     pid = os.fork()
     if pid == 0:  # the episode process: never returns
       code = 1
       try:
         parent.close()
-        os.setpgid(0, 0)  # its own group: the worker kills whatever it forks, too
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # and dies with the worker
-        _restrict_inherited_fds(keep=child.fileno())
-        os.chdir(write_dir)
-        if confine:
-          sandbox.confine(read_paths, [write_dir])
+        _enter_fork(worker, child.fileno(), read_paths, write_dir, confine)
         serve(Connection(child.detach()))
         code = 0
       except BaseException as e:  # noqa: BLE001 - reported on stderr, then exit
@@ -176,31 +204,65 @@ def _children_of(parent: int) -> list[int]:
   return found
 
 
-def run_in_fork(function: Callable[[], Any]) -> Any:
-  """`function()` in a forked process whose memory dies with it; returns its JSON result.
+def run_in_fork(function: Callable[[], Any], *, read_paths: list[str], write_dir: str,
+                confine: bool, timeout: float) -> Any:
+  """`function()` in a forked process (set up like an episode process, see _enter_fork)
+  whose memory dies with it; returns its JSON result.
 
-  Raises RuntimeError naming the exit status (or the exception) when it fails.
+  Raises EvaluationTimeout when it is killed, with its group, `timeout` seconds after it
+  started, and RuntimeError naming the exit status (or the exception) when it fails.
   """
+  os.makedirs(write_dir, exist_ok=True)
   reader, writer = os.pipe()
   sys.stdout.flush()
   sys.stderr.flush()
+  worker = os.getpid()
   pid = os.fork()
-  if pid == 0:
+  if pid == 0:  # never returns
+    code = 1
+    try:
+      os.close(reader)
+      _enter_fork(worker, writer, read_paths, write_dir, confine)
+      try:
+        answer = {"ok": True, "value": function()}
+      except Exception as e:  # noqa: BLE001 - sent back to the worker
+        answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+      with os.fdopen(writer, "w") as f:
+        json.dump(answer, f)
+      code = 0
+    except BaseException as e:  # noqa: BLE001 - reported on stderr, then exit
+      print(f"evaluation process failed: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+      sys.stderr.flush()
+      os._exit(code)
+  os.close(writer)
+  try:
+    text = _read_until(reader, time.monotonic() + timeout)
+  finally:
     os.close(reader)
     try:
-      answer = {"ok": True, "value": function()}
-    except BaseException as e:  # noqa: BLE001 - sent back to the worker
-      answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    with os.fdopen(writer, "w") as f:
-      json.dump(answer, f)
-    os._exit(0)
-  os.close(writer)
-  with os.fdopen(reader) as f:
-    text = f.read()
-  status = os.waitpid(pid, 0)[1]
+      os.killpg(pid, signal.SIGKILL)  # at the deadline, or whatever it left running
+    except ProcessLookupError:
+      pass
+    status = os.waitpid(pid, 0)[1]
+  if text is None:
+    raise EvaluationTimeout(f"still running {timeout:g} s after it started")
   if not text:
     raise RuntimeError(f"the evaluation process {_describe_exit(status)}")
   answer = json.loads(text)
   if not answer["ok"]:
     raise RuntimeError(answer["error"])
   return answer["value"]
+
+
+def _read_until(fd: int, deadline: float) -> bytes | None:
+  """Everything `fd` gives until its end; None when the deadline comes first."""
+  chunks = []
+  while True:
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([fd], [], [], left)[0]:
+      return None
+    chunk = os.read(fd, 1 << 16)
+    if not chunk:
+      return b"".join(chunks)
+    chunks.append(chunk)

@@ -25,6 +25,11 @@ class Evaluation:
   num_failed: int
   failed_requirements: tuple[str, ...] = ()
   error: str | None = None  # set when the episode ended on an environment fault
+  # Set when the saved state was not scored because of what the episode's code wrote (a
+  # forged state, one that does not replay, or one whose evaluation outlived
+  # evaluation_timeout_s): a failure of the agent, counted as such, never an environment
+  # fault (which would leave the episode out of training).
+  refused: str | None = None
 
   @property
   def num_tests(self) -> int:

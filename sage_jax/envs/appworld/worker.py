@@ -4,8 +4,8 @@
 
 The worker itself never runs agent code and never loads a task's ground truth: each
 episode's world lives in an episode process (confined by the sandbox, see
-episode_process.py) and each evaluation in a fork of its own. Worlds run in those
-processes' main threads, so AppWorld's SIGALRM timeout works.
+episode_process.py) and each evaluation in a confined fork of its own (evaluation.py).
+Worlds run in those processes' main threads, so AppWorld's SIGALRM timeout works.
 
 The parent (process.py) sends JSON requests, length-prefixed, on stdin and reads the
 answers on the original stdout; AppWorld's own prints go to stderr. With --server the
@@ -29,6 +29,7 @@ from typing import Any
 from sage_jax.envs.appworld import calltrace
 from sage_jax.envs.appworld import data_root
 from sage_jax.envs.appworld import episode_process
+from sage_jax.envs.appworld import evaluation
 from sage_jax.envs.appworld import sandbox
 
 FAILED_PREFIX = "Execution failed."
@@ -152,18 +153,6 @@ def _saves_only_in(world, pid: int) -> None:
   world.save_logs = only_in_pid(world.save_logs)
 
 
-def _evaluate(task_id: str, experiment: str) -> dict:
-  """AppWorld's evaluation of the state the episode saved; runs in an evaluation process."""
-  from appworld.evaluator import evaluate_task
-
-  # No report on disk: the episode process can read its experiment directory.
-  tracker = evaluate_task(task_id=task_id, experiment_name=experiment, suppress_errors=True,
-                          save_report=False)
-  return {"success": bool(tracker.success), "num_passed": tracker.pass_count,
-          "num_failed": tracker.num_tests - tracker.pass_count,
-          "failed_requirements": [f["requirement"] for f in tracker.failures]}
-
-
 class Worker:
   """Serves the pool's requests: one episode process at a time, evaluations in forks."""
 
@@ -251,9 +240,21 @@ class Worker:
             "executed": True, "trace": answer["trace"]}
 
   def evaluate(self) -> dict:
+    """AppWorld's evaluation of the state the episode saved (evaluation.py); `refused`
+    says why it was not scored when the episode's own files are to blame."""
     self._require_episode()
-    task_id, experiment = self.task_id, self.experiment
-    return episode_process.run_in_fork(lambda: _evaluate(task_id, experiment))
+    s = self.settings
+    result = evaluation.evaluate(self.data, self.apps, self.task_id, self.experiment,
+                                 os.path.join(self.output_directory, "dbs"),
+                                 confine=s["sandbox"] != "off",
+                                 timeout=s["evaluation_timeout_s"])
+    if "refused" in result:
+      return {"success": False, "num_passed": 0, "num_failed": 0, "failed_requirements": [],
+              "refused": result["refused"]}
+    passed = len(result["passes"])
+    return {"success": bool(result["success"]), "num_passed": passed,
+            "num_failed": result["num_tests"] - passed,
+            "failed_requirements": [f["requirement"] for f in result["failures"]]}
 
   def close(self) -> dict:
     self._end_episode_process()
