@@ -1,6 +1,6 @@
 """Exports a training run's checkpoint to Hugging Face format.
 
-  python -m sage_jax.export --workdir=RUN [--step=N] [--stage=rl|sft] --out=HF_DIR
+  python -m sage_jax.export --workdir=RUN [--step=N] [--stage=rl|sft] [--dtype=D] --out=HF_DIR
 
 Restores the latest (or given) checkpoint of RUN with the config saved beside it, writes
 config.json, generation_config.json, sharded safetensors and the tokenizer files
@@ -8,13 +8,15 @@ config.json, generation_config.json, sharded safetensors and the tokenizer files
 adapters merged in, and also in PEFT's format under HF_DIR/lora_adapter), plus the run's
 resolved config (sage_jax_config.json) and a model card (README.md) with the training
 summary. RUN and HF_DIR may be remote (gs://...): the files are written locally, then
-uploaded (`sage_jax.storage`).
+uploaded (`sage_jax.storage`). HF_DIR is replaced only if it is missing, empty or a previous
+export, and never when it is or contains RUN or the source model (`hf.check_export_target`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 import jax
 import ml_collections
@@ -28,25 +30,45 @@ from sage_jax.weights.peft_adapter import save_peft_adapter
 ADAPTER_DIR = "lora_adapter"
 
 
+def check_target(out: str, keep: Sequence[str] = ()) -> None:
+  """`hf.check_export_target` on every process, failing on all when it fails on any: a local
+  `out` may exist on one host only, and a host that stopped alone would leave the others
+  waiting in the gathers."""
+  try:
+    hf.check_export_target(out, keep)
+    refused = None
+  except hf.ExportError as e:
+    refused = e
+  if multihost.any_process(refused is not None):
+    raise refused or hf.ExportError(f"{out}: refused as the export directory on another host")
+
+
 def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
-                base_model: str = "") -> None:
-  """The HF directory of `model` with its tokenizer; with LoRA, the adapters merged in and
-  also alone under `out/lora_adapter` in PEFT's format (for `base_model`). Every process
-  calls it (the gathers are collective); process 0 writes."""
+                base_model: str = "", dtype: str | None = None) -> None:
+  """The HF directory of `model` with its tokenizer, in `dtype` (default: the model's
+  param_dtype); with LoRA, the adapters merged in and also alone under `out/lora_adapter` in
+  PEFT's format (for `base_model`, whose generation_config.json lends its sampling defaults).
+  Every process calls it (the gathers are collective); process 0 writes."""
+  check_target(out)  # A remote `out` is replaced by the staged copy, unseen by save_hf.
   with storage.staged_dir(out, writer=jax.process_index() == 0) as local:
-    hf.save_hf(model, local, tokenizer_dir=os.fspath(tokenizer_dir))
+    hf.save_hf(model, local, dtype=dtype, tokenizer_dir=os.fspath(tokenizer_dir),
+               source_dir=base_model or None)
     if model.config.lora.enabled:
       save_peft_adapter(model, os.path.join(local, ADAPTER_DIR), base_model=base_model)
 
 
-def export(workdir: str, out: str, step: int | None = None, stage: str = "rl") -> dict:
-  """Writes the checkpoint's model to `out`; returns what was exported."""
+def export(workdir: str, out: str, step: int | None = None, stage: str = "rl",
+           dtype: str | None = None) -> dict:
+  """Writes the checkpoint's model to `out` (in `dtype`, default the run's param_dtype);
+  returns what was exported."""
   config = run_checkpoint.read_config(workdir)
+  # Checked before the restore, which can take minutes for a large model.
+  check_target(out, keep=[p for p in (workdir, config.model.spec) if p])
   run = run_config.resolve(config)
   # save_hf gathers each tensor and process 0 writes.
   model, step = run_checkpoint.restore_model(workdir, run, step, stage)
   write_model(model, out, run_checkpoint.tokenizer_dir(workdir, run),
-              base_model=config.model.spec)
+              base_model=config.model.spec, dtype=dtype)
   summary = storage.read_json(storage.path(workdir) / "summary.json") or {}
   if jax.process_index() == 0:
     storage.write_json(storage.path(out) / "sage_jax_config.json", config.to_dict())
@@ -76,7 +98,8 @@ def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary
 def main(argv) -> None:
   del argv
   multihost.initialize()
-  result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage)
+  result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage,
+                  flags.FLAGS.dtype)
   if multihost.is_lead():
     print(json.dumps(result))
 
@@ -86,4 +109,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "Directory to write the HF model to.", required=True)
   flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
   flags.DEFINE_enum("stage", "rl", list(run_checkpoint.STAGE_DIRS), "Which stage's checkpoints.")
+  flags.DEFINE_enum("dtype", None, list(hf.NP_DTYPES), "Dtype of the exported weights "
+                    "(default: the run's param_dtype), e.g. bfloat16 for a float32 run.")
   app.run(main)

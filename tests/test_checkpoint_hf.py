@@ -153,3 +153,87 @@ def test_damaged_safetensors_names_the_file(src, damage):
   victim.write_bytes(data[:len(data) // 2] if damage == "truncate" else b"\xff" * 8 + data[8:])
   with pytest.raises(hf.CheckpointError, match=f"{victim}: not a readable safetensors file"):
     hf.load_hf(str(d))
+
+
+def _edit_config(model_dir, **changes):
+  path = model_dir / "config.json"
+  json.dump({**json.load(open(path)), **changes}, open(path, "w"))
+
+
+@pytest.mark.parametrize("field,value,problem", [
+    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+     r"rope_scaling=.*'yarn'.*default RoPE only.*remove rope_scaling from config.json and set "
+     r"max_position_embeddings to 32768"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+     r"rope_parameters=.*'linear'.*default RoPE only.*rope_type 'default' and rope_theta"),
+    ("use_sliding_window", True,
+     r"use_sliding_window=True: .*full attention only. Set use_sliding_window to false"),
+    ("hidden_act", "gelu", r"hidden_act='gelu': .*'silu' only"),
+])
+def test_settings_the_model_does_not_implement_are_refused(src, field, value, problem):
+  _edit_config(src / "src", **{field: value})
+  with pytest.raises(hf.CheckpointError, match=rf"src/config.json: {problem}"):
+    hf.load_hf(str(src / "src"))
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"type": "default"}, {"rope_type": "default"}])
+def test_default_rope_scaling_loads(src, rope_scaling):
+  expected = _flat(hf.load_hf(str(src / "src")))
+  _edit_config(src / "src", rope_scaling=rope_scaling)
+  assert _flat(hf.load_hf(str(src / "src"))).keys() == expected.keys()
+
+
+@pytest.mark.parametrize("damage,problem", [
+    ("no_config", r"src/config.json: not found"),
+    ("no_weight_map", r"sharded/model.safetensors.index.json: no weight_map"),
+    ("bad_index_json", r"sharded/model.safetensors.index.json: not valid JSON"),
+])
+def test_bad_checkpoint_files_raise_checkpoint_error(src, damage, problem):
+  d = src / ("src" if damage == "no_config" else "sharded")
+  if damage == "no_config":
+    os.remove(d / "config.json")
+  else:
+    (d / "model.safetensors.index.json").write_text(
+        '{"metadata": {}}' if damage == "no_weight_map" else '{"weight_map": {')
+  with pytest.raises(hf.CheckpointError, match=problem):
+    hf.load_hf(str(d))
+
+
+def test_config_json_states_the_dtype_under_both_names(src):
+  hf.save_hf(hf.load_hf(str(src / "src")), str(src / "out"), dtype="bfloat16")
+  config = json.load(open(src / "out" / "config.json"))
+  assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+
+
+def test_generation_config_stops_at_both_turn_ends_and_keeps_sampling_defaults(src):
+  _edit_config(src / "src", bos_token_id=151643, eos_token_id=151643)  # a base model's
+  sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+              "repetition_penalty": 1.05}
+  json.dump({**sampling, "bos_token_id": 151643, "eos_token_id": [151645, 151643],
+             "transformers_version": "4.37.0"}, open(src / "src" / "generation_config.json", "w"))
+  hf.save_hf(hf.load_hf(str(src / "src")), str(src / "out"), source_dir=str(src / "src"))
+  assert json.load(open(src / "out" / "generation_config.json")) == {
+      "bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+      **sampling}
+  assert json.load(open(src / "out" / "config.json"))["eos_token_id"] == 151643
+
+
+def test_compact_vocabulary_exports_its_own_token_ids(tmp_path):
+  from sage_jax import compact_tokenizer  # noqa: PLC0415
+  from sage_jax.tokenizer import Tokenizer  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
+
+  tok_dir = str(compact_tokenizer.write_compact_tokenizer(["def f(x): return x"],
+                                                          tmp_path / "tokenizer"))
+  tok = Tokenizer(tok_dir)
+  model = loader.build_model(loader.ModelSpec(preset="tiny", vocabulary="compact"),
+                             vocab_size=tok.vocab_size)
+  hf.save_hf(model, str(tmp_path / "out"), tokenizer_dir=tok_dir)
+  config = json.load(open(tmp_path / "out" / "config.json"))
+  generation = json.load(open(tmp_path / "out" / "generation_config.json"))
+  assert config["vocab_size"] == tok.vocab_size
+  assert (config["bos_token_id"], config["eos_token_id"]) == (tok.endoftext, tok.im_end)
+  assert generation == {"bos_token_id": tok.endoftext, "eos_token_id": [tok.im_end, tok.endoftext],
+                        "pad_token_id": tok.endoftext}
+  hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+  assert (hf_tok.eos_token_id, hf_tok.pad_token_id) == (tok.im_end, tok.endoftext)

@@ -15,14 +15,14 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.model.config import Qwen2Config
-from sage_jax.weights import gguf_import
+from sage_jax.weights import gguf_import, hf
 
 _TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
          "        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
          "The capital of France is Paris. The capital of Germany is Berlin.")
 
 
-def _write_gguf(path, arch="qwen2", layers=2, tied=False, drop=(), extra=()):
+def _write_gguf(path, arch="qwen2", layers=2, tied=False, drop=(), extra=(), rope_scaling=None):
   """A small random GGUF in llama.cpp's layout (float32 and float16 tensors)."""
   hidden, ffn, heads, kv_heads, vocab = 16, 32, 4, 2, 24
   head_dim = hidden // heads
@@ -35,6 +35,8 @@ def _write_gguf(path, arch="qwen2", layers=2, tied=False, drop=(), extra=()):
   writer.add_head_count(heads)
   writer.add_head_count_kv(kv_heads)
   writer.add_rope_freq_base(1e6)
+  if rope_scaling:
+    writer.add_rope_scaling_type(rope_scaling)
   writer.add_layer_norm_rms_eps(1e-6)
   writer.add_token_list([f"t{i}" for i in range(vocab)])
   writer.add_eos_token_id(2)
@@ -114,6 +116,15 @@ def test_rejects_unknown_tensors(tmp_path):
 def test_rejects_missing_tensors(tmp_path):
   path = _write_gguf(tmp_path / "short.gguf", drop=("blk.1.ffn_up.weight",))
   with pytest.raises(gguf_import.GGUFError, match=r"missing tensors \['blk.1.ffn_up.weight'\]"):
+    gguf_import.read_gguf(path)
+
+
+def test_rope_scaling_other_than_none_is_refused(tmp_path):
+  gguf_import.read_gguf(_write_gguf(tmp_path / "none.gguf", rope_scaling=gguf.RopeScalingType.NONE))
+  path = _write_gguf(tmp_path / "yarn.gguf", rope_scaling=gguf.RopeScalingType.YARN)
+  with pytest.raises(gguf_import.GGUFError,
+                     match=rf"{path}: qwen2.rope.scaling.type='yarn': the model implements the "
+                           r"default RoPE only.*--remove-metadata qwen2.rope.scaling.type"):
     gguf_import.read_gguf(path)
 
 
@@ -202,7 +213,7 @@ def test_cli_writes_a_checkpoint_transformers_loads(coder_gguf, ours, tmp_path):
                   f"--gguf={coder_gguf}"],
                  check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert sorted(p.name for p in out.iterdir()) == sorted(
-      ["config.json", "generation_config.json", "model.safetensors",
+      ["config.json", "generation_config.json", "model.safetensors", hf.EXPORT_MARKER,
        *tokenizer_lib.TOKENIZER_FILES])
   config, tensors = ours
   assert Qwen2Config.from_hf(str(out)) == Qwen2Config.from_hf(config)

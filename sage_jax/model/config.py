@@ -40,6 +40,46 @@ def check_attention_block(block: int) -> None:
     raise ValueError(f"attention_block={block!r}; expected 0 (dense) or a positive token count")
 
 
+class CheckpointError(ValueError):
+  """A checkpoint that does not match the model it is loaded into."""
+
+
+def read_checkpoint_json(path: str) -> Any:
+  """A checkpoint's JSON file; a missing or malformed one raises CheckpointError naming it."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise CheckpointError(f"{path}: not found") from None
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def check_supported(hf: dict[str, Any], source: str) -> None:
+  """Refuses HF config settings the model does not implement: loaded anyway, it would compute
+  another function than transformers and vLLM do on the same checkpoint, without a sign."""
+  for field in ("rope_scaling", "rope_parameters"):
+    rope = hf.get(field) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+      fix = ("remove rope_scaling from config.json" if field == "rope_scaling" else
+             "keep only rope_type 'default' and rope_theta in config.json's rope_parameters")
+      native = rope.get("original_max_position_embeddings")
+      raise CheckpointError(
+          f"{source}: {field}={rope}: the model implements the default RoPE only, not "
+          f"{rope_type!r}. To train at the native context, {fix}"
+          + (f" and set max_position_embeddings to {native}" if native else ""))
+  if hf.get("use_sliding_window"):
+    raise CheckpointError(
+        f"{source}: use_sliding_window={hf['use_sliding_window']!r}: the model implements full "
+        "attention only. Set use_sliding_window to false in config.json (as the Qwen2.5 "
+        "releases do) to use it with full attention")
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise CheckpointError(f"{source}: hidden_act={act!r}: the model implements 'silu' only "
+                          "(Qwen2.5's MLP), so it cannot run this checkpoint")
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
   """Shape and numerics of a Qwen2 decoder. Field names follow HF's `Qwen2Config`."""
@@ -122,15 +162,15 @@ class Qwen2Config:
     if isinstance(hf, (str, os.PathLike)):
       path = os.path.join(hf, "config.json") if os.path.isdir(hf) else str(hf)
       source = path
-      with open(path) as f:
-        hf = json.load(f)
+      hf = read_checkpoint_json(path)
     arch = hf.get("model_type")
     if arch not in ("qwen2", None):
-      raise ValueError(f"{source}: model_type={arch!r}, expected 'qwen2'")
+      raise CheckpointError(f"{source}: model_type={arch!r}, expected 'qwen2'")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                            "num_hidden_layers", "num_attention_heads") if k not in hf]
     if missing:
-      raise ValueError(f"{source}: missing keys {missing}")
+      raise CheckpointError(f"{source}: missing keys {missing}")
+    check_supported(hf, source)
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     eos = hf.get("eos_token_id")
@@ -180,7 +220,9 @@ class Qwen2Config:
         "use_cache": True,
         "bos_token_id": self.bos_token_id,
         "eos_token_id": self.eos_token_id,
+        # Both names: transformers 5 reads `dtype`, older versions and many tools `torch_dtype`.
         "dtype": torch_dtype or self.param_dtype,
+        "torch_dtype": torch_dtype or self.param_dtype,
     }
 
 

@@ -18,7 +18,6 @@ directory (float32 safetensors, config.json, generation_config.json, tokenizer f
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -120,6 +119,12 @@ def _hf_config(reader, path: str) -> dict[str, Any]:
   config: dict[str, Any] = {"model_type": arch}
   if "general.name" in fields:
     config["_model_name_or_path"] = fields["general.name"].contents()
+  scaling = fields.get(f"{arch}.rope.scaling.type")
+  if scaling is not None and scaling.contents() != "none":
+    raise GGUFError(
+        f"{path}: {arch}.rope.scaling.type={scaling.contents()!r}: the model implements the "
+        "default RoPE only. To train at the native context, drop the scaling from the "
+        f"metadata: gguf-new-metadata --remove-metadata {arch}.rope.scaling.type IN OUT")
   for key, hf_key in _ARCH_KEYS.items():
     if f"{arch}.{key}" not in fields:
       raise GGUFError(f"{path}: metadata lacks {arch}.{key} (HF {hf_key})")
@@ -222,9 +227,11 @@ def export_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
   """Writes a Hugging Face Qwen2 checkpoint directory (float32) from a Qwen2.5 GGUF.
 
   Written to `<out_dir>.tmp` and moved into place at the end, so an interrupted export never
-  looks complete.
+  looks complete; `out_dir` must be missing, empty or a previous export
+  (`hf.check_export_target`).
   """
   gguf_path, out_dir = os.fspath(gguf_path), os.fspath(out_dir).rstrip("/")
+  hf.check_export_target(out_dir, keep=[gguf_path])
   reader = _open_reader(gguf_path)  # Parsing the metadata takes ~10 s: once.
   _check_tokenizer(reader, gguf_path)
   config, tensors = _read(reader, gguf_path)
@@ -233,13 +240,9 @@ def export_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   save_file(dict(tensors), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-  with open(os.path.join(tmp, "config.json"), "w") as f:
-    json.dump(cfg.to_hf(torch_dtype="float32"), f, indent=2)
-  with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-    json.dump(hf.generation_config(cfg), f, indent=2)
+  hf.write_configs(tmp, cfg, dtype="float32")
   tokenizer_lib.save_tokenizer(tmp)
-  shutil.rmtree(out_dir, ignore_errors=True)
-  os.replace(tmp, out_dir)
+  hf.move_into_place(tmp, out_dir)
 
 
 def main(argv: list[str]) -> None:

@@ -3,7 +3,8 @@
 Import streams one tensor at a time from the safetensors files straight into its target
 sharding; export writes sharded safetensors with an index, config.json,
 generation_config.json and (optionally) the tokenizer files, loadable by
-`transformers.AutoModelForCausalLM.from_pretrained`.
+`transformers.AutoModelForCausalLM.from_pretrained`. An export replaces only a directory that
+is missing, empty or a previous export (`check_export_target`).
 
 One explicit table, `NAME_TABLE`, maps HF tensor names to module paths and says how each
 tensor is laid out; both directions use it.
@@ -23,15 +24,17 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from sage_jax import sharding as shd
+from sage_jax import storage
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.model import lora
-from sage_jax.model.config import Qwen2Config
+from sage_jax.model.config import CheckpointError, Qwen2Config, read_checkpoint_json
 from sage_jax.model.qwen2 import Qwen2
 
 # kind: "copy" (same shape), "flat" (HF keeps it flat: [heads * head_dim] biases), or
@@ -57,11 +60,7 @@ NAME_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", "kernel1"),
 )
 
-_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that does not match the model it is loaded into."""
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def _compile(template: str) -> re.Pattern:
@@ -124,8 +123,9 @@ def _weight_files(model_dir: str) -> dict[str, str]:
   index = os.path.join(model_dir, "model.safetensors.index.json")
   single = os.path.join(model_dir, "model.safetensors")
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
+    weight_map = read_checkpoint_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise CheckpointError(f"{index}: no weight_map (tensor name -> shard file) object")
     files = {name: os.path.join(model_dir, fname) for name, fname in weight_map.items()}
     missing = sorted({p for p in files.values() if not os.path.exists(p)})
     if missing:
@@ -154,10 +154,9 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
 
 
 def _checkpoint_dtype(model_dir: str) -> str:
-  with open(os.path.join(model_dir, "config.json")) as f:
-    hf = json.load(f)
+  hf = read_checkpoint_json(os.path.join(model_dir, "config.json"))
   name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-  return name if name in _NP_DTYPES else "float32"
+  return name if name in NP_DTYPES else "float32"
 
 
 def load_tensors(cfg: Qwen2Config, tensors: Iterable[tuple[str, str, np.ndarray]],
@@ -224,12 +223,77 @@ def load_hf(model_dir: str, *, mesh: Mesh | None = None,
 # --- Export --------------------------------------------------------------------------------
 
 
-def generation_config(cfg: Qwen2Config) -> dict[str, Any]:
-  return {
-      "bos_token_id": cfg.bos_token_id,
-      "eos_token_id": sorted({cfg.eos_token_id, cfg.bos_token_id}, reverse=True),
-      "pad_token_id": cfg.bos_token_id,
-  }
+# Written into every directory an export creates. A later export replaces a non-empty
+# directory only if it holds this file, so it never deletes a run or a model it did not write.
+EXPORT_MARKER = "sage_jax_export.json"
+
+# The sampling defaults of a source checkpoint's generation_config.json that its export keeps
+# (transformers' `generate` and vLLM sample with them unless told otherwise).
+SAMPLING_DEFAULTS = ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
+
+
+class ExportError(ValueError):
+  """An export that would delete files it did not write."""
+
+
+def _resolved(p: str | os.PathLike) -> epath.Path:
+  return storage.path(p if storage.is_remote(p) else os.path.realpath(p))
+
+
+def check_export_target(out_dir: str | os.PathLike, keep: Iterable[str] = ()) -> None:
+  """Fails unless an export may replace `out_dir` (local or remote): it must be missing, empty
+  or a previous export (it holds `EXPORT_MARKER`), and must not be or contain any path in
+  `keep` (the run's workdir, the source model), since replacing deletes what is there."""
+  out = _resolved(out_dir)
+  for path in keep:
+    kept = _resolved(path)
+    if out == kept or out in kept.parents:
+      raise ExportError(f"{out_dir}: exporting there would delete {path}; choose another "
+                        "output directory")
+  if out.exists() and any(out.iterdir()) and not (out / EXPORT_MARKER).exists():
+    raise ExportError(f"{out_dir} is not empty and is not a previous export (it has no "
+                      f"{EXPORT_MARKER}); choose another output directory or remove it")
+
+
+def move_into_place(tmp: str, out_dir: str) -> None:
+  """Marks the finished export in `tmp` as ours and swaps it in for `out_dir` (which
+  `check_export_target` allowed), so an interrupted export never looks complete."""
+  with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+    json.dump({"written_by": "sage_jax", "note": "a later export may replace this directory"},
+              f, indent=2)
+  if os.path.exists(out_dir):
+    shutil.rmtree(out_dir)
+  os.replace(tmp, out_dir)
+
+
+def write_configs(out_dir: str, cfg: Qwen2Config, *, dtype: str,
+                  tokenizer_dir: str | None = None, source_dir: str | None = None) -> None:
+  """Writes config.json and generation_config.json into `out_dir`.
+
+  Special token ids are those of the exported tokenizer (`tokenizer_dir`, else Qwen2.5's):
+  `cfg` holds Qwen2.5 ids, which a compact vocabulary renumbers, so each is carried over by its
+  token. Generation stops at both turn ends the sampler stops on (`<|im_end|>` and
+  `<|endoftext|>`) and keeps the sampling defaults of `source_dir`'s generation_config.json.
+  """
+  qwen = tokenizer_lib.Tokenizer()
+  vocab = tokenizer_lib.Tokenizer(tokenizer_dir) if tokenizer_dir else qwen
+
+  def exported(token_id: int) -> int:
+    [new_id] = vocab.encode(qwen.id_to_token(token_id))  # An added token's text encodes to it.
+    return new_id
+
+  ids = {"bos_token_id": exported(cfg.bos_token_id), "eos_token_id": exported(cfg.eos_token_id)}
+  # pad only here: in config.json, transformers would freeze that embedding row (padding_idx).
+  generation = {**ids, "pad_token_id": vocab.pad_id, "eos_token_id": list(dict.fromkeys(
+      (vocab.im_end, vocab.endoftext, ids["eos_token_id"])))}
+  source = os.path.join(source_dir, "generation_config.json") if source_dir else ""
+  if os.path.isfile(source):
+    defaults = read_checkpoint_json(source)
+    generation.update({k: defaults[k] for k in SAMPLING_DEFAULTS if k in defaults})
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump({**cfg.to_hf(torch_dtype=dtype), **ids}, f, indent=2)
+  with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+    json.dump(generation, f, indent=2)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -240,18 +304,21 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
-            max_shard_bytes: int = 2 << 30, tokenizer_dir: str | None = None) -> list[str]:
+            max_shard_bytes: int = 2 << 30, tokenizer_dir: str | None = None,
+            source_dir: str | None = None) -> list[str]:
   """Writes `model` as an HF checkpoint directory; returns the safetensors file names.
 
-  Tensors are gathered one at a time. LoRA adapters are merged into their kernels as those are
-  written, so the files hold the adapted model's full weights. Files go to `<out_dir>.tmp`
-  first and are moved into place at the end, so an interrupted export never looks complete.
-  In a multi-host run every process must call this (the gathers are collective); only process
-  0 writes.
+  `dtype` defaults to the model's param_dtype; `source_dir`, the checkpoint the model was
+  loaded from, lends its sampling defaults (`write_configs`). Tensors are gathered one at a
+  time. LoRA adapters are merged into their kernels as those are written, so the files hold
+  the adapted model's full weights. Files go to `<out_dir>.tmp` first and are moved into
+  place at the end, so an interrupted export never looks complete. In a multi-host run every
+  process must call this (the gathers are collective); only process 0 writes.
   """
+  check_export_target(out_dir)
   cfg = model.config
   dtype = dtype or cfg.param_dtype
-  np_dtype = _NP_DTYPES[dtype]
+  np_dtype = NP_DTYPES[dtype]
   params = {path: v for path, v in _flat_paths(nnx.state(model, nnx.Param)).items()
             if not isinstance(v, lora.LoraParam)}
   adapters = {".".join(map(str, path)): adapter
@@ -280,15 +347,10 @@ def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
   with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
               f, indent=2)
-  with open(os.path.join(tmp, "config.json"), "w") as f:
-    json.dump(cfg.to_hf(torch_dtype=dtype), f, indent=2)
-  with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-    json.dump(generation_config(cfg), f, indent=2)
+  write_configs(tmp, cfg, dtype=dtype, tokenizer_dir=tokenizer_dir, source_dir=source_dir)
   if tokenizer_dir:
     tokenizer_lib.save_tokenizer(tmp, tokenizer_dir)
-  if os.path.exists(out_dir):
-    shutil.rmtree(out_dir)
-  os.replace(tmp, out_dir)
+  move_into_place(tmp, out_dir)
   return [f for f, _ in plan]
 
 

@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from sage_jax.model import lora
 from sage_jax.model.qwen2 import Qwen2
-from sage_jax.weights.hf import _to_host, path_to_hf
+from sage_jax.weights.hf import _to_host, check_export_target, move_into_place, path_to_hf
 
 _PREFIX = "base_model.model."
 
@@ -37,10 +37,12 @@ def adapter_config(config: lora.LoraConfig, base_model: str) -> dict:
 def save_peft_adapter(model: Qwen2, out_dir: str, *, base_model: str = "") -> list[str]:
   """Writes `model`'s adapters (float32) to `out_dir`; returns the tensor names. Like
   `hf.save_hf`, every process of a multi-host run calls it and process 0 writes, through
-  `<out_dir>.tmp` so an interrupted export never looks complete."""
+  `<out_dir>.tmp` so an interrupted export never looks complete, and replacing only a previous
+  export (`hf.check_export_target`)."""
   config = model.config.lora
   if not config.enabled:
     raise ValueError("the model has no LoRA adapters to export")
+  check_export_target(out_dir)
   tensors = {}
   for path, adapter in lora.adapters_by_kernel(model).items():
     hf_name, _ = path_to_hf(".".join(map(str, path)))
@@ -55,7 +57,5 @@ def save_peft_adapter(model: Qwen2, out_dir: str, *, base_model: str = "") -> li
   save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
   with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
     json.dump(adapter_config(config, base_model), f, indent=2)
-  if os.path.exists(out_dir):
-    shutil.rmtree(out_dir)
-  os.replace(tmp, out_dir)
+  move_into_place(tmp, out_dir)
   return sorted(tensors)

@@ -1,0 +1,135 @@
+"""Exports replace only a directory that is missing, empty or a previous export, never one that
+is or contains the run's workdir or the source model: replacing deletes what is there."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from sage_jax import export, storage
+from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.model import lora
+from sage_jax.weights import gguf_import, hf, loader
+from sage_jax.weights.peft_adapter import save_peft_adapter
+
+
+@pytest.fixture(scope="module")
+def model():
+  return loader.build_model(loader.ModelSpec(preset="tiny"))
+
+
+def _foreign(directory):
+  """A directory holding files no export wrote (a run's checkpoints)."""
+  (directory / "checkpoints").mkdir(parents=True)
+  (directory / "checkpoints" / "precious").write_text("step 100")
+  return directory / "checkpoints" / "precious"
+
+
+def test_save_hf_refuses_a_directory_it_did_not_write(model, tmp_path):
+  precious = _foreign(tmp_path / "out")
+  with pytest.raises(hf.ExportError, match=r"out is not empty and is not a previous export"):
+    hf.save_hf(model, str(tmp_path / "out"))
+  assert precious.read_text() == "step 100"
+  assert not (tmp_path / "out.tmp").exists()
+
+
+def test_save_hf_replaces_an_empty_directory_and_its_previous_export(model, tmp_path):
+  (tmp_path / "out").mkdir()
+  hf.save_hf(model, str(tmp_path / "out"), max_shard_bytes=100_000)
+  assert (tmp_path / "out" / hf.EXPORT_MARKER).exists()
+  files = hf.save_hf(model, str(tmp_path / "out"))
+  assert sorted(f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")) == files
+
+
+def test_peft_adapter_export_refuses_a_directory_it_did_not_write(tmp_path):
+  adapted = lora.add_adapters(loader.build_model(loader.ModelSpec(preset="tiny")),
+                              lora.LoraConfig(rank=2, alpha=4.0), seed=0)
+  precious = _foreign(tmp_path / "adapter")
+  with pytest.raises(hf.ExportError, match="adapter is not empty"):
+    save_peft_adapter(adapted, str(tmp_path / "adapter"))
+  assert precious.exists()
+  save_peft_adapter(adapted, str(tmp_path / "fresh"))
+  save_peft_adapter(adapted, str(tmp_path / "fresh"))  # its own previous export
+  assert (tmp_path / "fresh" / "adapter_model.safetensors").exists()
+
+
+def test_gguf_conversion_refuses_the_directory_of_its_gguf(tmp_path):
+  gguf_path = tmp_path / "models" / "qwen.gguf"
+  gguf_path.parent.mkdir()
+  gguf_path.write_bytes(b"GGUF")
+  (gguf_path.parent / hf.EXPORT_MARKER).write_text("{}")  # even inside a previous export
+  with pytest.raises(hf.ExportError, match=f"would delete {gguf_path}"):
+    gguf_import.export_hf(gguf_path, gguf_path.parent)
+  precious = _foreign(tmp_path / "other")
+  with pytest.raises(hf.ExportError, match="other is not empty"):
+    gguf_import.export_hf(gguf_path, tmp_path / "other")
+  assert gguf_path.read_bytes() == b"GGUF" and precious.exists()
+
+
+def _run_dir(tmp_path, spec=""):
+  """A run's workdir as far as the export reads it before restoring a checkpoint."""
+  workdir = tmp_path / "runs" / "x"
+  precious = _foreign(workdir)
+  (workdir / "config.json").write_text(json.dumps({"model": {"spec": spec}}))
+  (workdir / hf.EXPORT_MARKER).write_text("{}")  # the workdir is refused even so
+  return workdir, precious
+
+
+@pytest.mark.parametrize("target", ["workdir", "its parent"])
+def test_run_export_refuses_the_workdir_and_what_contains_it(tmp_path, target):
+  workdir, precious = _run_dir(tmp_path)
+  out = workdir if target == "workdir" else workdir.parent
+  with pytest.raises(hf.ExportError, match=f"would delete {workdir}"):
+    export.export(str(workdir), str(out))
+  assert precious.exists()
+
+
+def test_run_export_refuses_the_source_model(tmp_path, model):
+  hf.save_hf(model, str(tmp_path / "base"))  # a previous export, now the run's base model
+  workdir, _ = _run_dir(tmp_path, spec=str(tmp_path / "base"))
+  with pytest.raises(hf.ExportError, match=f"would delete {tmp_path / 'base'}"):
+    export.export(str(workdir), str(tmp_path / "base"))
+  assert (tmp_path / "base" / "config.json").exists()
+
+
+def test_export_cli_refuses_the_workdir(tmp_path):
+  workdir, precious = _run_dir(tmp_path)
+  result = subprocess.run(
+      [sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}", f"--out={workdir}",
+       "--dtype=bfloat16"], capture_output=True, text=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode != 0
+  assert f"ExportError: {workdir}: exporting there would delete {workdir}" in result.stderr
+  assert precious.exists()
+
+
+def test_write_model_exports_in_the_dtype_asked_for(model, tmp_path):
+  assert model.config.param_dtype == "float32"
+  export.write_model(model, str(tmp_path / "out"), tokenizer_lib.ensure_qwen25_tokenizer_dir(),
+                     dtype="bfloat16")
+  config = json.load(open(tmp_path / "out" / "config.json"))
+  assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+  index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+  for name, fname in index["weight_map"].items():
+    with safe_open(str(tmp_path / "out" / fname), framework="np") as f:
+      assert f.get_slice(name).get_dtype() == "BF16", name
+  assert index["metadata"]["total_size"] == 2 * model.config.num_params()
+  assert set(os.listdir(tmp_path / "out")) == {
+      *index["weight_map"].values(), "config.json", "generation_config.json",
+      "model.safetensors.index.json", hf.EXPORT_MARKER, *tokenizer_lib.TOKENIZER_FILES}
+
+
+def test_a_remote_output_directory_is_checked_too(gcs_url, model):
+  from tests import fake_gcs  # noqa: PLC0415
+
+  fake_gcs.create_bucket(gcs_url, "exports")
+  storage.write_text("gs://exports/run/checkpoints/precious", "step 100")
+  with pytest.raises(hf.ExportError, match="gs://exports/run is not empty"):
+    export.write_model(model, "gs://exports/run", tokenizer_lib.ensure_qwen25_tokenizer_dir())
+  export.write_model(model, "gs://exports/hf", tokenizer_lib.ensure_qwen25_tokenizer_dir())
+  export.write_model(model, "gs://exports/hf", tokenizer_lib.ensure_qwen25_tokenizer_dir())
+  assert storage.read_json(f"gs://exports/hf/{hf.EXPORT_MARKER}")["written_by"] == "sage_jax"
+  assert storage.path("gs://exports/run/checkpoints/precious").read_text() == "step 100"
