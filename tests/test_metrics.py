@@ -20,6 +20,7 @@ def test_task_metrics_definitions():
        rec(0, False, no_code=1, rollout=2), rec(1, False, rollout=2)]
   r[3].truncated_turns = 1
   r[5].errors = ["worker exited"]
+  r[4].evaluation_refused = "the saved state is not what AppWorld writes"
   r[5].visible_skills = ("f",)
   m = metrics.task_metrics(r, unit="chain")
   assert m["num_tasks"] == 6 and m["num_chains"] == 3 and "sgc" not in m
@@ -34,7 +35,7 @@ def test_task_metrics_definitions():
   assert m["no_code_rate"] == m["truncation_rate"] == pytest.approx(100 / 6)
   assert m["no_code_rate/pos0"] == pytest.approx(100 / 3) and m["no_code_rate/pos1"] == 0.0
   assert m["truncation_rate/pos1"] == pytest.approx(100 / 3)
-  assert m["env_failure_rate"] == pytest.approx(100 / 6)
+  assert m["env_failure_rate"] == m["evaluation_refused_rate"] == pytest.approx(100 / 6)
   by_scenario = metrics.task_metrics(r)  # all six tasks are of scenario "s"
   assert by_scenario["num_scenarios"] == 1 and by_scenario["sgc"] == 0.0
   assert metrics.task_metrics([], unit="chain")["tgc"] is None

@@ -54,6 +54,9 @@ class EpisodeRecord:
   errors: list[str] = dataclasses.field(default_factory=list)
   difficulty: int | None = None
   truncated_turns: int = 0  # turns without a code block because a token limit cut them
+  # why AppWorld's evaluation did not score the state the episode's code saved (forged, not
+  # replayable, too slow): a failure of the agent (`Evaluation.refused`)
+  evaluation_refused: str | None = None
   # filled by rewards / advantages
   reward: float = 0.0
   advantage: float = 0.0
@@ -109,7 +112,8 @@ class EpisodeRecord:
         num_tests=evaluation.num_tests if evaluation is not None else 0,
         task_completed=bool(getattr(result, "task_completed", False)),
         errors=list(dict.fromkeys(errors)), difficulty=difficulty,
-        truncated_turns=trace.truncated_turns)
+        truncated_turns=trace.truncated_turns,
+        evaluation_refused=getattr(evaluation, "refused", None))
 
   def summary(self) -> dict:
     """JSON-friendly fields (no per-token arrays)."""

@@ -21,6 +21,8 @@ All rates are percentages (None when their denominator is empty):
 - no_code_rate, truncation_rate: tasks with a turn that ended without code / a turn cut by a
   token limit before any code; also per chain position (`.../pos<k>`).
 - env_failure_rate: tasks on which the environment failed (left out of training).
+- evaluation_refused_rate: tasks whose saved state AppWorld's evaluation refused (forged by
+  the agent's code, not replayable, or too slow to evaluate): failures of the agent.
 
 `batch_metrics` is the RL loop's per-step statistics of any episodes (AppWorld's or the
 synthetic task's; fractions, not percentages): reward and success overall and per chain
@@ -93,6 +95,8 @@ def task_metrics(records: Sequence[EpisodeRecord], *, unit: str = "scenario") ->
       "no_code_rate": _pct(sum(r.no_code for r in records), len(records)),
       "truncation_rate": _pct(sum(r.truncated for r in records), len(records)),
       "env_failure_rate": _pct(sum(r.env_failed for r in records), len(records)),
+      "evaluation_refused_rate": _pct(sum(bool(r.evaluation_refused) for r in records),
+                                      len(records)),
       "avg_fraction_passed": _mean([r.fraction_passed for r in records]),
       "skills_generated": sum(len(r.events.generated) for r in records),
       "skills_updated": sum(len(r.events.updated) for r in records),
