@@ -111,8 +111,10 @@ def world(mini_root, tmp_path_factory):  # noqa: F811
 @pytest.fixture(scope="module")
 def pool(world, tmp_path_factory):
   outputs = str(tmp_path_factory.mktemp("sandbox_outputs"))
+  # The forgeries below reach the interpreter, which the code guard refuses first
+  # (tests/test_code_guard.py): off here, to show that the layers below it hold alone.
   config = pool_config(world, outputs, num_workers=1, data_check_cache=None,
-                       evaluation_timeout_s=EVALUATION_TIMEOUT_S)
+                       evaluation_timeout_s=EVALUATION_TIMEOUT_S, code_guard=False)
   with appworld.EnvPool(config) as pool:
     yield pool
 

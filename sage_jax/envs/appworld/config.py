@@ -40,6 +40,10 @@ class EnvPoolConfig:
   # the pool refuses to start where Landlock is missing) or "off" (AppWorld's own Python-level
   # guards only: agent code can then read every task's answers).
   sandbox: str = "landlock"
+  # Refuse agent code that reaches into the interpreter (frames, dunder attributes, the
+  # builtins namespace; code_guard.py) before it runs: in-process, it could forge the call
+  # records the skill rewards read, or the world's saves. Off only to test the layers below.
+  code_guard: bool = True
   # Agent code still running this long after AppWorld's timeout_seconds (e.g. because it
   # switched the alarm off, or spins in C) is killed with its episode process by the worker,
   # and its episode ends there.

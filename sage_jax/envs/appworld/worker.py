@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from sage_jax.envs.appworld import calltrace
+from sage_jax.envs.appworld import code_guard
 from sage_jax.envs.appworld import data_root
 from sage_jax.envs.appworld import episode_process
 from sage_jax.envs.appworld import evaluation
@@ -98,16 +99,23 @@ class Session:
       "datetime": world.task.datetime.isoformat(),
     }
 
+  def _execute(self, code: str) -> str:
+    """AppWorld's execute, behind the code guard (code_guard.py) when it is on."""
+    why = code_guard.refusal(code) if self.settings["code_guard"] else None
+    if why is not None:
+      return f"{FAILED_PREFIX} Traceback:\n{why}"
+    return self.world.execute(code)
+
   def install(self, library_code: str) -> dict:
     """Runs a skill library like agent code (same guards, timeout and logs), not as a step."""
     self.may_complete = COMPLETE_TASK in library_code
-    output, _ = self.tracer.run(self.world.execute, library_code, library=True)
+    output, _ = self.tracer.run(self._execute, library_code, library=True)
     output = truncate(output, self.settings["max_output_chars"])
     self.world.num_interactions -= 1
     return {"library_output": output, "library_ok": not output.startswith(FAILED_PREFIX)}
 
   def execute(self, code: str) -> dict:
-    output, trace = self.tracer.run(self.world.execute, code)
+    output, trace = self.tracer.run(self._execute, code)
     self.may_complete = self.may_complete or COMPLETE_TASK in code
     return {"output": truncate(output, self.settings["max_output_chars"]),
             "task_completed": self.may_complete and bool(self.world.task_completed()),

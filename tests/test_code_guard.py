@@ -1,0 +1,84 @@
+"""The code guard refuses agent code that reaches into the interpreter (where it could forge
+the call records the skill rewards read) and lets ordinary task code through: every gold
+solution of the mini world in both of its forms, and through a pool, the forgery of a
+skill use is refused before it runs."""
+
+import pytest
+
+from sage_jax.agent import gold_solutions
+from sage_jax.agent.skills import BlockTrace, SkillTracker, analyze
+from sage_jax.envs import appworld
+from sage_jax.envs.appworld import code_guard
+from tests.appworld_fixtures import all_task_ids, gold_solution, official_form
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import pool_config
+
+LIBRARY = 'def my_skill(x):\n    """A library skill."""\n    return apis.supervisor.show_profile()\n'
+# Marks the library skill as called and returned without calling it.
+FORGE_USE = """
+imp = __builtins__["__import__"] if isinstance(__builtins__, dict) else __builtins__.__import__
+tracer = imp("sys").gettrace().__self__
+for key, f in list(tracer._functions.items()):
+    if f.name == "my_skill":
+        tracer._touched.setdefault(key, (f.returned, f.raised, f.discarded))
+        f.returned += 1
+print("never called my_skill")
+"""
+
+
+@pytest.mark.parametrize("code", [
+    FORGE_USE,
+    "t = os.sys.gettrace()",
+    "g = __import__('gc')",
+    "x = print.__self__",
+    "f = (i for i in []).gi_frame.f_back",
+    "try:\n    1 / 0\nexcept Exception as e:\n    frame = e.__traceback__",
+    "name = '_' * 2 + 'self__'\nt = getattr(print, name)",
+    "import functools\nt = functools.reduce(getattr, ['__self__'], print)",
+    "import operator\nt = operator.attrgetter('__self__')(print)",
+    "from operator import attrgetter",
+    "import string\nt = string.Formatter().get_field('0.x', [print], {})",
+    "match print:\n    case object(__self__=t):\n        pass",
+    "v = vars()",
+    "g = globals()['apis']",
+    "eval('1')",
+    "t = type(print)._private",
+    "from os import _exit",
+])
+def test_interpreter_reaching_code_is_refused(code):
+  assert code_guard.refusal(code) is not None
+
+
+@pytest.mark.parametrize("code", [
+    "class Song:\n    def __init__(self, title):\n        super().__init__()\n"
+    "        self.title = title\n\n\nprint(Song.__name__, Song('x').title)",
+    "login = getattr(apis.spotify, 'login')\nok = hasattr(apis, 'venmo')",
+    "import collections\nP = collections.namedtuple('P', 'a b')\nprint(P(1, 2)._asdict())",
+    "def f(x):\n    '''Doc.'''\n    return x\n\n\nprint(f.__doc__)",
+    "import datetime, json, re\nprint(json.dumps({'t': datetime.date.today().isoformat()}))",
+    "def broken(:\n    pass",  # AppWorld reports the syntax error
+])
+def test_ordinary_code_passes(code):
+  assert code_guard.refusal(code) is None
+
+
+def test_every_gold_solution_passes(mini_root):  # noqa: F811
+  for task_id in all_task_ids(mini_root):
+    solution = gold_solution(mini_root, task_id)
+    assert code_guard.refusal(solution) is None, task_id
+    assert code_guard.refusal(official_form(solution)) is None, task_id
+    for turn in gold_solutions.expert_turns_for_task(mini_root, task_id):
+      assert code_guard.refusal(turn.split("```python\n", 1)[-1].split("```")[0]) is None
+
+
+def test_a_forged_skill_use_is_refused_in_a_world(mini_root, tmp_path):  # noqa: F811
+  config = pool_config(mini_root, str(tmp_path / "outputs"), num_workers=1)
+  with appworld.EnvPool(config) as pool:
+    with pool.episode(all_task_ids(mini_root)[0], "forge_use", library_code=LIBRARY) as ep:
+      assert ep.start.library_ok
+      output = ep.execute(FORGE_USE).result()
+      trace = ep.last_trace
+  assert output.startswith("Execution failed.") and "never called" not in output
+  tracker = SkillTracker({"my_skill": analyze(LIBRARY).functions[0].calls})
+  tracker.observe(FORGE_USE, BlockTrace.from_dict(trace))
+  assert tracker.events().used == ()
