@@ -7,10 +7,11 @@ Two forms of gold solution are understood:
 - AppWorld's official form: `ground_truth/compiled_solution.py`, `def solution(apis,
   requester): ...` with the task's values written inside and `complete_task` at its end,
   called by AppWorld's own verifier as `solution(apis, requester)` (the `solution.py` beside
-  it is the task generator's program, which needs the generator's inputs and packages). The expert turns it into a skill (`official_skill`): the
-  values that change between the tasks of the scenario (the sibling solutions of the same
-  structure), or else the values that appear in the task instruction, become parameters;
-  the name comes from the instruction's words shared by the scenario's tasks.
+  it is the task generator's program, which needs the generator's inputs and packages). The
+  expert turns it into a skill (`official_skill`): the values that change between the tasks
+  of the scenario (the sibling solutions of the same structure), or else the values that
+  appear in the task instruction, become parameters; the name comes from the instruction's
+  words shared by the scenario's tasks.
 
 The expert then writes the agent's format: when the library the task sees has no such
 function (or a different one under that name), one turn defines the function (with a

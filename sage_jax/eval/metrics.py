@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from sage_jax.envs.appworld.config import EnvPoolConfig
+from sage_jax.envs.appworld.process import child_environment
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.rl.metrics import task_metrics
 
@@ -51,9 +52,6 @@ def markdown_table(metrics: dict, title: str = "") -> str:
   return "\n".join(l for l in lines if l) + "\n"
 
 
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def appworld_scores(outputs_root: str, experiment: str, task_ids: Sequence[str],
                     evaluation_timeout_s: float = EnvPoolConfig.evaluation_timeout_s) -> dict:
   """AppWorld's own evaluation of an experiment's saved outputs (TGC, SGC in percent), run in
@@ -67,10 +65,9 @@ def appworld_scores(outputs_root: str, experiment: str, task_ids: Sequence[str],
              experiment, json.dumps(list(task_ids)), str(evaluation_timeout_s)]
   # Each task is bounded by its own limit; this one only guards against the child hanging.
   limit = 120 + len(task_ids) * (evaluation_timeout_s + 5)
-  path = os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
   try:
     done = subprocess.run(command, capture_output=True, text=True, timeout=limit,
-                          env=dict(os.environ, APPWORLD_ROOT=outputs_root, PYTHONPATH=path))
+                          env=child_environment(APPWORLD_ROOT=outputs_root))
   except subprocess.TimeoutExpired as e:
     raise RuntimeError(f"AppWorld's evaluation did not end within {limit:g} s") from e
   if done.returncode != 0 or "METRICS" not in done.stdout:

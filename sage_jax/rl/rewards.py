@@ -28,8 +28,8 @@ passed.
 - Environment failures: an episode on which the environment failed is not trained on
   (`rl.episode.trained_on`), and neither is an earlier task of its chain whose bonus hangs on
   it (`reward_unknown`): a SAGE task that saved a skill no other later task credits, or a
-  chain-based task whose chain the failed one alone keeps from succeeding. Scoring the failed task as a
-  failure instead would take the bonus from the skills an environment fault hid.
+  chain-based task whose chain the failed one alone keeps from succeeding. Scoring the failed
+  task as a failure instead would take the bonus from the skills an environment fault hid.
 """
 
 from __future__ import annotations

@@ -66,18 +66,15 @@ class EnvPoolConfig:
       raise ValueError(f"sandbox must be 'landlock' or 'off', got {self.sandbox!r}.")
     if self.kill_grace_s <= 0:
       raise ValueError(f"kill_grace_s must be > 0, got {self.kill_grace_s}.")
-    if self.call_timeout_s <= self.timeout_seconds + self.kill_grace_s:
-      raise ValueError(
-        f"call_timeout_s ({self.call_timeout_s}) must exceed AppWorld's timeout_seconds "
-        f"({self.timeout_seconds}) + kill_grace_s ({self.kill_grace_s}), so that the "
-        "worker's own limits fire first.")
     if self.evaluation_timeout_s <= 0:
       raise ValueError(f"evaluation_timeout_s must be > 0, got {self.evaluation_timeout_s}.")
-    if self.call_timeout_s <= self.evaluation_timeout_s + self.kill_grace_s:
-      raise ValueError(
-        f"call_timeout_s ({self.call_timeout_s}) must exceed evaluation_timeout_s "
-        f"({self.evaluation_timeout_s}) + kill_grace_s ({self.kill_grace_s}), so that the "
-        "worker's own limit on an evaluation fires first.")
+    # The worker's own limits (an execution's, an evaluation's) must fire before the pool's.
+    for name, limit in (("AppWorld's timeout_seconds", self.timeout_seconds),
+                        ("evaluation_timeout_s", self.evaluation_timeout_s)):
+      if self.call_timeout_s <= limit + self.kill_grace_s:
+        raise ValueError(
+          f"call_timeout_s ({self.call_timeout_s}) must exceed {name} ({limit}) + "
+          f"kill_grace_s ({self.kill_grace_s}), so that the worker's own limits fire first.")
     if self.start_timeout_s <= 0:
       raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}.")
     if self.memory_limit_mb is not None and self.memory_limit_mb < 512:

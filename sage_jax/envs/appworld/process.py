@@ -35,6 +35,15 @@ def _exit_reason(code: int | None) -> str:
   return f"exited with code {code}"
 
 
+def child_environment(**overrides: str) -> dict[str, str]:
+  """This process's environment with `overrides`, and this package importable in a Python
+  child started with `-m sage_jax...` whatever its working directory."""
+  env = dict(os.environ, **overrides)
+  package_parent = os.path.dirname(os.path.abspath(list(sage_jax.__path__)[0]))
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+  return env
+
+
 class WorkerProcess:
   """One spawned worker, talked to over a pipe or HTTP on 127.0.0.1."""
 
@@ -44,9 +53,7 @@ class WorkerProcess:
     command = [sys.executable, "-m", "sage_jax.envs.appworld.worker"]
     if config.use_servers:
       command.append("--server")
-    env = dict(os.environ)
-    package_parent = os.path.dirname(os.path.abspath(list(sage_jax.__path__)[0]))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+    env = child_environment()
     if self._log_path:
       os.makedirs(config.log_dir, exist_ok=True)
       stderr = open(self._log_path, "ab")
