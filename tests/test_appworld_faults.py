@@ -223,11 +223,14 @@ def _children(pid: int) -> list[tuple[int, bytes]]:
 
 
 def _kill_busy_workers_soon(delay_s: float) -> threading.Timer:
-  """Kills, from outside, each pool worker that is running an episode (has a child)."""
+  """Kills, from outside, each pool worker (a child of a pool's template process) that is
+  running an episode (has a child)."""
   def kill():
-    for pid, command in _children(os.getpid()):
-      if b"sage_jax.envs.appworld.worker" in command and _children(pid):
-        os.kill(pid, signal.SIGKILL)
+    for template, command in _children(os.getpid()):
+      if b"sage_jax.envs.appworld.worker" in command:
+        for worker, _ in _children(template):
+          if _children(worker):
+            os.kill(worker, signal.SIGKILL)
 
   timer = threading.Timer(delay_s, kill)
   timer.start()
@@ -243,6 +246,52 @@ def test_a_worker_killed_from_outside_is_an_environment_error(pool, mini_root): 
   assert ep.result.error and ep.result.evaluation is None and ep.result.num_steps == 1
   assert pool.worker_restarts > restarts
   _check_gold_still_passes(pool, mini_root, all_task_ids(mini_root)[1], "after_outside_kill")
+
+
+def _pool_processes(num_workers: int = 0) -> dict[int, list[int]]:
+  """This process's pool templates, each with the pids of its workers, once each template
+  has `num_workers` (a slot replaces its worker after handing out the episode's result)."""
+  deadline = time.monotonic() + 60
+  while True:
+    found = {template: [worker for worker, _ in _children(template)]
+             for template, command in _children(os.getpid())
+             if b"sage_jax.envs.appworld.worker" in command}
+    if all(len(w) >= num_workers for w in found.values()) or time.monotonic() > deadline:
+      return found
+    time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def test_workers_are_forks_of_one_template_which_is_replaced_when_it_dies(pool, mini_root):  # noqa: F811
+  """A pool starts AppWorld once, in its template process, and forks its workers from it: a
+  worker replaced after a fault is a new fork of the same template. A template killed from
+  outside takes its workers with it: the episode under way ends as an environment error, and
+  the next worker comes from a new template."""
+  n = pool.config.num_workers
+  (template, workers), = _pool_processes(n).items()
+  assert len(workers) == n
+  with pool.episode(all_task_ids(mini_root)[0], "killed_worker") as ep:
+    _kill_busy_workers_soon(1.0)
+    ep.execute(FAULTS["infinite_loop"][0]).result()
+  assert ep.result.error
+  (same, after), = _pool_processes(n).items()
+  assert same == template and len(after) == n and set(after) != set(workers)
+
+  with pool.episode(all_task_ids(mini_root)[0], "killed_template") as ep:
+    threading.Timer(1.0, os.kill, (template, signal.SIGKILL)).start()
+    observation = ep.execute(FAULTS["infinite_loop"][0]).result()
+  assert "EnvironmentError" in observation and ep.result.error
+  _check_gold_still_passes(pool, mini_root, all_task_ids(mini_root)[1], "after_template_kill")
+  (new, _), = _pool_processes().items()
+  assert new != template and not _running(template)
+  assert not any(_running(pid) for pid in workers + after)
 
 
 @pytest.mark.slow

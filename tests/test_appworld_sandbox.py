@@ -87,15 +87,17 @@ def _children(pid: int) -> list[int]:
 
 
 def _workers_children() -> list[int]:
-  """The processes that this test process's pool workers have forked."""
-  workers = []
+  """The processes that this test process's pool workers (the children of its pool's
+  template process) have forked."""
+  templates = []
   for pid in _children(os.getpid()):
     try:
       with open(f"/proc/{pid}/cmdline", "rb") as f:
         if b"sage_jax.envs.appworld.worker" in f.read():
-          workers.append(pid)
+          templates.append(pid)
     except OSError:
       continue
+  workers = [worker for template in templates for worker in _children(template)]
   assert workers
   return [child for worker in workers for child in _children(worker)]
 

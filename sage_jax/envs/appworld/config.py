@@ -24,7 +24,8 @@ class EnvPoolConfig:
   # Pool-side limit on one call (start, execute, evaluate, close), on top of AppWorld's own
   # timeout; a worker that does not answer in time is killed and replaced.
   call_timeout_s: float = 150.0
-  # Limit on spawning a worker: interpreter start, imports, data check.
+  # Limit on starting the workers' template process (interpreter start, imports, data check,
+  # AppWorld's first world), and on each request to it (forking a worker).
   start_timeout_s: float = 120.0
   # Address-space limit of each worker (RLIMIT_AS); None leaves it unlimited.
   memory_limit_mb: int | None = 4096

@@ -92,13 +92,19 @@ def _enter_fork(worker: int, keep: int, read_paths: list[str], write_dir: str,
   kills whatever it forks, too), death with the worker, only `keep` of the worker's
   descriptors, and (when `confine`) the sandbox."""
   os.setpgid(0, 0)
-  _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-  if os.getppid() != worker:  # the worker died before the line above
-    os._exit(1)
+  die_with_parent(worker)
   _restrict_inherited_fds(keep=keep)
   os.chdir(write_dir)
   if confine:
     sandbox.confine(read_paths, [write_dir])
+
+
+def die_with_parent(parent: int) -> None:
+  """This fork is killed when `parent` dies (PR_SET_PDEATHSIG); it ends at once if that
+  happened before it asked."""
+  _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+  if os.getppid() != parent:
+    os._exit(1)
 
 
 def episode_read_paths(data: str, task_id: str) -> list[str]:

@@ -1,7 +1,8 @@
 """A pool of AppWorld worker processes serving many episodes at once.
 
-Each worker slot has one host thread that takes the next queued episode, runs its calls
-in order on its worker, and replaces the worker when it faults. Calls return futures, so
+The workers are forks of one template process that starts AppWorld once (worker.py). Each
+worker slot has one host thread that takes the next queued episode, runs its calls in order
+on its worker, and replaces the worker (a new fork) when it faults. Calls return futures, so
 the trainer's main thread (JAX) never blocks on AppWorld; `AsyncEpisode` wraps them for
 asyncio:
 
@@ -32,7 +33,6 @@ from typing import Any
 from sage_jax.envs.appworld import config as config_lib
 from sage_jax.envs.appworld import data_root
 from sage_jax.envs.appworld import process
-from sage_jax.envs.appworld import sandbox
 from sage_jax.envs.appworld.results import EpisodeResult
 from sage_jax.envs.appworld.results import EpisodeStart
 from sage_jax.envs.appworld.results import Evaluation
@@ -175,12 +175,15 @@ class EnvPool:
     self._threads: list[threading.Thread] = []
     self._closed = False
     self._scratch: str | None = None  # the outputs directory this pool made, if any
+    self._template: process.WorkerTemplate | None = None  # what the workers are forked from
+    self._template_lock = threading.Lock()
 
   # --- lifecycle --------------------------------------------------------------------------
 
   def start(self) -> "EnvPool":
-    """Checks every task's files, spawns the workers (in parallel); raises
-    AppWorldDataError for a bad data root, SandboxError where agent code cannot be confined."""
+    """Checks every task's files, starts the workers' template and forks the workers from
+    it; raises AppWorldDataError for a bad data root, SandboxError where agent code cannot
+    be confined."""
     cache = self.config.data_check_cache
     data_root.check_tasks(self.config.data_root(), cache and os.path.expanduser(cache))
     if self.config.outputs_root is None:
@@ -189,6 +192,11 @@ class EnvPool:
     if self._scratch is not None:
       atexit.register(self._remove_scratch)
       self.config = dataclasses.replace(self.config, outputs_root=self._scratch)
+    try:
+      self._template = process.WorkerTemplate(self.config)
+    except Exception:
+      self.close()
+      raise
     ready = [concurrent.futures.Future() for _ in range(self.config.num_workers)]
     for slot, future in enumerate(ready):
       thread = threading.Thread(target=self._serve, args=(slot, future), daemon=True,
@@ -198,10 +206,8 @@ class EnvPool:
     errors = [f.exception() for f in ready]
     if any(errors):
       self.close()
-      fatal = next((e for e in errors
-                    if isinstance(e, (data_root.AppWorldDataError, sandbox.SandboxError))), None)
-      raise fatal or next(e for e in errors if e)
-    protections = ready[0].result()
+      raise next(e for e in errors if e)
+    protections = self._template.protections
     logging.info("AppWorld agent code runs confined: %s.", "; ".join(protections)
                  if protections else "NOT AT ALL (sandbox='off'; it can read the answers)")
     return self
@@ -219,6 +225,8 @@ class EnvPool:
       self._jobs.put(None)
     for thread in self._threads:
       thread.join()
+    if self._template is not None:
+      self._template.close()
     self._remove_scratch()
 
   @property
@@ -274,21 +282,31 @@ class EnvPool:
 
   # --- the slot threads -------------------------------------------------------------------
 
+  def _fork(self, name: str) -> process.WorkerProcess:
+    """A new worker, from a new template if the last one died (its workers died with it)."""
+    with self._template_lock:
+      if not self._template.alive:
+        logging.warning("The AppWorld workers' template process died; starting a new one.")
+        self._template.close()
+        self._template = process.WorkerTemplate(self.config)
+      template = self._template
+    return process.WorkerProcess(template, self.config, name)
+
   def _spawn(self, slot: int) -> process.WorkerProcess | None:
     name = f"slot{slot}-{self.worker_restarts}"
     try:
-      return process.WorkerProcess(self.config, name)
+      return self._fork(name)
     except Exception:  # noqa: BLE001 - the slot must keep serving (its episodes fail)
       logging.exception("Could not start AppWorld worker %s; its next episode fails.", name)
       return None
 
   def _serve(self, slot: int, ready: concurrent.futures.Future) -> None:
     try:
-      worker = process.WorkerProcess(self.config, f"slot{slot}")
+      worker = self._fork(f"slot{slot}")
     except Exception as e:  # noqa: BLE001 - reported to start()
       ready.set_exception(e)
       return
-    ready.set_result(worker.protections)
+    ready.set_result(None)
     try:
       while (job := self._jobs.get()) is not None:
         if not job.future.set_running_or_notify_cancel():

@@ -1,16 +1,21 @@
-"""The parent's handle on one worker process: spawn, call with a deadline, kill.
+"""The pool's handles on its worker processes: the template that forks them, and each
+worker (call with a deadline, kill).
 
-Workers are new interpreters (subprocess + `python -m`), never forks of the trainer, so
-they inherit no JAX state and the trainer never imports appworld. Any way a worker can
-fail (no answer in time, exit, broken pipe or socket) kills it and raises WorkerFault.
+The template is a new interpreter (subprocess + `python -m`), never a fork of the trainer,
+so neither it nor the workers forked from it inherit JAX state, and the trainer never
+imports appworld (worker.py). Any way a worker can fail (no answer in time, exit, broken
+socket) kills it and raises WorkerFault.
 """
 
 import dataclasses
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from multiprocessing.connection import Connection
@@ -29,10 +34,20 @@ class WorkerFault(RuntimeError):
 
 def _exit_reason(code: int | None) -> str:
   if code is None:
-    return "still running"
+    return "gone with its template process"
   if code < 0:
     return f"killed by {signal.Signals(-code).name}"
   return f"exited with code {code}"
+
+
+def _log_tail(path: str | None) -> str:
+  """"; its log ends with: ..." when the log at `path` has anything to say."""
+  if path and os.path.exists(path):
+    with open(path, errors="replace") as f:
+      tail = f.read()[-_LOG_TAIL_CHARS:].strip()
+    if tail:
+      return f"; its log ends with:\n{tail}"
+  return ""
 
 
 def child_environment(**overrides: str) -> dict[str, str]:
@@ -44,88 +59,160 @@ def child_environment(**overrides: str) -> dict[str, str]:
   return env
 
 
-class WorkerProcess:
-  """One spawned worker, talked to over a pipe or HTTP on 127.0.0.1."""
+class WorkerTemplate:
+  """The process the pool's workers are forked from (worker.py): it starts once per pool,
+  with AppWorld imported and warm, and forks a worker per `fork`. Thread-safe."""
 
-  def __init__(self, config: config_lib.EnvPoolConfig, name: str):
-    self.name = name
-    self._log_path = (os.path.join(config.log_dir, f"{name}.log") if config.log_dir else None)
-    command = [sys.executable, "-m", "sage_jax.envs.appworld.worker"]
-    if config.use_servers:
-      command.append("--server")
-    env = child_environment()
+  def __init__(self, config: config_lib.EnvPoolConfig):
+    self._config = config
+    self._log_path = (os.path.join(config.log_dir, "template.log") if config.log_dir
+                      else None)
     if self._log_path:
       os.makedirs(config.log_dir, exist_ok=True)
-      stderr = open(self._log_path, "ab")
+      log = open(self._log_path, "ab")
     else:
-      stderr = subprocess.DEVNULL
+      log = subprocess.DEVNULL
+    # Packets keep each request whole, with the descriptors it carries.
+    self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     # A session of its own: a Ctrl-C meant for the trainer does not kill workers mid-call.
-    self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=stderr, env=env, start_new_session=True)
+    self._proc = subprocess.Popen([sys.executable, "-m", "sage_jax.envs.appworld.worker"],
+                                  stdin=theirs.fileno(), stdout=log, stderr=log,
+                                  env=child_environment(), start_new_session=True)
+    theirs.close()
     if self._log_path:
-      stderr.close()
-    self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
-    self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
-    self._proc.stdin.close()
-    self._proc.stdout.close()
-    self._url = None
+      log.close()
+    self._lock = threading.Lock()
     settings = dataclasses.asdict(config) | {"appworld_root": config.data_root()}
-    self._to.send_bytes(json.dumps(settings).encode())
-    hello = self._receive(config.start_timeout_s, "starting")
+    hello = self._request(settings, config.start_timeout_s, "starting")
     if not hello["ok"]:
-      self.kill()
+      self.close()
       raise (sandbox.SandboxError if hello["sandbox"] else data_root.AppWorldDataError)(
         hello["fatal"])
     self.protections: list[str] = hello["protections"]
-    if config.use_servers:
-      port = self._receive(config.start_timeout_s, "starting its server")["port"]
-      self._url = f"http://127.0.0.1:{port}/"
-
-  @property
-  def pid(self) -> int:
-    return self._proc.pid
 
   @property
   def alive(self) -> bool:
     return self._proc.poll() is None
 
-  def kill(self) -> None:
+  def close(self) -> None:
+    """Ends the template (its workers die with it); idempotent."""
+    self._socket.close()
     if self.alive:
       self._proc.kill()
     self._proc.wait()
-    self._to.close()
-    self._from.close()
+
+  def _request(self, message: dict, timeout: float, doing: str,
+               fds: tuple[int, ...] = ()) -> dict:
+    with self._lock:
+      try:
+        data = json.dumps(message).encode()
+        if fds:
+          socket.send_fds(self._socket, [data], list(fds))
+        else:
+          self._socket.send(data)
+        if not select.select([self._socket], [], [], timeout)[0]:
+          self._proc.kill()
+          raise self._fault(f"gave no answer within {timeout:g} s while {doing}")
+        answer = self._socket.recv(1 << 16)
+      except OSError as e:
+        raise self._fault(f"died while {doing}") from e
+      if not answer:
+        raise self._fault(f"died while {doing}")
+    return json.loads(answer)
+
+  def _fault(self, what: str) -> WorkerFault:
+    self.close()
+    return WorkerFault(f"the environment workers' template process {what} "
+                       f"({_exit_reason(self._proc.returncode)}){_log_tail(self._log_path)}")
+
+  def fork(self, name: str, log_path: str | None) -> tuple[int, Connection]:
+    """A new worker (logging to `log_path`, if any): its pid, and the pool's end of its
+    channel."""
+    ours, theirs = socket.socketpair()
+    try:
+      answer = self._request({"op": "fork", "log_path": log_path},
+                             self._config.start_timeout_s, f"forking worker {name}",
+                             fds=(theirs.fileno(),))
+    except BaseException:
+      ours.close()
+      raise
+    finally:
+      theirs.close()
+    return answer["pid"], Connection(ours.detach())
+
+  def exit_code(self, pid: int, wait: bool) -> int | None:
+    """A worker's exit code (-N: killed by signal N), waiting for its end when `wait`;
+    None while it runs, or when the template is gone (and the worker with it)."""
+    if not self.alive:
+      return None
+    try:
+      return self._request({"op": "exit_code", "pid": pid, "wait": wait},
+                           self._config.start_timeout_s, f"reaping worker {pid}")["exit_code"]
+    except WorkerFault:
+      return None
+
+
+class WorkerProcess:
+  """One worker, forked from the pool's template, talked to over a socket or HTTP on
+  127.0.0.1."""
+
+  def __init__(self, template: WorkerTemplate, config: config_lib.EnvPoolConfig, name: str):
+    self.name = name
+    self._template = template
+    self._log_path = (os.path.join(config.log_dir, f"{name}.log") if config.log_dir else None)
+    self.pid, self._channel = template.fork(name, self._log_path)
+    self._exit: int | None = None
+    self._ended = False
+    self._url = None
+    self._receive(config.start_timeout_s, "starting")
+    if config.use_servers:
+      port = self._receive(config.start_timeout_s, "starting its server")["port"]
+      self._url = f"http://127.0.0.1:{port}/"
+
+  @property
+  def alive(self) -> bool:
+    if not self._ended:
+      self._exit = self._template.exit_code(self.pid, wait=False)
+      self._ended = self._exit is not None or not self._template.alive
+    return not self._ended
+
+  def kill(self) -> None:
+    if self.alive:
+      # Its pid is not reused while the template (alive: checked above) has not reaped it.
+      os.kill(self.pid, signal.SIGKILL)
+      self._exit = self._template.exit_code(self.pid, wait=True)
+      self._ended = True
+    self._channel.close()
 
   def _fault(self, what: str) -> WorkerFault:
     """Kills the worker; the error says why it died, with the end of its log."""
     self.kill()
-    message = f"environment worker {self.name} {what} ({_exit_reason(self._proc.returncode)})"
-    if self._log_path and os.path.exists(self._log_path):
-      with open(self._log_path, errors="replace") as f:
-        tail = f.read()[-_LOG_TAIL_CHARS:].strip()
-      if tail:
-        message += f"; its log ends with:\n{tail}"
-    return WorkerFault(message)
+    return WorkerFault(f"environment worker {self.name} {what} ({_exit_reason(self._exit)})"
+                       f"{_log_tail(self._log_path)}")
 
   def _receive(self, timeout: float, doing: str) -> dict:
     try:
-      if not self._from.poll(timeout):
-        self._proc.kill()  # so that the reason below reads "killed by SIGKILL"
+      if not self._channel.poll(timeout):
         raise self._fault(f"gave no answer within {timeout:g} s while {doing}")
-      return json.loads(self._from.recv_bytes())
+      return json.loads(self._channel.recv_bytes())
     except (EOFError, OSError) as e:
-      self._proc.wait()
-      raise self._fault(f"died while {doing}") from e
+      raise self._died(f"died while {doing}") from e
+
+  def _died(self, what: str) -> WorkerFault:
+    """The fault of a worker whose end of the channel closed: it is gone or going, with an
+    exit code of its own."""
+    self._exit = self._template.exit_code(self.pid, wait=True)
+    self._ended = True
+    return self._fault(what)
 
   def call(self, request: dict, timeout: float) -> dict:
     """Sends one request and waits at most `timeout` seconds for its answer."""
     doing = f"running {request['op']!r}"
     if self._url is None:
       try:
-        self._to.send_bytes(json.dumps(request).encode())
+        self._channel.send_bytes(json.dumps(request).encode())
       except OSError as e:
-        self._proc.wait()
-        raise self._fault(f"died before {doing}") from e
+        raise self._died(f"died before {doing}") from e
       return self._receive(timeout, doing)
     http_request = urllib.request.Request(self._url, data=json.dumps(request).encode(),
                                           headers={"Content-Type": "application/json"})
@@ -133,8 +220,6 @@ class WorkerProcess:
       with urllib.request.urlopen(http_request, timeout=timeout) as response:
         return json.loads(response.read())
     except TimeoutError as e:
-      self._proc.kill()
       raise self._fault(f"gave no answer within {timeout:g} s while {doing}") from e
     except (urllib.error.URLError, ConnectionError, OSError) as e:
-      self._proc.kill()
       raise self._fault(f"died while {doing}") from e

@@ -1,17 +1,27 @@
-"""A worker process: serves one episode at a time, each in a process forked from it.
+"""The worker template and its workers: each worker serves one episode at a time, each in a
+process forked from it.
 
-  python -m sage_jax.envs.appworld.worker [--server]
+  python -m sage_jax.envs.appworld.worker   (started by process.py, one per pool)
 
-The worker itself never runs agent code and never loads a task's ground truth: each
-episode's world lives in an episode process (confined by the sandbox, see
-episode_process.py) and each evaluation in a confined fork of its own (evaluation.py).
-Worlds run in those processes' main threads, so AppWorld's SIGALRM timeout works.
+The pool starts one *template* process per pool: a fresh interpreter that imports AppWorld,
+checks the data and the sandbox, and builds what every world needs (~12 CPU-seconds, most
+of it FastAPI building the apps' routes). Workers are forks of it, made on request in
+milliseconds: a pool of N workers pays for one such start instead of N, and a worker
+replaced after a fault costs nothing. Workers die with their template (PR_SET_PDEATHSIG),
+and the template with the pool (its channel closes).
 
-The parent (process.py) sends JSON requests, length-prefixed, on stdin and reads the
-answers on the original stdout; AppWorld's own prints go to stderr. With --server the
-requests come as HTTP POSTs to 127.0.0.1 instead (the port is announced on the pipe), and
-stdin only tells the worker when its parent is gone. The only module of the pool that
-imports appworld: it is never imported by the trainer process.
+A worker itself never runs agent code and never loads a task's ground truth: each episode's
+world lives in an episode process (confined by the sandbox, see episode_process.py) and
+each evaluation in a confined fork of its own (evaluation.py). Worlds run in those
+processes' main threads, so AppWorld's SIGALRM timeout works.
+
+The template's stdin is a Unix packet socket to the pool: the settings come first, then
+fork requests (each carrying the new worker's end of a socket pair) and exit-status
+requests; one JSON answer each. A worker reads length-prefixed JSON requests on its own
+socket and answers there; AppWorld's prints go to its log. With `use_servers` the requests
+come as HTTP POSTs to 127.0.0.1 instead (the port is announced on the socket), which then
+only tells the worker when the pool is gone. The only module of the pool that imports
+appworld: it is never imported by the trainer process.
 """
 
 import gc
@@ -22,6 +32,7 @@ import os
 import resource
 import select
 import shutil
+import socket
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
@@ -285,9 +296,10 @@ class Worker:
       return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def _init(settings: dict[str, Any]) -> Worker:
-  """Applies the memory limit, points AppWorld at the data, checks it and the sandbox,
-  warms imports. Ground truth is never loaded here: episode processes fork from this one."""
+def _init_template(settings: dict[str, Any]) -> tuple[str, list[str]]:
+  """Applies the memory limit (inherited by every fork), points AppWorld at the data, checks
+  it and the sandbox, warms imports; returns (data root, apps). Ground truth is never loaded
+  here: episode processes fork from the workers forked from this one."""
   if settings["memory_limit_mb"]:
     limit = settings["memory_limit_mb"] * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -300,14 +312,13 @@ def _init(settings: dict[str, Any]) -> Worker:
   apps = get_all_apps()
   data_root.check(data, DB_VERSION, apps)
   os.environ["APPWORLD_ROOT"] = _outputs_root(data, settings["outputs_root"])
-  episode_process.become_subreaper()
   if settings["sandbox"] != "off":
     if sandbox.landlock_abi() < 1:
       raise sandbox.SandboxError(sandbox.UNAVAILABLE)
     for secret in (data, os.environ["APPWORLD_ROOT"]):
       sandbox.check_secret_not_readable(episode_process.sandbox_read_paths(), secret)
-  # The first world of a process pays for lazy imports (~seconds): pay it now, not in the
-  # first episode.
+  # The first world of a process pays for lazy imports (~seconds): pay it now, once for
+  # every worker, not in each one's first episode.
   task_id = sorted(os.listdir(os.path.join(data, "data", "tasks")))[0]
   with AppWorld(task_id=task_id, experiment_name=f"{WARMUP_EXPERIMENT}_{os.getpid()}",
                 load_ground_truth=False) as world:
@@ -317,7 +328,7 @@ def _init(settings: dict[str, Any]) -> Worker:
   # Forks share this process's memory until they write to it; the collector would write to
   # every object it scans.
   gc.freeze()
-  return Worker(settings, data, apps)
+  return data, apps
 
 
 def _build_before_forks(apps: list[str]) -> None:
@@ -336,16 +347,16 @@ def _build_before_forks(apps: list[str]) -> None:
   assert_plus(0, "==", 0)
 
 
-def _serve_pipe(session: Worker, reader: Connection, writer: Connection) -> None:
+def _serve_channel(session: Worker, channel: Connection) -> None:
   while True:
     try:
-      request = json.loads(reader.recv_bytes())
+      request = json.loads(channel.recv_bytes())
     except EOFError:
       return
-    writer.send_bytes(json.dumps(session.handle(request)).encode())
+    channel.send_bytes(json.dumps(session.handle(request)).encode())
 
 
-def _serve_http(session: Worker, reader: Connection, writer: Connection) -> None:
+def _serve_http(session: Worker, channel: Connection) -> None:
   """HTTP on 127.0.0.1, one request at a time in this (main) thread."""
 
   class Handler(http.server.BaseHTTPRequestHandler):
@@ -362,32 +373,97 @@ def _serve_http(session: Worker, reader: Connection, writer: Connection) -> None
       del args
 
   server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-  writer.send_bytes(json.dumps({"port": server.server_address[1]}).encode())
+  channel.send_bytes(json.dumps({"port": server.server_address[1]}).encode())
   while True:
-    ready, _, _ = select.select([server.socket, reader.fileno()], [], [])
-    if reader.fileno() in ready:  # the parent closed the pipe or died
+    ready, _, _ = select.select([server.socket, channel.fileno()], [], [])
+    if channel.fileno() in ready:  # the pool closed the channel or died
       return
     server.handle_request()
 
 
+def _run_worker(template: int, channel_fd: int, log_path: str | None,
+                settings: dict[str, Any], data: str, apps: list[str]) -> None:
+  """A fresh fork of the template becomes a worker: death with the template, its own log,
+  a subreaper for what its episodes leave behind; then it serves its channel."""
+  episode_process.die_with_parent(template)
+  log = os.open(log_path or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  os.dup2(log, 1)
+  os.dup2(log, 2)
+  os.close(log)
+  episode_process.become_subreaper()
+  channel = Connection(channel_fd)
+  session = Worker(settings, data, apps)
+  channel.send_bytes(json.dumps({"ok": True}).encode())
+  (_serve_http if settings["use_servers"] else _serve_channel)(session, channel)
+
+
+def _fork_worker(control: socket.socket, channel_fd: int, log_path: str | None,
+                 settings: dict[str, Any], data: str, apps: list[str]) -> int:
+  """Forks a worker that serves `channel_fd`; returns its pid."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  template = os.getpid()
+  pid = os.fork()
+  if pid == 0:  # the worker: never returns
+    code = 1
+    try:
+      control.close()
+      _run_worker(template, channel_fd, log_path, settings, data, apps)
+      code = 0
+    except BaseException as e:  # noqa: BLE001 - reported in its log, then exit
+      print(f"worker failed: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+      sys.stderr.flush()
+      os._exit(code)
+  return pid
+
+
+def _exit_code(pid: int, wait: bool, reaped: dict[int, int]) -> int | None:
+  """A worker's exit code as subprocess gives it (-N: killed by signal N); None while it
+  runs (without `wait`). A reaped worker's code is kept: the pool may ask again."""
+  if pid not in reaped:
+    done, status = os.waitpid(pid, 0 if wait else os.WNOHANG)
+    if not done:
+      return None
+    reaped[pid] = os.waitstatus_to_exitcode(status)
+  return reaped[pid]
+
+
+def _serve_template(control: socket.socket, settings: dict[str, Any], data: str,
+                    apps: list[str]) -> None:
+  reaped: dict[int, int] = {}
+  while True:
+    message, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+    if not message:  # the pool closed its end, or died
+      return
+    request = json.loads(message)
+    if request["op"] == "fork":
+      try:
+        answer = {"pid": _fork_worker(control, fds[0], request["log_path"], settings, data,
+                                      apps)}
+      finally:
+        for fd in fds:  # the worker's alone now: the pool sees its end close when it dies
+          os.close(fd)
+    else:  # exit_code
+      answer = {"exit_code": _exit_code(request["pid"], request["wait"], reaped)}
+    control.send(json.dumps(answer).encode())
+
+
 def main() -> None:
-  reader = Connection(os.dup(0), writable=False)
-  writer = Connection(os.dup(1), readable=False)
-  os.dup2(2, 1)  # AppWorld's prints go to stderr, never into the protocol
-  settings = json.loads(reader.recv_bytes())
+  control = socket.socket(fileno=os.dup(0))
+  devnull = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(devnull, 0)
+  os.close(devnull)
+  settings = json.loads(control.recv(1 << 16))
   try:
-    session = _init(settings)
+    data, apps = _init_template(settings)
   except (data_root.AppWorldDataError, sandbox.SandboxError) as e:
-    writer.send_bytes(json.dumps({"ok": False, "fatal": str(e),
-                                  "sandbox": isinstance(e, sandbox.SandboxError)}).encode())
+    control.send(json.dumps({"ok": False, "fatal": str(e),
+                             "sandbox": isinstance(e, sandbox.SandboxError)}).encode())
     return
   protections = sandbox.protections() if settings["sandbox"] != "off" else []
-  writer.send_bytes(json.dumps({"ok": True, "pid": os.getpid(),
-                                "protections": protections}).encode())
-  if "--server" in sys.argv[1:]:
-    _serve_http(session, reader, writer)
-  else:
-    _serve_pipe(session, reader, writer)
+  control.send(json.dumps({"ok": True, "pid": os.getpid(), "protections": protections}).encode())
+  _serve_template(control, settings, data, apps)
 
 
 if __name__ == "__main__":
