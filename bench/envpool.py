@@ -3,16 +3,18 @@ r"""Benchmarks the AppWorld environment pool on the mini world; prints JSON.
   python bench/envpool.py [--calls=200] [--repeats=2]
 
 Measures, in one run: gold-solution episodes per second (start, execute, evaluate, close)
-with 1 and 2 workers; the cold start of a worker (spawn, imports, data check, warm-up
-world); and the per-call cost of `execute` through the pool against the same call made
-directly on an in-process AppWorld (in a child process, since this one must not import
-appworld).
+with 1 and 2 workers; the start of a pool of 1 and of --start_workers workers (wall time,
+and CPU time of all its processes: the template's spawn, imports, data check and warm-up
+world, then one fork per worker); and the per-call cost of `execute` through the pool
+against the same call made directly on an in-process AppWorld (in a child process, since
+this one must not import appworld).
 """
 
 import asyncio
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -27,6 +29,8 @@ from sage_jax.envs import appworld
 
 _CALLS = flags.DEFINE_integer("calls", 200, "execute calls timed for the per-call overhead.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "passes over all tasks per worker count.")
+_START_WORKERS = flags.DEFINE_integer("start_workers", 8, "workers of the larger pool whose "
+                                      "start is timed against a 1-worker pool's.")
 
 CALL_CODE = "x = 1"
 
@@ -77,6 +81,16 @@ def _episodes_per_second(pool, root: str, task_ids: list[str], repeats: int) -> 
           "episodes_per_s": round(len(results) / elapsed, 2)}
 
 
+def _pool_start(root: str, outputs: str, workers: int) -> dict:
+  """Wall seconds until the pool serves, and CPU seconds of its processes (counted once
+  the pool has closed and its processes are reaped)."""
+  cpu = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))
+  cpu_before, start = cpu(), time.perf_counter()
+  with appworld.EnvPool(_config(root, outputs, workers, 1)):
+    wall = time.perf_counter() - start
+  return {"workers": workers, "wall_s": round(wall, 2), "cpu_s": round(cpu() - cpu_before, 2)}
+
+
 def _pool_call_seconds(pool, task_id: str, calls: int) -> list[float]:
   samples = []
   with pool.episode(task_id, "bench_calls") as ep:
@@ -117,7 +131,10 @@ def main(argv) -> None:
       report[f"workers_{workers}"] = entry
     report["speedup_2_vs_1"] = round(report["workers_2"]["episodes_per_s"]
                                      / report["workers_1"]["episodes_per_s"], 2)
-    report["worker_cold_start_s"] = report["workers_1"]["pool_start_s"]
+    small, large = (_pool_start(root, outputs, n) for n in (1, _START_WORKERS.value))
+    report["pool_start"] = {"small": small, "large": large,
+                            "wall_large_over_small": round(large["wall_s"] / small["wall_s"], 2),
+                            "cpu_large_over_small": round(large["cpu_s"] / small["cpu_s"], 2)}
     direct_calls = _direct_call_seconds(outputs, task_ids[0], _CALLS.value)
     pool_ms = 1000 * statistics.median(pool_calls)
     direct_ms = 1000 * statistics.median(direct_calls)
