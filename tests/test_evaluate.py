@@ -102,6 +102,21 @@ def test_appworld_rounding_is_not_a_disagreement():
                    "scenario_goal_completion": theirs(k, n)}) is not None, (k, n)
 
 
+def test_episodes_the_environment_failed_under_are_left_out_of_the_appworld_check():
+  """AppWorld scores whatever state an episode saved; we count an episode the environment
+  failed under (here its worker died after the task was done) as failed. The check compares
+  the others, on both sides."""
+  from tests.test_rewards import rec
+  records = [rec(0, True), rec(1, False), rec(2, True)]
+  records[1].errors = ["environment worker slot0 died while running 'evaluate'"]
+  theirs = {"task_goal_completion": 100.0, "scenario_goal_completion": 100.0}
+  checked = evaluate.appworld_checked(records)
+  assert [r.task_id for r in checked] == ["s_1", "s_3"]
+  assert evaluate.appworld_disagreement(metrics.summarize(checked), theirs) is None
+  # Compared over every episode, the fault reads as a disagreement.
+  assert evaluate.appworld_disagreement(metrics.summarize(records), theirs) is not None
+
+
 def test_eval_command_scores_the_scripted_expert(mini_root, tmp_path):
   done = subprocess.run([sys.executable, "-m", "sage_jax.evaluate",
                          "--config=configs/eval.py:demo", f"--workdir={tmp_path}",

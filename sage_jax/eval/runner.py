@@ -55,7 +55,8 @@ class EvalConfig:
   (0: all when retrieval is per scenario, one at a time otherwise, so the library a task
   sees does not depend on timing). max_scenarios: evaluate only the first N scenarios
   (0: all). appworld_check: also score the outputs with AppWorld's own evaluator (child
-  process) and fail if TGC/SGC disagree. seed: sampler seeds. temperature: the sampling
+  process) and fail if TGC/SGC disagree (on the episodes the environment did not fail
+  under: AppWorld scores whatever such an episode saved, we count it as failed). seed: sampler seeds. temperature: the sampling
   temperature of evaluation (greedy by default, also for the dev evaluations inside a
   training run, whose agent section samples for training); None keeps the agent section's."""
 
@@ -170,8 +171,12 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
                                         library=library, max_concurrent=max_concurrent,
                                         seed=ev.seed, first_index=share.start))
     if ev.appworld_check:
-      own_scores = (metrics_lib.appworld_scores(pool.outputs_root, ev.experiment, own_task_ids)
-                    if own_task_ids else None)
+      # AppWorld scores whatever state an episode saved; we count an episode that the
+      # environment failed under as failed (its state may be anything): the check compares
+      # the other episodes.
+      checked = [r.task_id for r in appworld_checked(records)]
+      own_scores = (metrics_lib.appworld_scores(pool.outputs_root, ev.experiment, checked)
+                    if checked else None)
   finally:
     if own_pool and pool is not None:
       pool.close()
@@ -188,9 +193,13 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   disagreement = None
   if ev.appworld_check:
     theirs = _combine_scores(multihost.allgather_objects(
-        (own_scores, len(own_task_ids), len(scenarios[share]))))
+        (own_scores, len(checked), len({appworld.scenario_id(t) for t in checked}))))
+    compared = appworld_checked(records)
     report["appworld"] = theirs
-    disagreement = appworld_disagreement(metrics["overall"], theirs)
+    report["appworld_unchecked"] = [r.task_id for r in records
+                                    if id(r) not in {id(c) for c in compared}]
+    disagreement = (appworld_disagreement(metrics_lib.summarize(compared), theirs)
+                    if compared else None)
     if disagreement:
       report["appworld_disagrees"] = disagreement
   report["config"] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -211,6 +220,12 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   return report
 
 
+def appworld_checked(records: Sequence[EpisodeRecord]) -> list[EpisodeRecord]:
+  """The episodes the AppWorld cross-check compares: not those the environment failed
+  under, which we count as failed while AppWorld scores whatever state they saved."""
+  return [r for r in records if not r.env_failed]
+
+
 def appworld_disagreement(ours: dict, theirs: dict) -> str | None:
   """Why our TGC/SGC (`evaluation_metrics`' "overall") and AppWorld's differ by more than
   AppWorld's rounding, or None."""
@@ -221,10 +236,12 @@ def appworld_disagreement(ours: dict, theirs: dict) -> str | None:
   return None
 
 
-def _combine_scores(parts: Sequence[tuple[dict | None, int, int]]) -> dict:
+def _combine_scores(parts: Sequence[tuple[dict | None, int, int]]) -> dict | None:
   """AppWorld's TGC and SGC over every process's tasks: per-process scores weighted by
-  their tasks and scenarios."""
+  their tasks and scenarios; None when no process scored any."""
   scored = [(s, tasks, scen) for s, tasks, scen in parts if s is not None]
+  if not scored:
+    return None
   if len(scored) == 1:
     return scored[0][0]
   mean = lambda key, i: (sum(p[0][key] * p[i] for p in scored) / max(sum(p[i] for p in scored), 1))
