@@ -11,6 +11,7 @@ import time
 import pytest
 
 from sage_jax.envs import appworld
+from sage_jax.envs.appworld import process
 from sage_jax.envs.appworld import sandbox
 from tests.appworld_fixtures import all_task_ids
 from tests.appworld_fixtures import gold_solution
@@ -292,6 +293,26 @@ def test_workers_are_forks_of_one_template_which_is_replaced_when_it_dies(pool, 
   (new, _), = _pool_processes().items()
   assert new != template and not _running(template)
   assert not any(_running(pid) for pid in workers + after)
+
+
+def test_a_failed_template_request_ends_neither_the_template_nor_its_workers(mini_root,  # noqa: F811
+                                                                             tmp_path):
+  """A request the template cannot serve (here: reaping a process that is not its worker;
+  in a run: a fork refused by the process limit) fails alone: the template would take every
+  worker, with its episode, down with it."""
+  config = pool_config(mini_root, str(tmp_path))
+  template = process.WorkerTemplate(config)
+  try:
+    worker = process.WorkerProcess(template, config, "w0")
+    with pytest.raises(process.WorkerFault, match="ChildProcessError"):
+      template.exit_code(os.getpid(), wait=False)
+    assert template.alive and worker.alive
+    assert worker.call({"op": "close"}, 30)["ok"]
+    worker.kill()
+    assert not worker.alive and not _running(worker.pid)
+    assert process.WorkerProcess(template, config, "w1").call({"op": "close"}, 30)["ok"]
+  finally:
+    template.close()
 
 
 @pytest.mark.slow

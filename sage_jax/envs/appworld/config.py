@@ -25,7 +25,8 @@ class EnvPoolConfig:
   # timeout; a worker that does not answer in time is killed and replaced.
   call_timeout_s: float = 150.0
   # Limit on starting the workers' template process (interpreter start, imports, data check,
-  # AppWorld's first world), and on each request to it (forking a worker).
+  # AppWorld's first world), on each request to it (fork or reap a worker; a template that
+  # does not answer in time is replaced, its workers with it) and on a new worker's hello.
   start_timeout_s: float = 120.0
   # Address-space limit of each worker (RLIMIT_AS); None leaves it unlimited.
   memory_limit_mb: int | None = 4096
@@ -53,9 +54,10 @@ class EnvPoolConfig:
   # evaluation still running then is killed, and the episode counts as failed by the agent
   # (`Evaluation.refused`); AppWorld's evaluation of its own saves takes seconds.
   evaluation_timeout_s: float = 30.0
-  # Serve each worker over HTTP on 127.0.0.1 instead of a pipe.
+  # Serve each worker over HTTP on 127.0.0.1 instead of a socket.
   use_servers: bool = False
-  # Directory for the workers' stderr logs; None discards them.
+  # Directory for the logs of the workers (<slot>.log) and of their template process
+  # (template.log): their stdout and stderr; None discards them.
   log_dir: str | None = None
 
   def __post_init__(self):

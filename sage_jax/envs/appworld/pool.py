@@ -194,7 +194,7 @@ class EnvPool:
       self.config = dataclasses.replace(self.config, outputs_root=self._scratch)
     try:
       self._template = process.WorkerTemplate(self.config)
-    except Exception:
+    except BaseException:  # a Ctrl-C too: nothing of the pool may stay behind
       self.close()
       raise
     ready = [concurrent.futures.Future() for _ in range(self.config.num_workers)]

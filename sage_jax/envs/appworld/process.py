@@ -32,9 +32,7 @@ class WorkerFault(RuntimeError):
   """The worker hung, died or broke the protocol; it has been killed."""
 
 
-def _exit_reason(code: int | None) -> str:
-  if code is None:
-    return "gone with its template process"
+def _exit_reason(code: int) -> str:
   if code < 0:
     return f"killed by {signal.Signals(-code).name}"
   return f"exited with code {code}"
@@ -118,7 +116,11 @@ class WorkerTemplate:
         raise self._fault(f"died while {doing}") from e
       if not answer:
         raise self._fault(f"died while {doing}")
-    return json.loads(answer)
+    answer = json.loads(answer)
+    if "error" in answer:  # this request failed; the template and its other workers are fine
+      raise WorkerFault(f"the environment workers' template process failed {doing}: "
+                        f"{answer['error']}")
+    return answer
 
   def _fault(self, what: str) -> WorkerFault:
     self.close()
@@ -141,15 +143,14 @@ class WorkerTemplate:
     return answer["pid"], Connection(ours.detach())
 
   def exit_code(self, pid: int, wait: bool) -> int | None:
-    """A worker's exit code (-N: killed by signal N), waiting for its end when `wait`;
-    None while it runs, or when the template is gone (and the worker with it)."""
+    """A worker's exit code (-N: killed by signal N), reaping it; None while it runs. With
+    `wait`, the template waits for its end (a few seconds, then kills it). Raises
+    WorkerFault when the template cannot tell (it is gone, and its workers with it)."""
     if not self.alive:
-      return None
-    try:
-      return self._request({"op": "exit_code", "pid": pid, "wait": wait},
-                           self._config.start_timeout_s, f"reaping worker {pid}")["exit_code"]
-    except WorkerFault:
-      return None
+      raise WorkerFault(f"the environment workers' template process is gone "
+                        f"({_exit_reason(self._proc.returncode)})")
+    return self._request({"op": "exit_code", "pid": pid, "wait": wait},
+                         self._config.start_timeout_s, f"reaping worker {pid}")["exit_code"]
 
 
 class WorkerProcess:
@@ -161,33 +162,44 @@ class WorkerProcess:
     self._template = template
     self._log_path = (os.path.join(config.log_dir, f"{name}.log") if config.log_dir else None)
     self.pid, self._channel = template.fork(name, self._log_path)
-    self._exit: int | None = None
     self._ended = False
+    self._reason = "still running"  # how it ended, once it has
     self._url = None
     self._receive(config.start_timeout_s, "starting")
     if config.use_servers:
       port = self._receive(config.start_timeout_s, "starting its server")["port"]
       self._url = f"http://127.0.0.1:{port}/"
 
+  def _reap(self, wait: bool) -> None:
+    """Asks the template whether (with `wait`: how) the worker ended; once it has, it is
+    `_ended`, and `_reason` says how."""
+    try:
+      code = self._template.exit_code(self.pid, wait)
+    except WorkerFault as e:
+      self._ended, self._reason = True, f"exit status unknown: {e}"
+      return
+    if code is not None:
+      self._ended, self._reason = True, _exit_reason(code)
+
   @property
   def alive(self) -> bool:
     if not self._ended:
-      self._exit = self._template.exit_code(self.pid, wait=False)
-      self._ended = self._exit is not None or not self._template.alive
+      self._reap(wait=False)
     return not self._ended
 
   def kill(self) -> None:
     if self.alive:
-      # Its pid is not reused while the template (alive: checked above) has not reaped it.
-      os.kill(self.pid, signal.SIGKILL)
-      self._exit = self._template.exit_code(self.pid, wait=True)
-      self._ended = True
+      try:  # not reaped yet (alive above), so its pid is not another process's
+        os.kill(self.pid, signal.SIGKILL)
+      except ProcessLookupError:  # its template died just now, and init reaped it
+        pass
+      self._reap(wait=True)
     self._channel.close()
 
   def _fault(self, what: str) -> WorkerFault:
     """Kills the worker; the error says why it died, with the end of its log."""
     self.kill()
-    return WorkerFault(f"environment worker {self.name} {what} ({_exit_reason(self._exit)})"
+    return WorkerFault(f"environment worker {self.name} {what} ({self._reason})"
                        f"{_log_tail(self._log_path)}")
 
   def _receive(self, timeout: float, doing: str) -> dict:
@@ -201,8 +213,8 @@ class WorkerProcess:
   def _died(self, what: str) -> WorkerFault:
     """The fault of a worker whose end of the channel closed: it is gone or going, with an
     exit code of its own."""
-    self._exit = self._template.exit_code(self.pid, wait=True)
-    self._ended = True
+    if not self._ended:
+      self._reap(wait=True)
     return self._fault(what)
 
   def call(self, request: dict, timeout: float) -> dict:

@@ -32,8 +32,10 @@ import os
 import resource
 import select
 import shutil
+import signal
 import socket
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -418,34 +420,50 @@ def _fork_worker(control: socket.socket, channel_fd: int, log_path: str | None,
   return pid
 
 
-def _exit_code(pid: int, wait: bool, reaped: dict[int, int]) -> int | None:
-  """A worker's exit code as subprocess gives it (-N: killed by signal N); None while it
-  runs (without `wait`). A reaped worker's code is kept: the pool may ask again."""
-  if pid not in reaped:
-    done, status = os.waitpid(pid, 0 if wait else os.WNOHANG)
-    if not done:
-      return None
-    reaped[pid] = os.waitstatus_to_exitcode(status)
-  return reaped[pid]
+# How long the template waits for a worker the pool asks it to reap (one that closed its
+# channel, or that the pool killed) before it kills it.
+REAP_WAIT_S = 5.0
+
+
+def _exit_code(pid: int, wait: bool) -> int | None:
+  """A worker's exit code as subprocess gives it (-N: killed by signal N), reaping it; None
+  while it runs (without `wait`). With `wait`, a worker still running after REAP_WAIT_S is
+  killed: the pool asks only about workers that are ending or that it killed."""
+  clock = lambda: time.clock_gettime(time.CLOCK_MONOTONIC)  # AppWorld may freeze the others
+  deadline = clock() + (REAP_WAIT_S if wait else 0)
+  while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+      return os.waitstatus_to_exitcode(status)
+    if clock() >= deadline:
+      if not wait:
+        return None
+      os.kill(pid, signal.SIGKILL)
+      return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    time.sleep(0.01)
 
 
 def _serve_template(control: socket.socket, settings: dict[str, Any], data: str,
                     apps: list[str]) -> None:
-  reaped: dict[int, int] = {}
+  """Answers the pool until it closes the channel. A request that fails (a fork refused by
+  the process limit, a pid that is not a worker) gets an error, never ends the template:
+  its workers would die with it."""
   while True:
     message, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
     if not message:  # the pool closed its end, or died
       return
     request = json.loads(message)
-    if request["op"] == "fork":
-      try:
+    try:
+      if request["op"] == "fork":
         answer = {"pid": _fork_worker(control, fds[0], request["log_path"], settings, data,
                                       apps)}
-      finally:
-        for fd in fds:  # the worker's alone now: the pool sees its end close when it dies
-          os.close(fd)
-    else:  # exit_code
-      answer = {"exit_code": _exit_code(request["pid"], request["wait"], reaped)}
+      else:  # exit_code
+        answer = {"exit_code": _exit_code(request["pid"], request["wait"])}
+    except Exception as e:  # noqa: BLE001 - reported to the pool
+      answer = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+      for fd in fds:  # the worker's alone now: the pool sees its end close when it dies
+        os.close(fd)
     control.send(json.dumps(answer).encode())
 
 
