@@ -385,8 +385,12 @@ def _serve_http(session: Worker, channel: Connection) -> None:
 
 def _run_worker(template: int, channel_fd: int, log_path: str | None,
                 settings: dict[str, Any], data: str, apps: list[str]) -> None:
-  """A fresh fork of the template becomes a worker: death with the template, its own log,
-  a subreaper for what its episodes leave behind; then it serves its channel."""
+  """A fresh fork of the template becomes a worker: a session of its own, death with the
+  template, its own log, a subreaper for what its episodes leave behind; then it serves its
+  channel. Its own session, as each worker had when it was an interpreter of its own: where
+  the kernel shares the CPU between sessions (autogroup), the template's one session would
+  give all the pool's workers together the share of one."""
+  os.setsid()
   episode_process.die_with_parent(template)
   log = os.open(log_path or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
   os.dup2(log, 1)
