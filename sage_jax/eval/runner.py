@@ -56,9 +56,10 @@ class EvalConfig:
   sees does not depend on timing). max_scenarios: evaluate only the first N scenarios
   (0: all). appworld_check: also score the outputs with AppWorld's own evaluator (child
   process) and fail if TGC/SGC disagree (on the episodes the environment did not fail
-  under: AppWorld scores whatever such an episode saved, we count it as failed). seed: sampler seeds. temperature: the sampling
-  temperature of evaluation (greedy by default, also for the dev evaluations inside a
-  training run, whose agent section samples for training); None keeps the agent section's."""
+  under: AppWorld scores whatever such an episode saved, we count it as failed). seed:
+  sampler seeds. temperature: the sampling temperature of evaluation (greedy by default,
+  also for the dev evaluations inside a training run, whose agent section samples for
+  training); None keeps the agent section's."""
 
   split: str = "dev"
   data: str = "mini"
@@ -171,9 +172,6 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
                                         library=library, max_concurrent=max_concurrent,
                                         seed=ev.seed, first_index=share.start))
     if ev.appworld_check:
-      # AppWorld scores whatever state an episode saved; we count an episode that the
-      # environment failed under as failed (its state may be anything): the check compares
-      # the other episodes.
       checked = [r.task_id for r in appworld_checked(records)]
       own_scores = (metrics_lib.appworld_scores(pool.outputs_root, ev.experiment, checked)
                     if checked else None)
@@ -195,9 +193,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
     theirs = _combine_scores(multihost.allgather_objects(
         (own_scores, len(checked), len({appworld.scenario_id(t) for t in checked}))))
     compared = appworld_checked(records)
+    compared_ids = {id(r) for r in compared}
     report["appworld"] = theirs
-    report["appworld_unchecked"] = [r.task_id for r in records
-                                    if id(r) not in {id(c) for c in compared}]
+    report["appworld_unchecked"] = [r.task_id for r in records if id(r) not in compared_ids]
     disagreement = (appworld_disagreement(metrics_lib.summarize(compared), theirs)
                     if compared else None)
     if disagreement:

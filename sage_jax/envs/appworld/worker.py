@@ -484,7 +484,7 @@ def main() -> None:
                              "sandbox": isinstance(e, sandbox.SandboxError)}).encode())
     return
   protections = sandbox.protections() if settings["sandbox"] != "off" else []
-  control.send(json.dumps({"ok": True, "pid": os.getpid(), "protections": protections}).encode())
+  control.send(json.dumps({"ok": True, "protections": protections}).encode())
   _serve_template(control, settings, data, apps)
 
 
