@@ -1,5 +1,8 @@
-"""Shared fixtures of the AppWorld tests: one cached mini world per session."""
+"""Shared fixtures of the AppWorld tests: one cached mini world per session, and the demo's SFT
+data made once for every test worker."""
 
+import dataclasses
+import fcntl
 import json
 import os
 import subprocess
@@ -13,6 +16,33 @@ from sage_jax.envs import appworld
 @pytest.fixture(scope="session")
 def mini_root() -> str:
   return appworld.ensure_mini_world()
+
+
+@pytest.fixture(scope="session")
+def demo_expert_file(mini_root, tmp_path_factory) -> str:
+  """The demo's SFT data as its pipeline makes it (the gold plays of the mini train split and
+  their rewrites; tests/test_demo.py checks the bytes against a run's own), made once for the
+  session's test workers: runs that do not test that stage read it through
+  `pipeline.expert_trajectories` instead of playing the split again (~30 s a run)."""
+  from configs import sage as sage_configs  # noqa: PLC0415
+  from sage_jax import run_config  # noqa: PLC0415
+  from sage_jax.sft import data as sft_data  # noqa: PLC0415
+  from sage_jax.sft import expert  # noqa: PLC0415
+  from sage_jax.tokenizer import Tokenizer  # noqa: PLC0415
+
+  base = tmp_path_factory.getbasetemp()
+  shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's
+  path = shared / "demo_expert_trajectories.jsonl"
+  with open(shared / "demo_expert_trajectories.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists():
+      run = run_config.resolve(sage_configs.get_config("demo"))
+      config = dataclasses.replace(run.expert, appworld_root=mini_root,
+                                   outputs_root=str(shared / "demo_expert_outputs"))
+      trajectories, _ = expert.gold_trajectories(config, Tokenizer())
+      sft_data.write_jsonl(f"{path}.partial", trajectories)
+      os.replace(f"{path}.partial", path)
+  return str(path)
 
 
 def task_dir(root: str, task_id: str) -> str:

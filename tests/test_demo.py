@@ -16,6 +16,8 @@ import transformers
 from sage_jax import storage
 from sage_jax.tokenizer import Tokenizer
 from tests import fake_gcs
+from tests.appworld_fixtures import demo_expert_file  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +34,14 @@ SHORT = ("--config.sft.total_steps=1", "--config.eval.max_scenarios=1",
          "--config.pipeline.train_scenarios=1", "--config.eval.appworld_check=false",
          "--config.grpo.max_redraws=0", "--config.pipeline.chains_per_step=2",
          "--config.pipeline.eval_train=false")
+
+
+def _expert(path):
+  """Reads the demo's SFT data from `path` instead of playing the gold solutions again (the
+  gs:// run plays them, and checks that it made the same file)."""
+  return f"--config.pipeline.expert_trajectories={path}"
+
+
 # Runs that check only what training wrote: no evaluations, export or plots.
 TRAIN_ONLY = ("--config.pipeline.eval_before=false", "--config.pipeline.eval_after=false",
               "--config.pipeline.export=false", "--config.pipeline.plot=false")
@@ -61,7 +71,8 @@ KL = ("--config.pipeline.eval_train=true", "--config.grpo.kl_coef=0.05",
 
 
 @pytest.mark.long
-def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tmp_path):
+def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tmp_path,
+                                                                    demo_expert_file):  # noqa: F811
   """The short demo with --workdir=gs://... (a fake GCS server; the other runs of this file
   and of tests/test_learning_appworld.py have local workdirs): the run's files are in the
   bucket, none in a local "gs:" directory; a rerun resumes from the bucket's checkpoint; the
@@ -97,6 +108,8 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
     assert (root / name).exists(), name
   assert any(f.name.startswith("events.out.tfevents") for f in (root / "tb").iterdir())
   assert not os.path.exists(os.path.join(REPO, "gs:"))
+  # The SFT data the other runs read instead of playing the gold solutions is this run's.
+  assert (root / "expert_trajectories.jsonl").read_text() == open(demo_expert_file).read()
 
   evaluated = lambda name, split="dev": storage.read_json(
       root / name / f"eval_{split}.json").get("checkpoint")
@@ -154,13 +167,15 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
   assert (tmp_path / "sft_export" / "config.json").exists()
 
 
-def test_sigterm_stops_the_run_after_its_step_and_a_rerun_finishes_it(tmp_path):
+def test_sigterm_stops_the_run_after_its_step_and_a_rerun_finishes_it(
+    tmp_path, demo_expert_file):  # noqa: F811
   """A SIGTERM during SFT (a preemption) stops the run after the SFT step in progress, with a
   checkpoint of that step: SFT is not marked done, no later stage runs, and the command exits
   with 143 so that a retry loop reruns it. The rerun resumes SFT from that checkpoint (here
   told to stop one step later) and goes on to RL."""
   workdir = tmp_path / "run"
-  quick = (*TRAIN_ONLY, "--config.rl.total_steps=1", "--config.pipeline.chains_per_step=1")
+  quick = (*TRAIN_ONLY, "--config.rl.total_steps=1", "--config.pipeline.chains_per_step=1",
+           _expert(demo_expert_file))
   proc = subprocess.Popen(_command(workdir, "--config.sft.total_steps=300", *quick), cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           env=ONE_DEVICE)
@@ -196,10 +211,10 @@ def test_a_stopped_run_exits_as_the_signal_it_caught():
   assert pipeline.preempted_exit_code(signal.SIGTERM) == pipeline.preempted_exit_code(None) == 143
 
 
-def test_sft_only_config(tmp_path):
+def test_sft_only_config(tmp_path, demo_expert_file):  # noqa: F811
   workdir = tmp_path / "sft"
   stdout = _train(workdir, "--config.pipeline.eval_before=false", "--config.sft.eval_every=1",
-                  config="configs/sft.py:demo")
+                  _expert(demo_expert_file), config="configs/sft.py:demo")
   assert "| tgc |" in stdout
   # sft.eval_every: dev evaluation during SFT, logged with its step.
   assert os.path.exists(workdir / "eval_sft_step1" / "eval_dev.json")
@@ -227,24 +242,22 @@ def test_grpo_baseline_config(tmp_path):
 
 
 @pytest.mark.long
-def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path):
+def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path,
+                                                              demo_expert_file):  # noqa: F811
   """`--config.seed` alone: the same seed reproduces the SFT and SAGE steps exactly, another
-  seed changes them (initial weights, data order, sampled rollouts). The later runs read the
-  first run's SFT data (the gold trajectories, which no seed changes) instead of playing the
-  gold solutions again."""
+  seed changes them (initial weights, data order, sampled rollouts). The SFT data is the
+  gold trajectories, which no seed changes."""
 
-  def steps(name, seed, *overrides):
+  def steps(name, seed):
     workdir = tmp_path / name
     _train(workdir, f"--config.seed={seed}", "--config.rl.total_steps=1",
-           "--config.pipeline.chains_per_step=1", *TRAIN_ONLY, *overrides)
+           "--config.pipeline.chains_per_step=1", *TRAIN_ONLY, _expert(demo_expert_file))
     (sft,) = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
     (rl,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     return ({k: sft[k] for k in ("loss", "grad_norm", "batch/real_positions")},
             {k: rl[k] for k in ("logprob", "entropy", "generated_tokens/total")})
 
-  first = steps("a", 0)
-  data = f"--config.pipeline.expert_trajectories={tmp_path / 'a' / 'expert_trajectories.jsonl'}"
-  again, other = steps("b", 0, data), steps("c", 1, data)
+  first, again, other = steps("a", 0), steps("b", 0), steps("c", 1)
   assert first == again
   assert first[0]["loss"] != other[0]["loss"] and first[1]["logprob"] != other[1]["logprob"]
 

@@ -16,6 +16,7 @@ import pytest
 from sage_jax import pipeline
 
 pytestmark = pytest.mark.slow
+from tests.appworld_fixtures import demo_expert_file  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,10 +27,11 @@ POLICY_RETRIEVAL = dict(strategy="query_embedding", embedding_model="policy", to
 
 
 @pytest.fixture(scope="module")
-def run_dir(mini_root, tmp_path_factory):
+def run_dir(mini_root, demo_expert_file, tmp_path_factory):  # noqa: F811
   c = sage_configs.get_config("demo")
   c.pipeline.update(stages=("rl",), chains_per_step=1, train_scenarios=1, eval_before=False,
-                    eval_after=True, eval_train=False, export=False, plot=False)
+                    eval_after=True, eval_train=False, export=False, plot=False,
+                    expert_trajectories=demo_expert_file)  # the compact vocabulary's corpus
   c.grpo.group_size = 2
   c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
   c.rl.total_steps = 1

@@ -2,7 +2,8 @@
 which the Skill-integrated Reward pays for, by a margin well outside the run-to-run noise of a
 policy that does not learn, and keeps their sampled success at the SFT policy's level or above.
 
-The run is the README's main job at seed 0 without its evaluations and export: SFT to
+The run is the README's main job at seed 0 without its evaluations and export (its SFT data
+made once for the test session: the same bytes as a run's own, tests/test_demo.py): SFT to
 convergence (320 steps) on the gold trajectories of 3 mini-world training scenarios, whose
 later tasks are shown both calling the library's skill and writing it again, then 10 SAGE
 steps of 3 whole-scenario chains x 4 rollouts at temperature 0.8 on the real path (sampler,
@@ -40,6 +41,9 @@ import sys
 
 import pytest
 
+from tests.appworld_fixtures import demo_expert_file  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
+
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,13 +56,15 @@ SKILL_USE_MARGIN, SUCCESS_TOLERANCE = 0.15, 0.04
 LAST = 8
 
 
-def test_sage_raises_skill_use_and_keeps_success_on_its_training_chains(tmp_path):
+def test_sage_raises_skill_use_and_keeps_success_on_its_training_chains(
+    tmp_path, demo_expert_file):  # noqa: F811
   workdir = tmp_path / "run"
   done = subprocess.run(
       [sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
        f"--workdir={workdir}", "--config.pipeline.eval_before=false",
        "--config.pipeline.eval_after=false", "--config.pipeline.eval_train=false",
-       "--config.pipeline.export=false", "--config.pipeline.plot=false"],
+       "--config.pipeline.export=false", "--config.pipeline.plot=false",
+       f"--config.pipeline.expert_trajectories={demo_expert_file}"],
       cwd=REPO, capture_output=True, text=True, timeout=2400, env=ONE_DEVICE)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]

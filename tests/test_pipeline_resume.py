@@ -19,6 +19,8 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from configs import sage as sage_configs  # noqa: E402
+from tests.appworld_fixtures import demo_expert_file  # noqa: E402, F401 - pytest fixture
+from tests.appworld_fixtures import mini_root  # noqa: E402, F401 - pytest fixture
 
 
 def _live_bytes() -> int:
@@ -26,10 +28,10 @@ def _live_bytes() -> int:
   return sum(a.nbytes for a in jax.live_arrays())
 
 
-def test_resuming_after_sft_keeps_only_its_params(tmp_path):
+def test_resuming_after_sft_keeps_only_its_params(tmp_path, demo_expert_file):  # noqa: F811
   c = sage_configs.get_config("demo")
   c.pipeline.update(stages=("sft",), eval_before=False, eval_after=False, eval_train=False,
-                    export=False, plot=False)
+                    export=False, plot=False, expert_trajectories=demo_expert_file)
   # SFT saves on its own cadence, not RL's: every 2nd step and the last.
   c.sft.update(total_steps=3, save_every=2)
   c.checkpoint.update(save_every=1, keep_last=3)
