@@ -140,6 +140,35 @@ def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):
   writer.close()
   rows = metrics_lib.read_jsonl(str(tmp_path))
   assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+  # TensorBoard's view: the first file's steps, then the resumed file's purge mark and step.
+  files = sorted(os.listdir(tmp_path / "tb"))
+  assert len(files) == 2 and all(f.startswith("events.out.tfevents.") for f in files)
+  first, resumed = (_tensorboard_events(tmp_path / "tb" / f) for f in files)
+  assert first[0].file_version == resumed[0].file_version == "brain.Event:2"
+  assert [(e.step, {v.tag: v.simple_value for v in e.summary.value}) for e in first[1:]] == [
+      (s, {"loss": s, "reward/mean": pytest.approx(0.1 * s)}) for s in range(1, 5)]
+  purge, step3 = resumed[1:]
+  assert (purge.step, purge.session_log.status) == (3, purge.session_log.START)
+  assert step3.step == 3 and [(v.tag, v.simple_value) for v in step3.summary.value] == [
+      ("loss", 30.0)]
+
+
+def _tensorboard_events(path):
+  """The Event protos of a TensorBoard event file, read and checked with tensorboardX's own
+  protos and record checksum (TFRecord framing: length, its checksum, data, its checksum)."""
+  import struct  # noqa: PLC0415
+
+  from tensorboardX.proto import event_pb2  # noqa: PLC0415
+  from tensorboardX.record_writer import masked_crc32c  # noqa: PLC0415
+  events, data = [], open(path, "rb").read()
+  while data:
+    header, (length_crc,) = data[:8], struct.unpack("<I", data[8:12])
+    (length,) = struct.unpack("<Q", header)
+    record, (record_crc,) = data[12:12 + length], struct.unpack("<I", data[12 + length:16 + length])
+    assert (length_crc, record_crc) == (masked_crc32c(header), masked_crc32c(record))
+    events.append(event_pb2.Event.FromString(record))
+    data = data[16 + length:]
+  return events
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")

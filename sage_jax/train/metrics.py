@@ -6,8 +6,7 @@ completed steps first drops the lines of later steps, which it will redo (Tensor
 them too), so the logs of an interrupted + resumed run read like those of a straight run.
 With several processes only process 0 writes (the values it gets are already global).
 In a remote log_dir (gs://...), both files are written locally and copied up whole after each
-step (`storage.LocalMirror`): a bucket cannot append, and tensorboardX's own gs:// writer
-would serve gs:// alone, through a second client.
+step (`storage.LocalMirror`): a bucket cannot append.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import jax
 import numpy as np
 
 from sage_jax import multihost, storage
+from sage_jax.train import tensorboard
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -104,9 +104,8 @@ class MetricsWriter:
                                                      start_step)))
         self._jsonl = open(path, "a")
       if config.tensorboard:
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(self._mirror.local, "tb"),
-                                 purge_step=start_step + 1 if start_step else None)
+        self._tb = tensorboard.ScalarWriter(os.path.join(self._mirror.local, "tb"),
+                                            purge_step=start_step + 1 if start_step else None)
     if config.progress and lead:
       from tqdm import tqdm
       self._bar = tqdm(total=total_steps, initial=start_step, desc=description,
@@ -121,10 +120,7 @@ class MetricsWriter:
       self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
       self._jsonl.flush()
     if self._tb is not None:
-      for k, v in values.items():
-        if math.isfinite(v):
-          self._tb.add_scalar(k, v, step)
-      self._tb.flush()
+      self._tb.write(step, {k: v for k, v in values.items() if math.isfinite(v)})
     if self._mirror is not None:
       self._mirror.sync()
     return values
