@@ -15,13 +15,9 @@ import math
 import os
 from typing import Iterable
 
-import matplotlib
+from absl import app, flags
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from sage_jax import storage  # noqa: E402
+from sage_jax import storage
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -79,7 +75,17 @@ def _panels(keys: Iterable[str]) -> dict[str, list[str]]:
   return {t: ks for t, ks in panels.items() if ks}
 
 
+def _pyplot():
+  """matplotlib on its file-only backend, imported when a figure is drawn (a run that imports
+  this module to plot at its end does not pay for it at its start)."""
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  return plt
+
+
 def _grid(n: int):
+  plt = _pyplot()
   cols = min(3, n)
   rows = math.ceil(n / cols)
   fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
@@ -93,7 +99,7 @@ def _save(fig, title: str, out_path: str) -> str:
   fig.tight_layout()
   png = io.BytesIO()
   fig.savefig(png, format="png", dpi=110)
-  plt.close(fig)
+  _pyplot().close(fig)
   out = storage.path(out_path)
   if not storage.is_remote(out):
     out.parent.mkdir(parents=True, exist_ok=True)
