@@ -92,6 +92,9 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
   def rules_ctx():
     return contextlib.nullcontext() if mesh is None else shd.use_rules(mesh, rules)
 
+  # Jitted so that its one trace serves both uses below (the shapes of its outputs, and the
+  # scan body); inside the step it is inlined like any other code.
+  @jax.jit
   def micro_grads(params, micro: TrainBatch):
     trainable, frozen = split_trainable(params)
 
