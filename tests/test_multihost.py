@@ -15,6 +15,9 @@ import time
 import numpy as np
 import pytest
 
+from tests.appworld_fixtures import demo_expert_file  # noqa: F401 - pytest fixture
+from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch", "local.py")
 JOB = os.path.join(REPO, "tests", "multihost_job.py")
@@ -160,11 +163,12 @@ def _safetensors(directory):
 
 
 @pytest.mark.long
-def test_demo_pipeline_runs_as_two_processes(tmp_path):
-  """SFT, SAGE steps with per-process environment delays, checkpoints, the dev evaluation
-  after training (one scenario: one process has none to run) and export, as 2 processes x 2
-  CPU devices; then `export` and `generate` as 2 processes. Every step's sync checks that
-  the processes' sampling copies agree (the run fails otherwise)."""
+def test_demo_pipeline_runs_as_two_processes(tmp_path, demo_expert_file):  # noqa: F811
+  """The expert's plays (each process its share), SFT, SAGE steps with per-process
+  environment delays, checkpoints, the dev evaluation after training (one scenario: one
+  process has none to run) and export, as 2 processes x 2 CPU devices; then `export` and
+  `generate` as 2 processes. Every step's sync checks that the processes' sampling copies
+  agree (the run fails otherwise)."""
   workdir = tmp_path / "run"
   overrides = ["--config.sft.total_steps=2", "--config.rl.total_steps=2",
                "--config.eval.max_scenarios=1", "--config.pool.num_workers=2",
@@ -190,6 +194,8 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path):
   report = json.load(open(workdir / "eval_after" / "eval_dev.json"))
   assert len(report["records"]) == 3 and report["appworld"] is not None
   assert not os.path.exists(workdir / "appworld")  # outputs stayed on each host
+  # The shares of the gold plays, gathered: the SFT data one process makes.
+  assert (workdir / "expert_trajectories.jsonl").read_text() == open(demo_expert_file).read()
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
   model = transformers.AutoModelForCausalLM.from_pretrained(str(workdir / "hf")).eval()

@@ -44,6 +44,7 @@ from absl import app, flags
 from sage_jax.agent.config import AgentConfig
 from sage_jax.agent.gold_solutions import ScriptedPolicy, TextTurnsSession
 from sage_jax.agent.policy import TaskContext
+from sage_jax import multihost
 from sage_jax.agent.retrieval import Retriever
 from sage_jax.envs import appworld
 from sage_jax.rl import rollout
@@ -173,7 +174,8 @@ def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
          seed: int = 0) -> tuple[list[data_lib.Trajectory], ExpertStats]:
   """Runs `policy` on the chains (one library per chain) in the real engine (`pool`, or a
   pool started for the call), sampling seeds from `seed`; returns the successful
-  trajectories that `config.selection` keeps, in chain order."""
+  trajectories that `config.selection` keeps, in chain order. With several processes, each
+  plays its share of the chains and every process returns them all."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   if pool is None:
     pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
@@ -186,10 +188,12 @@ def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
                                          chain_length=max(len(c.task_ids) for c in chains),
                                          experiment_prefix=config.experiment_prefix,
                                          seed=seed)
-  batch = asyncio.run(rollout.run_groups(ctx, chains, rollout_config))
+  share = multihost.share(len(chains))
+  batch = asyncio.run(rollout.run_groups(ctx, chains[share], rollout_config,
+                                         first_group=share.start))
   stats = ExpertStats()
   out = []
-  for group in batch.records:
+  for group in (g for part in multihost.allgather_objects(batch.records) for g in part):
     chain = group[0]
     selected = config.selection == "task" or all(
         r.success for r in chain[:config.scenario_tasks])
