@@ -107,6 +107,47 @@ def test_events_follow_call_records():
   assert t2.events().generated == () and t2.events().failed_definitions == ("f",)
 
 
+def _saved(blocks):
+  """The functions a task saves when each block ran and called all its definitions."""
+  t = skills.SkillTracker()
+  for i, code_ in enumerate(blocks):
+    calls = tuple(skills.Call(i, f.line, f.name, 1, 0) for f in skills.analyze(code_).functions)
+    t.observe(code_, skills.BlockTrace(i, calls))
+  return t.saved_functions()
+
+
+def test_a_saved_function_carries_the_imports_and_literal_constants_it_reads():
+  """From its own block and earlier ones; a value computed by code (an API call) is not run
+  again where the skill is installed, a name rebound by such code is not carried, and a
+  local of the same name is the function's own."""
+  saved = _saved([
+      "import re\nimport json\nLIMIT = 3\nTOKEN = apis.supervisor.show_profile()\n"
+      "PAGE = 1\n",
+      "SEP: str = ','\nPAGE = len('ab')\n"
+      "def f(xs, sep=None):\n    page = PAGE\n    return (sep or SEP).join(\n"
+      "        re.sub('a', 'b', x) for x in xs[:LIMIT]) + TOKEN\n"
+      "def g():\n    LIMIT = 5\n    return LIMIT\n",
+  ])
+  f, g = saved["f"], saved["g"]
+  assert f.imports == ("import re",) and f.constants == ("LIMIT = 3", "SEP: str = ','")
+  assert g.imports == () and g.constants == ()
+  namespace = {"TOKEN": "!", "PAGE": 0}  # the names it reads but cannot carry
+  exec(f.code, namespace)  # noqa: S102 - the carried code runs on its own
+  assert namespace["f"](["a", "aa", "c", "d"]) == "b,bb,c!"
+
+
+def test_skills_whose_constants_clash_each_read_their_own_once_installed():
+  lib = SkillLibrary()
+  for task, (name, value) in enumerate([("first", 3), ("second", 5), ("third", 3)]):
+    lib.save(_saved([f"LIMIT = {value}\ndef {name}():\n    return LIMIT\n"]), scenario="s",
+             task_id=f"s_{task}", instruction="")
+  code_ = install_code(lib.skills("s"))
+  assert "LIMIT__second = 5" in code_ and code_.count("LIMIT = 3") == 2
+  namespace = {}
+  exec(code_, namespace)  # noqa: S102
+  assert [namespace[n]() for n in ("first", "second", "third")] == [3, 5, 3]
+
+
 # --- library and retrieval -------------------------------------------------------------------
 
 def _skill(name, scenario, instruction, doc="", calls=(), task=None):

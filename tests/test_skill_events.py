@@ -52,8 +52,9 @@ def gold(mini_root):  # noqa: F811
   return parsing.extract_code(first).code, gold_solution(mini_root, f"{SCENARIO}_2")
 
 
-def run_blocks(pool, task_id, blocks, library_code=None):
-  """Executes `blocks` in one episode; returns the tracker fed with the worker's traces."""
+def run_blocks(pool, task_id, blocks, library_code=None, outputs=None):
+  """Executes `blocks` in one episode; returns the tracker fed with the worker's traces.
+  `outputs`: a list that gets each block's output."""
   library = {f.name: f.calls for f in analyze(library_code or "").functions}
   tracker = SkillTracker(library)
 
@@ -61,7 +62,9 @@ def run_blocks(pool, task_id, blocks, library_code=None):
     async with pool.episode(task_id, "events", library_code=library_code) as ep:
       assert ep.start.library_ok in (None, True), ep.start.library_output
       for code in blocks:
-        await ep.execute(code)
+        output = await ep.execute(code)
+        if outputs is not None:
+          outputs.append(output)
         tracker.observe(code, BlockTrace.from_dict(ep.last_trace))
     return ep.result
 
@@ -220,6 +223,34 @@ def test_install_code_round_trip_is_traced_as_library(pool, gold):
   call = f"{SKILL}('Hardware store', '~/documents/hardware_store.txt')\n"
   tracker, result = run_blocks(pool, f"{SCENARIO}_2", [call], code)
   assert tracker.events().used == (SKILL,) and tracker.events().generated == ()
+
+
+def test_a_skill_reads_the_constants_of_its_task_where_it_is_installed(pool):
+  """A task binds an import and a constant in one block, then defines and calls a skill that
+  reads them; another task's skill binds the same name to another value. Installed together
+  in a third world, each reads its own, and both count as used."""
+  library = SkillLibrary()
+  for task, blocks in ((1, ["import json\nLIMIT = 2\n", block("""
+      def first_items(items):
+          return json.dumps(items[:LIMIT])
+
+      print(first_items([1, 2, 3]))
+      """)]), (2, [block("""
+      LIMIT = 5
+      def limit():
+          return LIMIT
+
+      print(limit())
+      """)])):
+    tracker, _ = run_blocks(pool, f"{SCENARIO}_{task}", blocks)
+    library.save(tracker.saved_functions(), scenario=SCENARIO, task_id=f"{SCENARIO}_{task}",
+                 instruction="")
+  assert sorted(s.name for s in library.skills(SCENARIO)) == ["first_items", "limit"]
+  outputs = []
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_3", ["print(first_items([1, 2, 3]), limit())\n"],
+                          install_code(library.skills(SCENARIO)), outputs)
+  assert outputs[0].strip() == "[1, 2] 5"
+  assert tracker.events().used == ("first_items", "limit")
 
 
 _SAME_OUTPUT_SCRIPT = r"""

@@ -1,24 +1,25 @@
 """The skill library: per rollout (or per evaluation run), keyed by scenario.
 
-A skill is a saved top-level function: its code (with the imports of the block that defined
-it), signature, docstring, the task that last saved it, the skills it calls, and usage
-statistics. Saving a function under an existing name of the scenario replaces it (an update)
+A skill is a saved top-level function: its code (with the imports and literal constants it
+reads from the task that defined it), signature, docstring, the task that last saved it, the
+skills it calls, and usage statistics. Saving a function under an existing name of the scenario replaces it (an update)
 and keeps its statistics.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from sage_jax.agent.skills import FunctionInfo
+from sage_jax.agent.skills import FunctionInfo, top_level_bindings
 
 
 @dataclasses.dataclass
 class Skill:
   name: str
-  code: str  # installable source: imports, then the definition
+  code: str  # installable source: imports, constants, then the definition
   signature: str
   docstring: str
   scenario: str
@@ -108,15 +109,44 @@ class SkillLibrary:
     return cls(Skill(**{**item, "calls": tuple(item.get("calls", ()))}) for item in items)
 
 
+def _constants(code: str) -> dict[str, str]:
+  """The literal constants `code` binds at top level: name -> its statement."""
+  return {name: b.source for name, b in top_level_bindings(code) if b.kind == "constant"}
+
+
+class _Rename(ast.NodeTransformer):
+  def __init__(self, names: Mapping[str, str]):
+    self.names = names
+
+  def visit_Name(self, node: ast.Name) -> ast.Name:  # noqa: N802 - ast's name
+    node.id = self.names.get(node.id, node.id)
+    return node
+
+  def visit_Global(self, node: ast.Global) -> ast.Global:  # noqa: N802 - ast's name
+    node.names = [self.names.get(n, n) for n in node.names]
+    return node
+
+
 def install_code(skills: Iterable[Skill]) -> str | None:
   """One block that defines `skills` in a world; None if there are none.
 
-  Each skill's code carries the imports of its defining block. Skills of the same name (from
-  different scenarios) keep the first one given.
+  Each skill's code carries its imports and the literal constants it reads. Skills of the
+  same name (from different scenarios) keep the first one given. All share one namespace:
+  where a skill's constant would rebind one that an earlier skill set to another value,
+  that skill's copy is renamed (`LIMIT` -> `LIMIT__<skill>`), so each reads its own.
   """
-  bodies, names = [], set()
+  bodies, names, constants = [], set(), {}
   for skill in skills:
-    if skill.name not in names:
-      names.add(skill.name)
-      bodies.append(skill.code.rstrip())
+    if skill.name in names:
+      continue
+    names.add(skill.name)
+    code = skill.code.rstrip()
+    own = _constants(code)
+    clashes = {n: f"{n}__{skill.name}" for n, source in own.items()
+               if constants.get(n, source) != source}
+    if clashes:
+      code = ast.unparse(_Rename(clashes).visit(ast.parse(code)))
+      own = _constants(code)
+    constants.update(own)
+    bodies.append(code)
   return "\n\n\n".join(bodies) + "\n" if bodies else None

@@ -12,7 +12,10 @@ task was shown and had installed):
   (a call of that definition returned).
 - updated: a library skill redefined in the task and then called successfully.
 - saved: for each generated or updated name, the last definition (in execution order) that
-  was called successfully; the rollout adds it to the library when the task ends.
+  was called successfully; the rollout adds it to the library when the task ends, with the
+  imports of its block and what it reads of the task's other imports and literal constants
+  (`LIMIT = 20`), as bound by the end of its block, so that it runs as it did where it is
+  installed. A value computed by code (`token = apis...`) is not carried: it would run again.
 
 So a define-only block saves nothing, a block whose skill call returned but whose last line
 failed still saves the skill, and a library skill that raised (even inside `try/except`),
@@ -43,11 +46,15 @@ class FunctionInfo:
   calls: frozenset[str]  # plain names called anywhere in its body
   imports: tuple[str, ...] = ()  # top-level imports of its block (they travel with it)
   line: int = 0  # its first line in the block (decorators included)
+  reads: frozenset[str] = frozenset()  # global names it reads (not its own locals)
+  # Top-level constants it reads (`LIMIT = 20`: literal values only; a value computed by
+  # code, e.g. an API call, is not run again elsewhere), as the task had bound them.
+  constants: tuple[str, ...] = ()
 
   @property
   def code(self) -> str:
-    """Source to install it elsewhere: its block's imports, then the definition."""
-    return "\n".join((*self.imports, self.source)) + "\n"
+    """Source to install it elsewhere: its imports and constants, then the definition."""
+    return "\n".join((*self.imports, *self.constants, self.source)) + "\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +79,89 @@ def _called_names(nodes: Iterable[ast.AST], *, skip_defs: bool) -> set[str]:
       names.add(node.func.id)
     stack.extend(ast.iter_child_nodes(node))
   return names
+
+
+def _global_reads(node: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
+  """Names the function (nested code included) reads that none of it binds: its parameters
+  and assigned names are its own, unless declared `global`."""
+  loaded, local, declared = set(), set(), set()
+  for n in ast.walk(node):
+    if isinstance(n, ast.Name):
+      (loaded if isinstance(n.ctx, ast.Load) else local).add(n.id)
+    elif isinstance(n, ast.arg):
+      local.add(n.arg)
+    elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not node:
+      local.add(n.name)
+    elif isinstance(n, ast.Global):
+      declared.update(n.names)
+  for dec in node.decorator_list:  # run where the function is defined, in module scope
+    loaded.update(n.id for n in ast.walk(dec) if isinstance(n, ast.Name))
+  return frozenset(loaded - (local - declared))
+
+
+def _bound_names(node: ast.stmt) -> set[str]:
+  """Names a top-level statement binds in the module (not inside its functions/classes)."""
+  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    return {node.name}
+  if isinstance(node, (ast.Import, ast.ImportFrom)):
+    return {a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"}
+  names, stack = set(), [node]
+  while stack:
+    n = stack.pop()
+    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+      if n is not node:
+        names.update([n.name] if hasattr(n, "name") else [])
+        continue
+    if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+      names.add(n.id)
+    stack.extend(ast.iter_child_nodes(n))
+  return names
+
+
+def _literal_constant(node: ast.stmt) -> bool:
+  """`NAME = <literal>` (or `A = B = ...`, `NAME: T = ...`): numbers, strings, and
+  containers of them, which install anywhere without running any code."""
+  if isinstance(node, ast.Assign):
+    targets, value = node.targets, node.value
+  elif isinstance(node, ast.AnnAssign) and node.value is not None:
+    targets, value = [node.target], node.value
+  else:
+    return False
+  if not all(isinstance(t, ast.Name) for t in targets):
+    return False
+  try:
+    ast.literal_eval(value)
+  except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+    return False
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+  """How a top-level statement of a task bound a name: `source` is the statement when it is
+  an import or a literal constant (something a saved skill can carry), else None."""
+
+  source: str | None
+  kind: str = ""  # "import" | "constant" | "" (anything else)
+
+
+def top_level_bindings(code: str) -> list[tuple[str, Binding]]:
+  """(name, binding) of each name `code`'s top-level statements bind, in order."""
+  try:
+    tree = ast.parse(code)
+  except (SyntaxError, ValueError):
+    return []
+  out = []
+  for node in tree.body:
+    segment = ast.get_source_segment(code, node) or ast.unparse(node)
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      binding = Binding(segment, "import")
+    elif _literal_constant(node):
+      binding = Binding(segment, "constant")
+    else:
+      binding = Binding(None)
+    out.extend((name, binding) for name in sorted(_bound_names(node)))
+  return out
 
 
 def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
@@ -103,7 +193,7 @@ def analyze(code: str) -> CodeAnalysis:
           name=node.name, source=source, signature=_signature(node),
           docstring=ast.get_docstring(node) or "",
           calls=frozenset(_called_names(node.body, skip_defs=False)), imports=imports,
-          line=first.lineno))
+          line=first.lineno, reads=_global_reads(node)))
   return CodeAnalysis(True, None, tuple(functions),
                       frozenset(_called_names(tree.body, skip_defs=True)), imports)
 
@@ -168,6 +258,8 @@ class SkillTracker:
     self._used: set[str] = set()
     self._library_called: set[str] = set()
     self._task_functions: dict[str, FunctionInfo] = {}  # latest text definition (static)
+    # name -> (when, how) the task's executed blocks last bound it at top level
+    self._bindings: dict[str, tuple[tuple[int, int], Binding]] = {}
     self._mentioned: set[str] = set()
     self._blocks = 0
     self._syntax_errors = 0
@@ -185,8 +277,10 @@ class SkillTracker:
     self._observe_text(analysis)
     if trace is None:
       return analysis
+    for i, (name, binding) in enumerate(top_level_bindings(code)):
+      self._bindings[name] = ((order, i), binding)
     for f in analysis.functions:
-      self._definitions[(trace.block, f.line, f.name)] = ((order, f.line), f)
+      self._definitions[(trace.block, f.line, f.name)] = ((order, f.line), self._carrying(f))
     if not trace.complete:
       self._untraced += 1
       return analysis
@@ -199,6 +293,18 @@ class SkillTracker:
       elif call.returned and (call.block, call.line, call.name) in self._definitions:
         self._ran.add((call.block, call.line, call.name))
     return analysis
+
+  def _carrying(self, f: FunctionInfo) -> FunctionInfo:
+    """`f` with what it reads of the task's imports and literal constants, as bound by the
+    end of its block: earlier blocks' imports join those of its own block."""
+    imports, constants = list(f.imports), []
+    for _, binding in sorted((self._bindings[n] for n in f.reads if n in self._bindings),
+                             key=lambda item: item[0]):
+      if binding.kind == "import" and binding.source not in imports:
+        imports.append(binding.source)
+      elif binding.kind == "constant" and binding.source not in constants:
+        constants.append(binding.source)
+    return dataclasses.replace(f, imports=tuple(imports), constants=tuple(constants))
 
   def _observe_text(self, analysis: CodeAnalysis) -> None:
     """Static diagnostics: library skills reachable from the block's top-level calls."""
