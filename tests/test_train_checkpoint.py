@@ -136,10 +136,11 @@ def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):
     f.write('{"step": 5, "lo')  # a line cut by a kill
   # Resuming at step 3 redoes steps 3 and 4: their old lines go.
   writer = metrics_lib.MetricsWriter(config, total_steps=5, start_step=2)
-  writer.write(3, {"loss": 30.0})
+  writer.write(3, {"loss": 30.0, "ratio_max": 1e39})  # beyond float32: infinity there
   writer.close()
   rows = metrics_lib.read_jsonl(str(tmp_path))
   assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+  assert rows[2]["ratio_max"] == 1e39
   # TensorBoard's view: the first file's steps, then the resumed file's purge mark and step.
   files = sorted(os.listdir(tmp_path / "tb"))
   assert len(files) == 2 and all(f.startswith("events.out.tfevents.") for f in files)
@@ -150,7 +151,7 @@ def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):
   purge, step3 = resumed[1:]
   assert (purge.step, purge.session_log.status) == (3, purge.session_log.START)
   assert step3.step == 3 and [(v.tag, v.simple_value) for v in step3.summary.value] == [
-      ("loss", 30.0)]
+      ("loss", 30.0), ("ratio_max", float("inf"))]
 
 
 def _tensorboard_events(path):

@@ -4,6 +4,7 @@ few fields a scalar needs, in TFRecord framing. tensorboardX's SummaryWriter imp
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -48,9 +49,17 @@ def _event(step: int, *, file_version: str = "", summary: bytes = b"",
   return out
 
 
+def _float32(value: float) -> bytes:
+  """`value` as a float32 (beyond its range: infinity of that sign, as a cast gives)."""
+  try:
+    return struct.pack("<f", value)
+  except OverflowError:
+    return struct.pack("<f", math.copysign(math.inf, value))
+
+
 def _scalars(values: Mapping[str, float]) -> bytes:
   """A `Summary` proto: one value (= 1) per scalar, its tag = 1 and simple_value = 2 (float)."""
-  return b"".join(_message(1, _message(1, tag.encode()) + _field(2, 5, struct.pack("<f", v)))
+  return b"".join(_message(1, _message(1, tag.encode()) + _field(2, 5, _float32(v)))
                   for tag, v in values.items())
 
 
