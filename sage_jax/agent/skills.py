@@ -105,13 +105,12 @@ def _bound_names(node: ast.stmt) -> set[str]:
     return {node.name}
   if isinstance(node, (ast.Import, ast.ImportFrom)):
     return {a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"}
-  names, stack = set(), [node]
+  names, stack = set(), list(ast.iter_child_nodes(node))
   while stack:
     n = stack.pop()
-    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-      if n is not node:
-        names.update([n.name] if hasattr(n, "name") else [])
-        continue
+    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(n.name)  # e.g. under an `if`; its body binds in its own scope
+      continue
     if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
       names.add(n.id)
     stack.extend(ast.iter_child_nodes(n))
