@@ -64,6 +64,7 @@ class CodeAnalysis:
   functions: tuple[FunctionInfo, ...]  # top-level definitions, in order
   top_level_calls: frozenset[str]  # names called outside function bodies
   imports: tuple[str, ...]
+  bindings: tuple[tuple[str, Binding], ...] = ()  # see `top_level_bindings`
 
 
 def _called_names(nodes: Iterable[ast.AST], *, skip_defs: bool) -> set[str]:
@@ -147,9 +148,12 @@ class Binding:
 def top_level_bindings(code: str) -> list[tuple[str, Binding]]:
   """(name, binding) of each name `code`'s top-level statements bind, in order."""
   try:
-    tree = ast.parse(code)
+    return _bindings(ast.parse(code), code)
   except (SyntaxError, ValueError):
     return []
+
+
+def _bindings(tree: ast.Module, code: str) -> list[tuple[str, Binding]]:
   out = []
   for node in tree.body:
     segment = ast.get_source_segment(code, node) or ast.unparse(node)
@@ -194,7 +198,8 @@ def analyze(code: str) -> CodeAnalysis:
           calls=frozenset(_called_names(node.body, skip_defs=False)), imports=imports,
           line=first.lineno, reads=_global_reads(node)))
   return CodeAnalysis(True, None, tuple(functions),
-                      frozenset(_called_names(tree.body, skip_defs=True)), imports)
+                      frozenset(_called_names(tree.body, skip_defs=True)), imports,
+                      tuple(_bindings(tree, code)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +281,7 @@ class SkillTracker:
     self._observe_text(analysis)
     if trace is None:
       return analysis
-    for i, (name, binding) in enumerate(top_level_bindings(code)):
+    for i, (name, binding) in enumerate(analysis.bindings):
       self._bindings[name] = ((order, i), binding)
     for f in analysis.functions:
       self._definitions[(trace.block, f.line, f.name)] = ((order, f.line), self._carrying(f))
