@@ -2,8 +2,8 @@
 
 A skill is a saved top-level function: its code (with the imports and literal constants it
 reads from the task that defined it), signature, docstring, the task that last saved it, the
-skills it calls, and usage statistics. Saving a function under an existing name of the scenario replaces it (an update)
-and keeps its statistics.
+skills it calls, and usage statistics. Saving a function under an existing name of the
+scenario replaces it (an update) and keeps its statistics.
 """
 
 from __future__ import annotations

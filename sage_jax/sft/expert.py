@@ -41,10 +41,10 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 from absl import app, flags
 
+from sage_jax import multihost
 from sage_jax.agent.config import AgentConfig
 from sage_jax.agent.gold_solutions import ScriptedPolicy, TextTurnsSession
 from sage_jax.agent.policy import TaskContext
-from sage_jax import multihost
 from sage_jax.agent.retrieval import Retriever
 from sage_jax.envs import appworld
 from sage_jax.rl import rollout

@@ -14,7 +14,7 @@ from typing import Mapping
 import google_crc32c
 
 FILE_VERSION = "brain.Event:2"
-SESSION_START = 1  # SessionLog.START: TensorBoard drops this file's earlier steps from it on
+SESSION_START = 1  # SessionLog.START: TensorBoard hides earlier files' events from its step on
 
 
 def _varint(n: int) -> bytes:
@@ -31,7 +31,8 @@ def _field(number: int, wire_type: int, payload: bytes) -> bytes:
   return _varint(number << 3 | wire_type) + payload
 
 
-def _message(number: int, body: bytes) -> bytes:
+def _length_delimited(number: int, body: bytes) -> bytes:
+  """A string, bytes or sub-message field."""
   return _field(number, 2, _varint(len(body)) + body)
 
 
@@ -41,11 +42,11 @@ def _event(step: int, *, file_version: str = "", summary: bytes = b"",
   session_log = 7 (its status = 1)."""
   out = _field(1, 1, struct.pack("<d", time.time())) + _field(2, 0, _varint(step))
   if file_version:
-    out += _message(3, file_version.encode())
+    out += _length_delimited(3, file_version.encode())
   if summary:
-    out += _message(5, summary)
+    out += _length_delimited(5, summary)
   if session_status:
-    out += _message(7, _field(1, 0, _varint(session_status)))
+    out += _length_delimited(7, _field(1, 0, _varint(session_status)))
   return out
 
 
@@ -59,8 +60,9 @@ def _float32(value: float) -> bytes:
 
 def _scalars(values: Mapping[str, float]) -> bytes:
   """A `Summary` proto: one value (= 1) per scalar, its tag = 1 and simple_value = 2 (float)."""
-  return b"".join(_message(1, _message(1, tag.encode()) + _field(2, 5, _float32(v)))
-                  for tag, v in values.items())
+  return b"".join(
+      _length_delimited(1, _length_delimited(1, tag.encode()) + _field(2, 5, _float32(v)))
+      for tag, v in values.items())
 
 
 def _masked_crc(data: bytes) -> bytes:
