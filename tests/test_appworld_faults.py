@@ -4,6 +4,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -25,6 +26,9 @@ C_LEVEL_HANG = "print(sum(range(10**13)))"
 DISGUISED_ALARM_OFF = ("s = __import__('sig' + 'nal')\ngetattr(s, 'al' + 'arm')(0)\n"
                        "while True:\n    pass")
 STOPPED = "was stopped with its process. This episode has ended."
+# The module's pool's disk budget per episode: a gold episode's files take ~50 KB; the huge
+# print's log ~50 MB.
+DISK_BUDGET_MB = 96
 
 # code -> what the observation says. Every one is the agent's doing: none kills the worker.
 FAULTS = {
@@ -73,7 +77,7 @@ def pool(mini_root, tmp_path_factory):  # noqa: F811
   # The faults below aim past the code guard (they reach posix, signal, resource through
   # __import__) at the limits beneath it: off here (tests/test_code_guard.py tests it).
   config = pool_config(mini_root, outputs, kill_grace_s=2.0, keep_outputs=False,
-                       code_guard=False)
+                       code_guard=False, max_output_mb=DISK_BUDGET_MB)
   with appworld.EnvPool(config) as pool:
     yield pool
 
@@ -172,6 +176,43 @@ def test_writes_outside_the_experiment_directory_fail(pool, mini_root, tmp_path)
     assert os.path.exists(inside), observation  # its own directory is writable
   assert observation.count("DENIED PermissionError") == len(outside), observation
   assert not any(os.path.exists(p) for p in outside)
+
+
+# Writes through the real system calls (AppWorld's guard makes open and pathlib's writes
+# no-ops or refuses them): `put(name, size)` writes one file of `size` bytes in one call.
+PUT = ("o = __import__('pos' + 'ix')\n"
+       "def put(name, size):\n"
+       "    fd = o.open(name, o.O_WRONLY | o.O_CREAT, 0o644)\n"
+       "    print('wrote', o.write(fd, b'x' * size))\n"
+       "    o.close(fd)\n")
+OVER_BUDGET = re.compile(r"files took too much disk: its directory took ([0-9.]+) MB, more "
+                         rf"than its {DISK_BUDGET_MB} MB budget; the code {re.escape(STOPPED)}")
+
+
+@pytest.mark.parametrize("flood", ["one_file", "many_files"])
+def test_an_episode_over_its_disk_budget_ends_and_its_files_are_removed(pool, mini_root,  # noqa: F811
+                                                                        flood):
+  budget = DISK_BUDGET_MB * 2**20
+  code = PUT + (f"put('flood', {4 * budget})" if flood == "one_file" else
+                f"for i in range(400):\n    put(f'flood{{i}}', {budget // 16})")
+  task_id = all_task_ids(mini_root)[0]
+  directory = os.path.join(pool.outputs_root, "experiments", "outputs", f"disk_{flood}",
+                           "tasks", task_id)
+  restarts = pool.worker_restarts
+  with pool.episode(task_id, f"disk_{flood}") as ep:
+    assert "wrote 1" in ep.execute(PUT + "put('small', 1)").result()  # within the budget
+    observation = ep.execute(code).result()
+    took = OVER_BUDGET.search(observation)
+    assert took, observation[:500]
+    assert not os.path.exists(directory)  # freed at once, not when the episode closes
+    assert ep.execute("print(1)").result() == observation  # the episode has ended
+  if flood == "one_file":  # the file stopped growing at the budget (RLIMIT_FSIZE)
+    assert float(took.group(1)) < DISK_BUDGET_MB + 1
+  result = ep.result
+  assert result.error is None and not result.success  # the agent's failure, not the pool's
+  assert "more than its disk budget" in result.evaluation.refused
+  assert pool.worker_restarts == restarts
+  _check_gold_still_passes(pool, mini_root, all_task_ids(mini_root)[1], f"after_disk_{flood}")
 
 
 def test_processes_forked_by_agent_code_end_with_the_episode(pool, mini_root):  # noqa: F811

@@ -36,6 +36,11 @@ class EnvPoolConfig:
   random_seed: int = 100
   # Observations longer than this are cut (a 50 MB print must not reach the model).
   max_output_chars: int = 20_000
+  # Disk an episode's directory may take (AppWorld's saves and logs, and whatever agent code
+  # writes there; on the disk of outputs_root, a run's workdir). An episode that takes more
+  # is stopped with its process and fails, its files removed at once; no single file can
+  # grow past it. None leaves it unlimited.
+  max_output_mb: int | None = 1024
   # How the process that runs agent code is confined (sandbox.py): "landlock" (the kernel
   # lets it read only the system and its own task's public files, write only beneath its
   # experiment directory, run no program, open no TCP connection and signal nothing outside;
@@ -80,6 +85,8 @@ class EnvPoolConfig:
           f"kill_grace_s ({self.kill_grace_s}), so that the worker's own limits fire first.")
     if self.start_timeout_s <= 0:
       raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}.")
+    if self.max_output_mb is not None and self.max_output_mb < 1:
+      raise ValueError(f"max_output_mb must be >= 1 or None, got {self.max_output_mb}.")
     if self.memory_limit_mb is not None and self.memory_limit_mb < 512:
       raise ValueError(f"memory_limit_mb must be >= 512 (a worker holds ~300 MB), got "
                        f"{self.memory_limit_mb}.")

@@ -8,8 +8,10 @@ forks (imports stay warm):
   DBs and API docs; it writes beneath its experiment directory only) and runs the agent's
   code. Its time limit is kept by the worker, outside its reach: code that is still running
   `grace_s` after AppWorld's own timeout (because it switched the alarm off, or spins in C)
-  is killed with its process, and the episode ends there. Every file descriptor but its
-  channel to the worker is closed, so it cannot answer the pool in the worker's name.
+  is killed with its process, and the episode ends there. So is an episode whose directory
+  grows past its disk budget (checked while its code runs and after each request; one file
+  can never exceed the budget: RLIMIT_FSIZE). Every file descriptor but its channel to the
+  worker is closed, so it cannot answer the pool in the worker's name.
 - an *evaluation process* per evaluation, which scores the world's state that the episode
   process saved with AppWorld's own evaluator (evaluation.py). That state is the agent's to
   forge, so this process is confined too (it reads the task, the data it needs and the saved
@@ -25,6 +27,7 @@ import ctypes
 import fcntl
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -47,11 +50,38 @@ class EvaluationTimeout(Exception):
 
 
 class EpisodeEnded(Exception):
-  """The episode process is gone: killed at its deadline (timed_out), or its code ended it."""
+  """The episode process is gone: killed at its deadline (timed_out), killed because its
+  directory outgrew the disk budget (over_budget), or its code ended it."""
 
-  def __init__(self, message: str, timed_out: bool = False):
+  def __init__(self, message: str, timed_out: bool = False, over_budget: bool = False):
     super().__init__(message)
     self.timed_out = timed_out
+    self.over_budget = over_budget
+
+
+# How often the worker measures an episode's directory while its code runs.
+DISK_CHECK_INTERVAL_S = 0.25
+_BLOCK = 4096  # what an entry costs at least: a flood of empty files fills a disk too
+
+
+def disk_usage(directory: str) -> int:
+  """Bytes that `directory` takes on disk: allocated blocks of every entry beneath it, at
+  least one block each; links are not followed."""
+  total, stack = 0, [directory]
+  while stack:
+    try:
+      entries = list(os.scandir(stack.pop()))
+    except OSError:
+      continue  # removed meanwhile, or not a directory any more
+    for entry in entries:
+      try:
+        st = entry.stat(follow_symlinks=False)
+      except OSError:
+        continue
+      total += max(st.st_blocks * 512, _BLOCK)
+      if stat.S_ISDIR(st.st_mode):
+        stack.append(entry.path)
+  return total
 
 
 def _describe_exit(status: int) -> str:
@@ -125,11 +155,13 @@ def sandbox_read_paths() -> list[str]:
 
 
 class EpisodeProcess:
-  """A forked process that holds one episode's world; `serve` runs in the fork."""
+  """A forked process that holds one episode's world; `serve` runs in the fork.
+  `max_write_bytes`: its disk budget beneath `write_dir` (None: unlimited)."""
 
   def __init__(self, serve: Callable[[Connection], None], *, read_paths: list[str],
-               write_dir: str, confine: bool):
+               write_dir: str, confine: bool, max_write_bytes: int | None = None):
     os.makedirs(write_dir, exist_ok=True)
+    self.write_dir, self.max_write_bytes = write_dir, max_write_bytes
     parent, child = socket.socketpair()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -140,6 +172,11 @@ class EpisodeProcess:
       try:
         parent.close()
         _enter_fork(worker, child.fileno(), read_paths, write_dir, confine)
+        if max_write_bytes is not None:
+          # A write past the budget fails (EFBIG: an OSError the code sees) instead of
+          # killing the process with SIGXFSZ.
+          signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+          resource.setrlimit(resource.RLIMIT_FSIZE, (max_write_bytes, max_write_bytes))
         serve(Connection(child.detach()))
         code = 0
       except BaseException as e:  # noqa: BLE001 - reported on stderr, then exit
@@ -153,18 +190,36 @@ class EpisodeProcess:
     self._status: int | None = None
 
   def call(self, request: dict, timeout: float | None) -> dict:
-    """One request; raises EpisodeEnded when the process is killed at `timeout` or dies."""
+    """One request; raises EpisodeEnded when the process is killed at `timeout`, or over
+    its disk budget (while the request runs or once it is answered), or dies."""
     if self._status is not None:
       raise EpisodeEnded(_describe_exit(self._status))
     try:
       self._conn.send_bytes(json.dumps(request).encode())
-      if not self._conn.poll(timeout):
-        self.kill()
-        raise EpisodeEnded(f"still running {timeout:g} s after it started", timed_out=True)
-      return json.loads(self._conn.recv_bytes())
+      deadline = None if timeout is None else time.monotonic() + timeout
+      while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if self.max_write_bytes is not None:
+          left = DISK_CHECK_INTERVAL_S if left is None else min(left, DISK_CHECK_INTERVAL_S)
+        answered = self._conn.poll(None if left is None else max(left, 0.0))
+        self._check_disk()
+        if answered:
+          return json.loads(self._conn.recv_bytes())
+        if deadline is not None and time.monotonic() >= deadline:
+          self.kill()
+          raise EpisodeEnded(f"still running {timeout:g} s after it started", timed_out=True)
     except (EOFError, OSError, ValueError) as e:
       self.kill()
       raise EpisodeEnded(_describe_exit(self._status)) from e
+
+  def _check_disk(self) -> None:
+    if self.max_write_bytes is None:
+      return
+    used = disk_usage(self.write_dir)
+    if used > self.max_write_bytes:
+      self.kill()
+      raise EpisodeEnded(f"its directory took {used / 2**20:.1f} MB, more than its "
+                         f"{self.max_write_bytes / 2**20:g} MB budget", over_budget=True)
 
   def kill(self) -> None:
     """Kills the process and everything it forked; idempotent."""

@@ -184,6 +184,7 @@ class Worker:
     self.episode: episode_process.EpisodeProcess | None = None
     self.task_id = self.experiment = self.output_directory = None
     self.ended: str | None = None  # the observation of every execution once it has ended
+    self.refused: str | None = None  # why the episode's state will not be scored
     self.task_completed = False
 
   def _end_episode_process(self) -> None:
@@ -199,9 +200,17 @@ class Worker:
       answer = self.episode.call(request, s["timeout_seconds"] + s["kill_grace_s"])
     except episode_process.EpisodeEnded as e:
       self._end_episode_process()
-      why = (f"Execution timed out after {s['timeout_seconds']} seconds; the code was still "
-             f"running {s['kill_grace_s']:g} s later and was stopped with its process"
-             if e.timed_out else f"The code ended its own process ({e})")
+      if e.timed_out:
+        why = (f"Execution timed out after {s['timeout_seconds']} seconds; the code was "
+               f"still running {s['kill_grace_s']:g} s later and was stopped with its process")
+      elif e.over_budget:
+        why = (f"The episode's files took too much disk: {e}; the code was stopped with its "
+               "process")
+        # Its disk is freed now, whatever keep_outputs says; there is no state left to score.
+        shutil.rmtree(self.output_directory, ignore_errors=True)
+        self.refused = f"the episode wrote more than its disk budget ({e})"
+      else:
+        why = f"The code ended its own process ({e})"
       self.ended = f"{FAILED_PREFIX} Traceback:\n{why}. This episode has ended."
       return None
     if not answer["ok"]:
@@ -217,15 +226,17 @@ class Worker:
       raise data_root.AppWorldDataError(
         f"the data of task {task_id} is incomplete (an environment fault, not the agent's): "
         f"missing or unreadable {missing}")
-    self.task_id, self.experiment, self.ended, self.task_completed = (
-      task_id, experiment, None, False)
+    self.task_id, self.experiment, self.ended, self.refused, self.task_completed = (
+      task_id, experiment, None, None, False)
     self.output_directory = os.path.join(path_store.experiment_outputs, experiment, "tasks",
                                          task_id)
     read = [p for p in episode_process.episode_read_paths(self.data, task_id)
             if os.path.exists(p)]
+    s = self.settings
     self.episode = episode_process.EpisodeProcess(
-      Session(self.settings).serve, read_paths=episode_process.sandbox_read_paths() + read,
-      write_dir=self.output_directory, confine=self.settings["sandbox"] != "off")
+      Session(s).serve, read_paths=episode_process.sandbox_read_paths() + read,
+      write_dir=self.output_directory, confine=s["sandbox"] != "off",
+      max_write_bytes=None if s["max_output_mb"] is None else s["max_output_mb"] * 2**20)
     try:
       answer = self.episode.call({"op": "start", "task_id": task_id,
                                   "experiment": experiment}, None)
@@ -265,10 +276,13 @@ class Worker:
     says why it was not scored when the episode's own files are to blame."""
     self._require_episode()
     s = self.settings
-    result = evaluation.evaluate(self.data, self.apps, self.task_id, self.experiment,
-                                 os.path.join(self.output_directory, "dbs"),
-                                 confine=s["sandbox"] != "off",
-                                 timeout=s["evaluation_timeout_s"])
+    if self.refused is not None:
+      result = {"refused": self.refused}
+    else:
+      result = evaluation.evaluate(self.data, self.apps, self.task_id, self.experiment,
+                                   os.path.join(self.output_directory, "dbs"),
+                                   confine=s["sandbox"] != "off",
+                                   timeout=s["evaluation_timeout_s"])
     if "refused" in result:
       return {"success": False, "num_passed": 0, "num_failed": 0, "failed_requirements": [],
               "refused": result["refused"]}
