@@ -3,7 +3,9 @@ r"""Benchmarks the AppWorld environment pool on the mini world; prints JSON.
   python bench/envpool.py [--calls=200] [--repeats=2]
 
 Measures, in one run: gold-solution episodes per second (start, execute, evaluate, close)
-with 1 and 2 workers; the start of a pool of 1 and of --start_workers workers (wall time,
+with 1 and 2 workers; the CPU time of a gold episode through the pool (user and system time
+of the workers and the processes they fork) against the same start, execute and evaluate on
+an in-process AppWorld; the start of a pool of 1 and of --start_workers workers (wall time,
 and CPU time of all its processes: the template's spawn, imports, data check and warm-up
 world, then one fork per worker); and the per-call cost of `execute` through the pool
 against the same call made directly on an in-process AppWorld (in a child process, since
@@ -51,6 +53,33 @@ with AppWorld(task_id=task_id, experiment_name="bench_direct", max_interactions=
 sys.__stdout__.write("DIRECT" + json.dumps(samples))
 """
 
+# CPU seconds (user, system) per gold episode on a direct in-process AppWorld: each task's
+# world opened, its gold solution executed, the world evaluated; after one pass over the
+# tasks that warms the process, as a pool's workers are warm.
+DIRECT_EPISODES = """
+import contextlib, io, json, os, resource, sys
+from appworld import AppWorld
+root, task_ids = sys.argv[1], sys.argv[2:]
+def gold(t):
+    with open(os.path.join(root, "data", "tasks", t, "ground_truth", "solution.py")) as f:
+        return f.read()
+def play(experiment):
+    for t in task_ids:
+        with contextlib.redirect_stdout(io.StringIO()):
+            world = AppWorld(task_id=t, experiment_name=experiment)
+            world.execute(gold(t))
+            world.close()
+            if not world.evaluate(suppress_errors=True).success:
+                raise RuntimeError(t + ": the gold solution failed")
+play("bench_direct_warm")
+before = resource.getrusage(resource.RUSAGE_SELF)
+play("bench_direct")
+after = resource.getrusage(resource.RUSAGE_SELF)
+n = len(task_ids)
+sys.__stdout__.write("DIRECT" + json.dumps([(after.ru_utime - before.ru_utime) / n,
+                                            (after.ru_stime - before.ru_stime) / n]))
+"""
+
 
 def _config(root: str, outputs: str, workers: int, calls: int) -> appworld.EnvPoolConfig:
   return appworld.EnvPoolConfig(num_workers=workers, appworld_root=root, outputs_root=outputs,
@@ -79,6 +108,47 @@ def _episodes_per_second(pool, root: str, task_ids: list[str], repeats: int) -> 
     raise RuntimeError(f"gold episodes failed: {[r for r in results if not r.success]}")
   return {"episodes": len(results), "seconds": round(elapsed, 2),
           "episodes_per_s": round(len(results) / elapsed, 2)}
+
+
+def _workers_cpu() -> tuple[float, float]:
+  """(user, system) CPU seconds of this process's pool templates and their workers, with
+  the episode and evaluation processes the workers have reaped."""
+  tick = os.sysconf("SC_CLK_TCK")
+  stats = {}  # pid -> (parent, user ticks, system ticks) of pool processes
+  for name in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{name}/cmdline", "rb") as f:
+        if b"sage_jax.envs.appworld.worker" not in f.read():
+          continue
+      with open(f"/proc/{name}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    except (OSError, ValueError):
+      continue  # not a process, or gone meanwhile
+    # ppid; utime + cutime; stime + cstime
+    stats[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[13]),
+                        int(fields[12]) + int(fields[14]))
+  templates = {pid for pid, (parent, _, _) in stats.items() if parent == os.getpid()}
+  ours = [v for pid, v in stats.items() if pid in templates or v[0] in templates]
+  return sum(v[1] for v in ours) / tick, sum(v[2] for v in ours) / tick
+
+
+def _episode_cpu(pool, root: str, task_ids: list[str], outputs: str) -> dict:
+  """CPU seconds per gold episode through `pool` (warm: after one pass) and on a direct
+  in-process AppWorld (a child process), user and system time apart."""
+  _episodes_per_second(pool, root, task_ids, 1)
+  before = _workers_cpu()
+  _episodes_per_second(pool, root, task_ids, 1)
+  after = _workers_cpu()
+  pool_user, pool_system = ((a - b) / len(task_ids) for a, b in zip(after, before))
+  done = subprocess.run([sys.executable, "-c", DIRECT_EPISODES, root, *task_ids],
+                        capture_output=True, text=True, check=True,
+                        env=dict(os.environ, APPWORLD_ROOT=outputs))
+  direct_user, direct_system = json.loads(done.stdout.rpartition("DIRECT")[2])
+  pool_s, direct_s = pool_user + pool_system, direct_user + direct_system
+  return {"episodes": len(task_ids),
+          "pool_user_s": round(pool_user, 3), "pool_system_s": round(pool_system, 3),
+          "direct_user_s": round(direct_user, 3), "direct_system_s": round(direct_system, 3),
+          "pool_over_direct": round(pool_s / direct_s, 2)}
 
 
 def _pool_start(root: str, outputs: str, workers: int) -> dict:
@@ -128,6 +198,7 @@ def main(argv) -> None:
         entry["pool_start_s"] = round(started, 2)
         if workers == 1:
           pool_calls = _pool_call_seconds(pool, task_ids[0], _CALLS.value)
+          report["episode_cpu"] = _episode_cpu(pool, root, task_ids, outputs)
       report[f"workers_{workers}"] = entry
     report["speedup_2_vs_1"] = round(report["workers_2"]["episodes_per_s"]
                                      / report["workers_1"]["episodes_per_s"], 2)
