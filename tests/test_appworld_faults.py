@@ -26,8 +26,8 @@ C_LEVEL_HANG = "print(sum(range(10**13)))"
 DISGUISED_ALARM_OFF = ("s = __import__('sig' + 'nal')\ngetattr(s, 'al' + 'arm')(0)\n"
                        "while True:\n    pass")
 STOPPED = "was stopped with its process. This episode has ended."
-# The module's pool's disk budget per episode: a gold episode's files take ~50 KB; the huge
-# print's log ~50 MB.
+# The module's pool's disk budget per episode: a gold episode's files take ~50 KB, and the
+# logs of the 50 MB print below must fit.
 DISK_BUDGET_MB = 96
 
 # code -> what the observation says. Every one is the agent's doing: none kills the worker.
