@@ -64,7 +64,7 @@ DISK_CHECK_INTERVAL_S = 0.25
 _BLOCK = 4096  # what an entry costs at least: a flood of empty files fills a disk too
 
 
-def disk_usage(directory: str) -> int:
+def _disk_usage(directory: str) -> int:
   """Bytes that `directory` takes on disk: allocated blocks of every entry beneath it, at
   least one block each; links are not followed."""
   total, stack = 0, [directory]
@@ -215,7 +215,7 @@ class EpisodeProcess:
   def _check_disk(self) -> None:
     if self.max_write_bytes is None:
       return
-    used = disk_usage(self.write_dir)
+    used = _disk_usage(self.write_dir)
     if used > self.max_write_bytes:
       self.kill()
       raise EpisodeEnded(f"its directory took {used / 2**20:.1f} MB, more than its "
