@@ -210,7 +210,10 @@ def _unchecked(world, tmp_path, lines: list, timeout: float) -> subprocess.Popen
   saved.mkdir(parents=True)
   (outputs / "data").symlink_to(os.path.join(world, "data"))
   (saved / "supervisor.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
-  env = dict(os.environ, APPWORLD_ROOT=str(outputs), SAGE_JAX_TEST_MARKER=str(tmp_path))
+  # The evaluation's scratch directory under the test's own: a killed child leaves it behind.
+  (tmp_path / "tmp").mkdir()
+  env = dict(os.environ, APPWORLD_ROOT=str(outputs), SAGE_JAX_TEST_MARKER=str(tmp_path),
+             TMPDIR=str(tmp_path / "tmp"))
   return subprocess.Popen([sys.executable, "-c", UNCHECKED_EVALUATION, world, task_id,
                            str(saved), str(timeout)], stdout=subprocess.PIPE, text=True,
                           env=env)
