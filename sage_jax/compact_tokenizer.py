@@ -58,8 +58,9 @@ def write_compact_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike,
   """Writes the tokenizer of `source` (default Qwen2.5) cut down to what `texts` use into
   `out_dir` (local or remote); returns the directory."""
   source = pathlib.Path(source or qwen_tokenizer.ensure_qwen25_tokenizer_dir())
-  full = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
-  encoder = tokenizers.Tokenizer.from_file(os.fspath(source / "tokenizer.json"))
+  text = (source / "tokenizer.json").read_text(encoding="utf-8")
+  full = json.loads(text)
+  encoder = tokenizers.Tokenizer.from_str(text)
   used: set[int] = set()
   for text in texts:
     used.update(encoder.encode(text, add_special_tokens=False).ids)
