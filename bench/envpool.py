@@ -133,9 +133,9 @@ def _workers_cpu() -> tuple[float, float]:
 
 
 def _episode_cpu(pool, root: str, task_ids: list[str], outputs: str) -> dict:
-  """CPU seconds per gold episode through `pool` (warm: after one pass) and on a direct
-  in-process AppWorld (a child process), user and system time apart."""
-  _episodes_per_second(pool, root, task_ids, 1)
+  """CPU seconds per gold episode through `pool`, whose workers have played the tasks
+  already (warm), and on a direct in-process AppWorld (a child process, warmed by a pass of
+  its own), user and system time apart."""
   before = _workers_cpu()
   _episodes_per_second(pool, root, task_ids, 1)
   after = _workers_cpu()
