@@ -15,9 +15,9 @@ not depend on the weights' values; where the real checkpoint cannot be brought).
 2. multiturn: a scripted agent conversation of --turns turns; prefilled tokens and wall
    time with cache reuse (`append`) vs re-prefilling the whole history every turn (our
    engine, and tunix, which has no other way), and whether both give the same tokens.
-3. bound: the memory-bandwidth bound of decode, weight bytes read per step over the memory
-   bandwidth (the better of a copy and a read-only stream, probed before every round, since
-   it drifts), against our time per step in that round; and the time of the step's weight
+3. bound: the memory-bandwidth bound of decode, bytes read per step over the read bandwidth
+   (the best read-only stream probed before every round, since it drifts; the copy
+   bandwidth beside it), against our time per step in that round; and the time of the step's weight
    matrix-vector products alone (XLA's kernel, nothing else of the step), against both.
 """
 
@@ -112,8 +112,11 @@ def _median(xs):
 
 class Bandwidth:
   """Memory bandwidth in GB/s over 1 GiB buffers: `copy` (bytes read plus written, as STREAM
-  counts them: numpy's on CPU, an XLA copy in device memory on accelerators) and `read` (an
-  XLA sum: a read-only stream, like the weights of a decode step). Both drift by 30% or more
+  counts them: numpy's on CPU, an XLA copy in device memory on accelerators) and `read` (a
+  read-only stream, as a decode step's weights are: an XLA sum, and on CPU also numpy sums
+  over the host buffer's shares on `threads` threads; the best of them). On CPU a copy counts
+  more bytes than cores can read: its stores bypass the caches, so they do not compete with
+  the reads for each core's outstanding misses (BENCHMARKS.md). Both drift by 30% or more
   within minutes on a shared machine, so the decode benchmark probes them before every
   round."""
 
@@ -132,18 +135,28 @@ class Bandwidth:
   def copy(self, threads: int, repeats: int = 3) -> float:
     if not self.on_host:
       return self._best_gb_s(self.plus_one, 2 * self.device.nbytes, repeats)
+    return self._host_gb_s(lambda a, b: np.copyto(self.dst[a:b], self.src[a:b]),
+                           2 * self.src.nbytes, threads, repeats)
+
+  def read(self, threads: int, repeats: int = 3) -> float:
+    best = self._best_gb_s(self.sum, self.device.nbytes, repeats)
+    if self.on_host:
+      best = max(best, self._host_gb_s(lambda a, b: self.src[a:b].sum(), self.src.nbytes,
+                                       threads, repeats))
+    return best
+
+  def _host_gb_s(self, part, nbytes: int, threads: int, repeats: int) -> float:
+    """The best GB/s of `repeats` passes of `part(start, stop)` over the host buffer's
+    `threads` shares, one thread each (numpy releases the GIL), moving `nbytes` a pass."""
     n = self.src.size
     bounds = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(n), threads)]
     best = 0.0
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
       for _ in range(repeats):
         start = time.perf_counter()
-        list(pool.map(lambda b: np.copyto(self.dst[b[0]:b[1]], self.src[b[0]:b[1]]), bounds))
-        best = max(best, 2 * self.src.nbytes / (time.perf_counter() - start) / 1e9)
+        list(pool.map(lambda b: part(*b), bounds))
+        best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
     return best
-
-  def read(self, repeats: int = 3) -> float:
-    return self._best_gb_s(self.sum, self.device.nbytes, repeats)
 
   def _best_gb_s(self, fn, nbytes: int, repeats: int) -> float:
     """The best GB/s of `repeats` calls of the jitted `fn` on the device buffer, moving
@@ -462,17 +475,18 @@ def cache_bytes_per_sequence(model, length: int) -> int:
 
 
 def bound(decode: list[dict], weight_bytes: int, cache_bytes: int) -> dict:
-  """Per round, the bound (bytes a step reads over the best bandwidth probed just before:
-  copy or read) against our step time and the matrix-vector floor; medians over rounds. A
-  step reads the weights once and each sequence's KV cache."""
+  """Per round, the bound (bytes a step reads over the read bandwidth probed just before)
+  against our step time and the matrix-vector floor; medians over rounds. A step reads the
+  weights once and each sequence's KV cache. `ours_fraction_of_copy_bound` takes the copy
+  bandwidth instead (read plus written bytes; more than a read-only stream reaches on CPU)."""
   result = {"weight_bytes_per_step": weight_bytes, "cache_bytes_per_sequence": cache_bytes}
   for d in decode:
     if "ours" not in d["rounds_tok_s"] or not d["probes"]:
       continue
     step = weight_bytes + d["batch"] * cache_bytes
     ours_ms = [1000 * d["batch"] / t for t in d["rounds_tok_s"]["ours"]]
-    bound_ms = [1000 * step / (1e9 * max(p["copy_gb_s"], p["read_gb_s"]))
-                for p in d["probes"]]
+    bound_ms = [1000 * step / (1e9 * p["read_gb_s"]) for p in d["probes"]]
+    copy_ms = [1000 * step / (1e9 * p["copy_gb_s"]) for p in d["probes"]]
     matvec = [p["matvec_ms"] for p in d["probes"]]
     result[d["batch"]] = {
         "bytes_per_step": step,
@@ -481,6 +495,7 @@ def bound(decode: list[dict], weight_bytes: int, cache_bytes: int) -> dict:
         "ours_fraction_of_bound": _median([b / o for b, o in zip(bound_ms, ours_ms)]),
         "matvec_fraction_of_bound": _median([b / m for b, m in zip(bound_ms, matvec)]),
         "ours_over_matvec": _median([m / o for m, o in zip(matvec, ours_ms)]),
+        "ours_fraction_of_copy_bound": _median([b / o for b, o in zip(copy_ms, ours_ms)]),
     }
   return result
 
@@ -516,7 +531,8 @@ def main(argv):
     report["ours_dtypes"] = {"weights": str(matrices[0].dtype),
                              "compute": ours.model.config.dtype}
     bandwidth, matvec = Bandwidth(), matvec_timer(matrices)
-    probe = lambda: {"copy_gb_s": bandwidth.copy(2), "read_gb_s": bandwidth.read(),
+    cores = len(os.sched_getaffinity(0))
+    probe = lambda: {"copy_gb_s": bandwidth.copy(cores), "read_gb_s": bandwidth.read(cores),
                      "matvec_ms": matvec()}
   prompts = bench_prompts(tok, max(map(int, _BATCHES.value)), _PROMPT_LEN.value)
   report["decode"] = [decode_benchmark(systems, prompts, int(b), probe) for b in _BATCHES.value]
