@@ -82,8 +82,8 @@ def test_a_damaged_cache_is_rebuilt_to_the_same_bytes(mini_root, rebuilt):  # no
       "-m", "sage_jax.envs.appworld.build_mini", "--out=/w"]  # the README's command
   assert returned == damaged
   assert [m for m in warnings if "damaged" in m] == [
-      f"The cached mini AppWorld at {damaged} is damaged (its files differ from the digest "
-      "stored when it was built): rebuilding it."]
+      f"The cached mini AppWorld at {damaged} is damaged (its files or directories differ from "
+      "the digest stored when it was built): rebuilding it."]
   assert mini_world.damage(damaged) is None
   _assert_same_files(damaged, mini_root)
   with open(os.path.join(mini_root, mini_world.DIGEST)) as f:
@@ -141,6 +141,10 @@ def test_cache_is_read_only_and_checked_against_its_digest(mini_root, tmp_path):
   with open(os.path.join(copy, "experiments", "outputs", "x", "log.txt"), "w") as f:
     f.write("")
   assert "differ" in mini_world.damage(copy)
+  os.remove(os.path.join(copy, "experiments", "outputs", "x", "log.txt"))
+  assert "differ" in mini_world.damage(copy)  # the directories a writer left behind
+  shutil.rmtree(os.path.join(copy, "experiments"))
+  assert mini_world.damage(copy) is None
   os.remove(os.path.join(copy, mini_world.DIGEST))
   assert mini_world.damage(copy) == "no stored digest"
 

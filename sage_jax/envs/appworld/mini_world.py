@@ -35,20 +35,23 @@ def mini_world_root() -> str:
 
 
 def data_digest(root: str) -> str:
-  """SHA-256 over the relative path and bytes of every file under `root` but DIGEST."""
+  """SHA-256 over what `root` holds but DIGEST: the relative path of every directory, and
+  the relative path and bytes of every file (so an emptied directory that a writer left
+  behind differs too)."""
+  entries = []
+  for d, dirs, files in os.walk(root):
+    entries += [(os.path.relpath(os.path.join(d, name), root), None) for name in dirs]
+    entries += [(os.path.relpath(os.path.join(d, name), root), os.path.join(d, name))
+                for name in files]
   digest = hashlib.sha256()
-  for path in sorted(_files(root)):
-    relative = os.path.relpath(path, root)
-    if relative == DIGEST:
-      continue
-    digest.update(relative.encode() + b"\0")
-    with open(path, "rb") as f:
-      digest.update(hashlib.sha256(f.read()).digest())
+  for relative, path in sorted(entries):
+    if path is None:
+      digest.update(relative.encode() + b"/\0")
+    elif relative != DIGEST:
+      digest.update(relative.encode() + b"\0")
+      with open(path, "rb") as f:
+        digest.update(hashlib.sha256(f.read()).digest())
   return digest.hexdigest()
-
-
-def _files(root: str) -> list[str]:
-  return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
 
 
 def damage(root: str) -> str | None:
@@ -61,7 +64,7 @@ def damage(root: str) -> str | None:
   except FileNotFoundError:
     return "no stored digest"
   if data_digest(root) != stored:
-    return "its files differ from the digest stored when it was built"
+    return "its files or directories differ from the digest stored when it was built"
   return None
 
 
