@@ -149,6 +149,22 @@ def test_cache_is_read_only_and_checked_against_its_digest(mini_root, tmp_path):
   assert mini_world.damage(copy) == "no stored digest"
 
 
+def test_a_world_moved_away_while_it_is_read_is_damaged_not_an_error(mini_root, tmp_path,
+                                                                     monkeypatch):  # noqa: F811
+  """Two processes that find the cache damaged at once: one moves it aside while the other is
+  still reading it. The reader gets a reason to rebuild, not a FileNotFoundError."""
+  copy = str(tmp_path / "copy")
+  shutil.copytree(mini_root, copy)
+  walk = os.walk
+
+  def walk_then_move_away(top):
+    yield from walk(top)
+    shutil.move(copy, str(tmp_path / "aside"))
+
+  monkeypatch.setattr(mini_world.os, "walk", walk_then_move_away)
+  assert "went away while it was read" in mini_world.damage(copy)
+
+
 def test_appworld_layout(mini_root):  # noqa: F811
   data = os.path.join(mini_root, "data")
   apps = {f.removesuffix(".db") for f in os.listdir(os.path.join(data, "base_dbs"))}

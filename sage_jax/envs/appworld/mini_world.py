@@ -63,7 +63,11 @@ def damage(root: str) -> str | None:
       stored = f.read().strip()
   except FileNotFoundError:
     return "no stored digest"
-  if data_digest(root) != stored:
+  try:
+    digest = data_digest(root)
+  except FileNotFoundError as e:  # another process moved a damaged world aside meanwhile
+    return f"{e.filename} went away while it was read"
+  if digest != stored:
     return "its files or directories differ from the digest stored when it was built"
   return None
 
