@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import pathlib
@@ -42,28 +43,51 @@ def cache_root() -> pathlib.Path:
   return pathlib.Path(os.environ.get("SAGE_JAX_CACHE") or "~/.cache/sage_jax").expanduser()
 
 
+@contextlib.contextmanager
+def build_lock(path: str | os.PathLike) -> Iterator[None]:
+  """Holds an exclusive lock on the file `path` (created if absent) for the with-block, so
+  that processes about to build the same cache entry (test workers, the processes of a run
+  on one host) wait for the first instead of each building it. Where the filesystem has no
+  locks it holds nothing: the builds then race, harmlessly (see `cached_path`)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    with contextlib.suppress(OSError):
+      fcntl.flock(f, fcntl.LOCK_EX)
+    yield
+
+
+def lock_path(relpath: str) -> pathlib.Path:
+  """The lock file of the cache entry `relpath`: under `.locks/` of the cache root, so the
+  entries' own directories hold only what was built."""
+  return cache_root() / ".locks" / f"{relpath}.lock"
+
+
 def cached_path(relpath: str, build: Callable[[pathlib.Path], None]) -> pathlib.Path:
   """Returns `cache_root() / relpath`, calling `build` first if it is absent.
 
   `build(path)` writes a file or a directory at `path`, inside a temporary directory next to
   the destination; it is then renamed into place, so the destination only ever exists
-  complete. Concurrent builders race harmlessly: the first rename wins.
+  complete. Builders of one entry wait for each other (`build_lock`); where they cannot,
+  they race harmlessly: the first rename wins.
   """
   final = cache_root() / relpath
   if final.exists():
     return final
-  final.parent.mkdir(parents=True, exist_ok=True)
-  tmp_dir = tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent)
-  try:
-    tmp = pathlib.Path(tmp_dir) / final.name
-    build(tmp)
+  with build_lock(lock_path(relpath)):
+    if final.exists():  # built while this process waited
+      return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent)
     try:
-      os.rename(tmp, final)
-    except OSError:
-      if not final.exists():  # Not a lost race: a real failure.
-        raise
-  finally:
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+      tmp = pathlib.Path(tmp_dir) / final.name
+      build(tmp)
+      try:
+        os.rename(tmp, final)
+      except OSError:
+        if not final.exists():  # Not a lost race: a real failure.
+          raise
+    finally:
+      shutil.rmtree(tmp_dir, ignore_errors=True)
   return final
 
 

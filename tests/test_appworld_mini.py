@@ -6,9 +6,13 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
+from sage_jax import assets
 from sage_jax.envs import appworld
 from sage_jax.envs.appworld import mini_world
 from sage_jax.envs.appworld.mini import content
@@ -147,6 +151,34 @@ def test_cache_is_read_only_and_checked_against_its_digest(mini_root, tmp_path):
   assert mini_world.damage(copy) is None
   os.remove(os.path.join(copy, mini_world.DIGEST))
   assert mini_world.damage(copy) == "no stored digest"
+
+
+# A process that would build the mini world fails instead (its build command exits 3), then
+# prints the root that ensure_mini_world() returned.
+NO_BUILD = """
+import sys
+from sage_jax.envs.appworld import mini_world
+mini_world.build_command = lambda out: [sys.executable, "-c", "raise SystemExit(3)"]
+print(mini_world.ensure_mini_world())
+"""
+
+
+def test_a_process_that_finds_no_world_waits_for_the_one_building_it(mini_root, tmp_path):  # noqa: F811
+  """While one process holds the build lock (it is building), another that finds no world
+  waits for it and then returns the world it built, instead of building one more."""
+  cache = tmp_path / "cache"
+  env = {**os.environ, "SAGE_JAX_CACHE": str(cache)}
+  lock = cache / ".locks" / "appworld_mini" / f"{mini_world.BUILDER_VERSION}.lock"
+  with assets.build_lock(lock):
+    waiting = subprocess.Popen([sys.executable, "-c", NO_BUILD], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(3)  # it finds no world and waits on the lock
+    assert waiting.poll() is None
+    built = cache / "appworld_mini" / mini_world.BUILDER_VERSION
+    shutil.copytree(mini_root, built)  # what the holder's build puts in place
+  out, err = waiting.communicate(timeout=120)
+  assert waiting.returncode == 0, err[-3000:]
+  assert out.strip() == str(built)
 
 
 def test_a_world_moved_away_while_it_is_read_is_damaged_not_an_error(mini_root, tmp_path,

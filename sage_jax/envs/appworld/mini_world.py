@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from sage_jax import assets
+
 # Bump whenever the builder's output changes; it keys the cache.
 BUILDER_VERSION = "2"
 DEFAULT_SEED = 0
@@ -96,40 +98,45 @@ def ensure_mini_world() -> str:
   """Builds the mini world into the cache unless an intact one is there; returns its root.
 
   The build goes to a fresh temporary directory that is digested, made read-only and
-  renamed into place, so a reader never sees a half-built world; when two processes build
-  at once, the first rename wins and the other build is discarded. A damaged cached world
-  is moved aside, rebuilt and then removed.
+  renamed into place, so a reader never sees a half-built world. Processes that find no
+  intact world wait for one another (`assets.build_lock`), so one builds and the others
+  find its world; where the filesystem has no locks, they build at once and the first
+  rename wins. A damaged cached world is moved aside, rebuilt and then removed.
   """
   root = mini_world_root()
+  if os.path.exists(root) and damage(root) is None:
+    return root
   parent = os.path.dirname(root)
-  if os.path.exists(root):
-    problem = damage(root)
-    if problem is None:
-      return root
-    logging.warning("The cached mini AppWorld at %s is damaged (%s): rebuilding it.", root,
-                    problem)
-    aside = tempfile.mkdtemp(dir=parent, prefix=f".{BUILDER_VERSION}-damaged-")
+  with assets.build_lock(os.path.join(cache_root(), ".locks", "appworld_mini",
+                                      f"{BUILDER_VERSION}.lock")):
+    if os.path.exists(root):
+      problem = damage(root)
+      if problem is None:  # built, or rebuilt, while this process waited
+        return root
+      logging.warning("The cached mini AppWorld at %s is damaged (%s): rebuilding it.", root,
+                      problem)
+      aside = tempfile.mkdtemp(dir=parent, prefix=f".{BUILDER_VERSION}-damaged-")
+      try:
+        os.rename(root, os.path.join(aside, "world"))
+      except FileNotFoundError:  # another process moved it first
+        pass
+      _remove(aside)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=f".{BUILDER_VERSION}-building-")
     try:
-      os.rename(root, os.path.join(aside, "world"))
-    except FileNotFoundError:  # another process moved it first
-      pass
-    _remove(aside)
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(dir=parent, prefix=f".{BUILDER_VERSION}-building-")
-  try:
-    command = build_command(staging)
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-      raise RuntimeError(f"Building the mini AppWorld failed ({' '.join(command)}):\n"
-                         + (done.stdout + done.stderr)[-4000:])
-    with open(os.path.join(staging, DIGEST), "w") as f:
-      f.write(data_digest(staging) + "\n")
-    _make_read_only(staging)
-    try:
-      os.rename(staging, root)
-    except OSError:
-      if not os.path.exists(os.path.join(root, MANIFEST)):
-        raise
-  finally:
-    _remove(staging)
+      command = build_command(staging)
+      done = subprocess.run(command, capture_output=True, text=True)
+      if done.returncode != 0:
+        raise RuntimeError(f"Building the mini AppWorld failed ({' '.join(command)}):\n"
+                           + (done.stdout + done.stderr)[-4000:])
+      with open(os.path.join(staging, DIGEST), "w") as f:
+        f.write(data_digest(staging) + "\n")
+      _make_read_only(staging)
+      try:
+        os.rename(staging, root)
+      except OSError:
+        if not os.path.exists(os.path.join(root, MANIFEST)):
+          raise
+    finally:
+      _remove(staging)
   return root
