@@ -23,7 +23,7 @@ from sage_jax import assets
 BUILDER_VERSION = "2"
 DEFAULT_SEED = 0
 MANIFEST = "mini_world.json"  # written last by the builder: its presence marks a full build
-DIGEST = "data.sha256"  # digest of every other file, written when the build is cached
+DIGEST = "data.sha256"  # digest of every other file and directory, written at caching
 
 
 def cache_root() -> str:
