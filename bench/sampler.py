@@ -17,8 +17,9 @@ not depend on the weights' values; where the real checkpoint cannot be brought).
    engine, and tunix, which has no other way), and whether both give the same tokens.
 3. bound: the memory-bandwidth bound of decode, bytes read per step over the read bandwidth
    (the best read-only stream probed before every round, since it drifts; the copy
-   bandwidth beside it), against our time per step in that round; and the time of the step's weight
-   matrix-vector products alone (XLA's kernel, nothing else of the step), against both.
+   bandwidth beside it), against our time per step in that round; and the time of the
+   step's weight matrix-vector products alone (XLA's kernel, nothing else of the step),
+   against both.
 """
 
 from __future__ import annotations

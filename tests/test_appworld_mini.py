@@ -163,7 +163,8 @@ print(mini_world.ensure_mini_world())
 """
 
 
-def test_a_process_that_finds_no_world_waits_for_the_one_building_it(mini_root, tmp_path):  # noqa: F811
+def test_a_process_that_finds_no_world_waits_for_the_one_building_it(
+    mini_root, tmp_path):  # noqa: F811
   """While one process holds the build lock (it is building), another that finds no world
   waits for it and then returns the world it built, instead of building one more."""
   cache = tmp_path / "cache"

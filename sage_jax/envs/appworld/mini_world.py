@@ -22,18 +22,14 @@ from sage_jax import assets
 # Bump whenever the builder's output changes; it keys the cache.
 BUILDER_VERSION = "2"
 DEFAULT_SEED = 0
+MINI_WORLD_ENTRY = f"appworld_mini/{BUILDER_VERSION}"  # its place under the cache root
 MANIFEST = "mini_world.json"  # written last by the builder: its presence marks a full build
 DIGEST = "data.sha256"  # digest of every other file and directory, written at caching
 
 
-def cache_root() -> str:
-  return os.environ.get("SAGE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
-                                                       "sage_jax"))
-
-
 def mini_world_root() -> str:
   """The APPWORLD_ROOT of the cached mini world (it may not be built yet)."""
-  return os.path.join(cache_root(), "appworld_mini", BUILDER_VERSION)
+  return str(assets.cache_root() / MINI_WORLD_ENTRY)
 
 
 def data_digest(root: str) -> str:
@@ -107,8 +103,7 @@ def ensure_mini_world() -> str:
   if os.path.exists(root) and damage(root) is None:
     return root
   parent = os.path.dirname(root)
-  with assets.build_lock(os.path.join(cache_root(), ".locks", "appworld_mini",
-                                      f"{BUILDER_VERSION}.lock")):
+  with assets.build_lock(assets.lock_path(MINI_WORLD_ENTRY)):
     if os.path.exists(root):
       problem = damage(root)
       if problem is None:  # built, or rebuilt, while this process waited
