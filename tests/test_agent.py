@@ -69,6 +69,40 @@ def test_analyze_finds_functions_calls_imports():
   assert not broken.syntax_ok and "SyntaxError" in broken.error and broken.functions == ()
 
 
+def test_analyze_finds_functions_nested_in_top_level_statements():
+  """Definitions inside a top-level if/for/while/with/try/match are module functions (the
+  worker traces them); those inside functions or classes are not. A compound statement's
+  header rebinds names (`for LIMIT in ...`), its blocks' statements bind in order."""
+  code_ = ("with open('x') as handle:\n"
+           "    @decorate\n"
+           "    def a(x):\n"
+           "        return x\n"
+           "for LIMIT in range(3):\n"
+           "    while True:\n"
+           "        def b(): return LIMIT\n"
+           "        break\n"
+           "match LIMIT:\n"
+           "    case {'k': PAGE, **rest}:\n"
+           "        def c(): pass\n"
+           "class K:\n"
+           "    def method(self): pass\n"
+           "def outer():\n"
+           "    def inner(): pass\n"
+           "if (PAGE := 3) > 1:\n"
+           "    import re as regex\n"
+           "    PAGE = 4\n")
+  a = skills.analyze(code_)
+  assert [(f.name, f.line) for f in a.functions] == [("a", 2), ("b", 7), ("c", 11),
+                                                      ("outer", 14)]
+  assert a.functions[0].source == "@decorate\ndef a(x):\n    return x"
+  assert a.functions[1].source == "def b(): return LIMIT"
+  assert a.imports == ()  # not at top level: carried only where a skill reads it
+  bound = [(name, b.kind) for name, b in a.bindings]
+  assert bound == [("handle", ""), ("a", ""), ("LIMIT", ""), ("b", ""), ("PAGE", ""),
+                   ("rest", ""), ("c", ""), ("K", ""), ("outer", ""), ("PAGE", ""),
+                   ("regex", "import"), ("PAGE", "constant")]
+
+
 def test_mentioned_is_static_reachability_only():
   """Without the worker's call records nothing counts as run: only the static diagnostic."""
   library = {"count_songs": {"login", "len"}, "login": set(), "unused": set()}

@@ -253,6 +253,44 @@ def test_a_skill_reads_the_constants_of_its_task_where_it_is_installed(pool):
   assert tracker.events().used == ("first_items", "limit")
 
 
+def test_a_skill_written_inside_try_or_if_is_generated_and_runs_where_installed(pool):
+  """Code that wraps its work in `try/except` (or an `if`) still defines its functions in the
+  module's scope: the one that ran is generated and saved, dedented with the import and the
+  constant of its block (a multi-line string keeps its text), and runs in another world; the
+  one in the branch that never ran is not."""
+  code = ("try:\n"
+          "    import json\n"
+          "    SEPARATOR = ' | '\n"
+          "    def join_titles(titles):\n"
+          '        header = """titles:\n'
+          '      """\n'  # six spaces inside the string: a plain dedent would cut four
+          "        return header + json.dumps(SEPARATOR.join(titles))\n"
+          "\n"
+          "    print(join_titles(['a', 'b']))\n"
+          "except Exception as error:\n"
+          "    print('failed', error)\n"
+          "if False:\n"
+          "    def never():\n"
+          "        return 0\n")
+  outputs = []
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [code], outputs=outputs)
+  assert outputs[0].strip() == 'titles:\n      "a | b"'
+  e = tracker.events()
+  assert e.generated == ("join_titles",) and e.failed_definitions == ("never",)
+  assert tracker.saved_functions()["join_titles"].code == (
+      "import json\nSEPARATOR = ' | '\ndef join_titles(titles):\n"
+      '    header = """titles:\n      """\n'
+      "    return header + json.dumps(SEPARATOR.join(titles))\n")
+  library = SkillLibrary()
+  library.save(tracker.saved_functions(), scenario=SCENARIO, task_id=f"{SCENARIO}_1",
+               instruction="")
+  outputs = []
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_2", ['print(join_titles(["c"]))\n'],
+                          install_code(library.skills(SCENARIO)), outputs)
+  assert outputs[0].strip() == 'titles:\n      "c"'
+  assert tracker.events().used == ("join_titles",)
+
+
 _SAME_OUTPUT_SCRIPT = r"""
 import json, os, sys
 from sage_jax.envs.appworld.worker import _outputs_root

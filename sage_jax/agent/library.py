@@ -1,8 +1,9 @@
 """The skill library: per rollout (or per evaluation run), keyed by scenario.
 
-A skill is a saved top-level function: its code (with the imports and literal constants it
-reads from the task that defined it), signature, docstring, the task that last saved it, the
-skills it calls, and usage statistics. Saving a function under an existing name of the
+A skill is a saved module-scope function (dedented when the task defined it inside an `if` or
+a `try`): its code (with the imports and literal constants it reads from the task that
+defined it), signature, docstring, the task that last saved it, the skills it calls, and
+usage statistics. Saving a function under an existing name of the
 scenario replaces it (an update) and keeps its statistics.
 """
 

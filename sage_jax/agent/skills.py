@@ -1,7 +1,8 @@
 """Skill events of a task episode, from what its code did when it ran.
 
-The AppWorld worker records, for every executed block, which top-level functions of the
-task's blocks and of the installed library were called and whether each call returned or
+The AppWorld worker records, for every executed block, which module-scope functions of the
+task's blocks (defined at top level, or inside a top-level `if`, `for`, `while`, `with`, `try`
+or `match`) and of the installed library were called and whether each call returned or
 raised (`envs.appworld.calltrace`; a call that returned inside a call that raised does not
 count as returned). From those records (per task episode; "library skills" are those the
 task was shown and had installed):
@@ -32,12 +33,17 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from collections.abc import Iterable, Mapping
+import io
+import tokenize
+from collections.abc import Iterable, Iterator, Mapping
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 @dataclasses.dataclass(frozen=True)
 class FunctionInfo:
-  """A top-level function definition of a code block."""
+  """A function a code block defines in module scope (where the worker traces its calls)."""
 
   name: str
   source: str  # the definition's source, decorators included
@@ -47,7 +53,7 @@ class FunctionInfo:
   imports: tuple[str, ...] = ()  # top-level imports of its block (they travel with it)
   line: int = 0  # its first line in the block (decorators included)
   reads: frozenset[str] = frozenset()  # global names it reads (not its own locals)
-  # Top-level constants it reads (`LIMIT = 20`: literal values only; a value computed by
+  # Module constants it reads (`LIMIT = 20`: literal values only; a value computed by
   # code, e.g. an API call, is not run again elsewhere), as the task had bound them.
   constants: tuple[str, ...] = ()
 
@@ -61,7 +67,7 @@ class FunctionInfo:
 class CodeAnalysis:
   syntax_ok: bool
   error: str | None
-  functions: tuple[FunctionInfo, ...]  # top-level definitions, in order
+  functions: tuple[FunctionInfo, ...]  # module-scope definitions, in source order
   top_level_calls: frozenset[str]  # names called outside function bodies
   imports: tuple[str, ...]
   bindings: tuple[tuple[str, Binding], ...] = ()  # see `top_level_bindings`
@@ -100,20 +106,49 @@ def _global_reads(node: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str
   return frozenset(loaded - (local - declared))
 
 
+def _module_scope(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+  """The statements of `body` that run in the module's scope, in source order: each one,
+  then for a compound statement (if, for, while, with, try, match) those of its blocks.
+  Function and class bodies are scopes of their own."""
+  for node in body:
+    yield node
+    if isinstance(node, _SCOPES):
+      continue
+    blocks = [getattr(node, field, []) for field in ("body", "orelse", "finalbody")]
+    blocks += [part.body for part in (*getattr(node, "handlers", ()),
+                                      *getattr(node, "cases", ()))]
+    for block in blocks:
+      yield from _module_scope(block)
+
+
 def _bound_names(node: ast.stmt) -> set[str]:
-  """Names a top-level statement binds in the module (not inside its functions/classes)."""
-  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+  """Names a module-scope statement binds itself: for a compound statement, what its header
+  binds (a `for` target, `with ... as`, `except ... as`, a walrus in a condition, a `match`
+  capture), not the statements of its blocks (`_module_scope` gives those)."""
+  if isinstance(node, _SCOPES):
     return {node.name}
   if isinstance(node, (ast.Import, ast.ImportFrom)):
     return {a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"}
-  names, stack = set(), list(ast.iter_child_nodes(node))
+  names, stack = set(), []
+  for field, value in ast.iter_fields(node):
+    if field in ("body", "orelse", "finalbody"):
+      continue
+    for child in value if isinstance(value, list) else [value]:
+      if isinstance(child, ast.ExceptHandler):
+        names.update([child.name] if child.name else [])
+        stack.extend([child.type] if child.type else [])
+      elif isinstance(child, ast.match_case):
+        stack.extend([child.pattern, child.guard] if child.guard else [child.pattern])
+      elif isinstance(child, ast.AST):
+        stack.append(child)
   while stack:
     n = stack.pop()
-    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-      names.add(n.name)  # e.g. under an `if`; its body binds in its own scope
-      continue
     if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
       names.add(n.id)
+    elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
+      names.add(n.name)
+    elif isinstance(n, ast.MatchMapping) and n.rest:
+      names.add(n.rest)
     stack.extend(ast.iter_child_nodes(n))
   return names
 
@@ -138,15 +173,15 @@ def _literal_constant(node: ast.stmt) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Binding:
-  """How a top-level statement of a task bound a name: `source` is the statement when it is
-  an import or a literal constant (something a saved skill can carry), else None."""
+  """How a module-scope statement of a task bound a name: `source` is the statement when it
+  is an import or a literal constant (something a saved skill can carry), else None."""
 
   source: str | None
   kind: str = ""  # "import" | "constant" | "" (anything else)
 
 
 def top_level_bindings(code: str) -> list[tuple[str, Binding]]:
-  """(name, binding) of each name `code`'s top-level statements bind, in order."""
+  """(name, binding) of each name `code`'s module-scope statements bind, in source order."""
   try:
     return _bindings(ast.parse(code), code)
   except (SyntaxError, ValueError):
@@ -155,15 +190,13 @@ def top_level_bindings(code: str) -> list[tuple[str, Binding]]:
 
 def _bindings(tree: ast.Module, code: str) -> list[tuple[str, Binding]]:
   out = []
-  for node in tree.body:
-    segment = ast.get_source_segment(code, node) or ast.unparse(node)
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-      binding = Binding(segment, "import")
-    elif _literal_constant(node):
-      binding = Binding(segment, "constant")
-    else:
-      binding = Binding(None)
-    out.extend((name, binding) for name in sorted(_bound_names(node)))
+  for node in _module_scope(tree.body):
+    kind = ("import" if isinstance(node, (ast.Import, ast.ImportFrom))
+            else "constant" if _literal_constant(node) else "")
+    # A nested statement's own text: its first line from its column, the rest as written
+    # (continuation lines inside brackets or strings), so it also runs at top level.
+    source = (ast.get_source_segment(code, node) or ast.unparse(node)) if kind else None
+    out.extend((name, Binding(source, kind)) for name in sorted(_bound_names(node)))
   return out
 
 
@@ -176,24 +209,45 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
   return f"{prefix}{node.name}({args})"
 
 
+def _definition_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+  """The definition's source, decorators included, at column 0: one nested in an `if` or a
+  `try` is dedented, except the lines inside its string literals, which keep their text."""
+  first = node.decorator_list[0] if node.decorator_list else node
+  source = "".join(lines[first.lineno - 1:node.end_lineno]).rstrip()
+  width = node.col_offset  # of `def`; its decorators stand in the same column
+  if width:
+    try:
+      inside = set()  # rows (1-based) that continue a multi-line token: string literals
+      for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        inside.update(range(token.start[0] + 1, token.end[0] + 1))
+    except (tokenize.TokenError, SyntaxError):
+      return ast.unparse(node)
+    source = "".join(
+        line if row in inside else line[min(width, len(line) - len(line.lstrip(" \t"))):]
+        for row, line in enumerate(source.splitlines(keepends=True), 1))
+  try:
+    whole = [type(n) for n in ast.parse(source).body] == [type(node)]
+  except (SyntaxError, ValueError):
+    whole = False
+  return source if whole else ast.unparse(node)
+
+
 def analyze(code: str) -> CodeAnalysis:
-  """Top-level functions, top-level calls and imports of `code`; never raises."""
+  """The functions `code` defines in module scope (at top level or in a top-level `if`,
+  `for`, `while`, `with`, `try` or `match`), its top-level calls and imports; never raises."""
   try:
     tree = ast.parse(code)
   except (SyntaxError, ValueError) as e:  # ValueError: null bytes
     return CodeAnalysis(False, f"{type(e).__name__}: {e}", (), frozenset(), ())
   imports = tuple(ast.get_source_segment(code, n) or ast.unparse(n) for n in tree.body
                   if isinstance(n, (ast.Import, ast.ImportFrom)))
+  lines = code.splitlines(keepends=True)
   functions = []
-  for node in tree.body:
+  for node in _module_scope(tree.body):
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
       first = node.decorator_list[0] if node.decorator_list else node
-      lines = code.splitlines(keepends=True)
-      source = "".join(lines[first.lineno - 1:node.end_lineno]).rstrip()
-      if first.col_offset:  # cannot happen at top level, but keep the source valid
-        source = ast.unparse(node)
       functions.append(FunctionInfo(
-          name=node.name, source=source, signature=_signature(node),
+          name=node.name, source=_definition_source(lines, node), signature=_signature(node),
           docstring=ast.get_docstring(node) or "",
           calls=frozenset(_called_names(node.body, skip_defs=False)), imports=imports,
           line=first.lineno, reads=_global_reads(node)))
@@ -256,13 +310,13 @@ class SkillTracker:
   def __init__(self, library: Mapping[str, Iterable[str]] = {}):
     """`library`: name -> names it calls, of every library skill the task can call."""
     self._library = {name: frozenset(calls) for name, calls in library.items()}
-    # (block, line, name) -> (execution order, definition) of every top-level definition
+    # (block, line, name) -> (execution order, definition) of every module-scope definition
     self._definitions: dict[tuple, tuple[tuple[int, int], FunctionInfo]] = {}
     self._ran: set[tuple] = set()  # definitions called successfully
     self._used: set[str] = set()
     self._library_called: set[str] = set()
     self._task_functions: dict[str, FunctionInfo] = {}  # latest text definition (static)
-    # name -> (when, how) the task's executed blocks last bound it at top level
+    # name -> (when, how) the task's executed blocks last bound it in module scope
     self._bindings: dict[str, tuple[tuple[int, int], Binding]] = {}
     self._mentioned: set[str] = set()
     self._blocks = 0

@@ -8,9 +8,10 @@ namespace, same code objects, same output) and costs one cheap check per Python 
 What is recorded, per world:
 - A *block* is one `execute` (the installed skill library is block "library"; the agent's
   blocks are numbered 0, 1, ... in execution order).
-- The functions of a block are the top-level `def`s of the cells IPython ran for it: their
-  code objects are registered when the cell's module code starts. Nested functions, lambdas,
-  comprehensions and class bodies are not recorded.
+- The functions of a block are the `def`s in the module scope of the cells IPython ran for
+  it (at top level, or inside a top-level `if`, `for`, `with`, `try`...: the constants of the
+  cell's module code), registered when that code starts. Functions nested in functions,
+  lambdas, comprehensions and class bodies are not recorded.
 - A call is recorded by code object identity: (defining block, line of the definition in the
   block as given, name) with how many of its calls returned and how many raised. A call
   from code compiled elsewhere (e.g. `exec` of copied source) is not a call of the block's
@@ -46,7 +47,7 @@ def _run_code_frame_code() -> types.CodeType:
 
 
 class _Function:
-  """A registered top-level function: where it was defined and how its calls ended."""
+  """A registered module-scope function: where it was defined and how its calls ended."""
 
   __slots__ = ("code", "block", "line", "name", "returned", "raised", "discarded")
 
