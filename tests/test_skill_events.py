@@ -178,6 +178,35 @@ def test_gaming_attempts_are_not_use(pool, gold):
 
 # --- rewards on whole chains -----------------------------------------------------------------
 
+def test_a_generator_skill_is_used_when_it_runs_to_its_end_or_is_closed(pool):
+  """A generator is one call from its first resume to its end: yielding a value and then
+  failing is not use (the gaming pattern of a swallowed failure, one yield in), and what
+  returned inside it then is discarded; run to its end, or left early by its consumer, it
+  is use; created and never iterated, it is not even a call."""
+  library = block("""
+      def double(x):
+          return 2 * x
+
+      def pages(n, fail_at=None):
+          for i in range(n):
+              if i == fail_at:
+                  raise ValueError(i)
+              yield double(i)
+      """)
+  cases = {
+      "try:\n    print(list(pages(3, fail_at=1)))\nexcept ValueError:\n    print('by hand')\n":
+          ((), ("double", "pages")),
+      "print(list(pages(3)))\n": (("double", "pages"), ()),
+      "for page in pages(5):\n    break\n": (("double", "pages"), ()),
+      "print(next(pages(5)))\n": (("double", "pages"), ()),
+      "kept = pages(2)\n": ((), ()),
+  }
+  for code, (used, failed) in cases.items():
+    tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [code], library)
+    e = tracker.events()
+    assert (e.used, e.failed_uses) == (used, failed), code
+
+
 def test_rewards_pay_only_for_skills_that_ran(pool, gold, mini_root, tok):  # noqa: F811
   first, task2 = gold
   by_hand = task2.replace(SKILL, "copy_note_by_hand")

@@ -20,7 +20,9 @@ task was shown and had installed):
 
 So a define-only block saves nothing, a block whose skill call returned but whose last line
 failed still saves the skill, and a library skill that raised (even inside `try/except`),
-was never reached (`if False: f()`), or was replaced after failing is not used.
+was never reached (`if False: f()`), or was replaced after failing is not used. A generator
+skill returned when it ran to its end or its consumer closed it; one that yielded and then
+raised did not.
 
 Diagnostics only (no reward reads them): `mentioned`, the library skills the executed code
 names in calls reachable from its top level (static analysis of the text);
