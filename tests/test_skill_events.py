@@ -182,7 +182,8 @@ def test_a_generator_skill_is_used_when_it_runs_to_its_end_or_is_closed(pool):
   """A generator is one call from its first resume to its end: yielding a value and then
   failing is not use (the gaming pattern of a swallowed failure, one yield in), and what
   returned inside it then is discarded; run to its end, or left early by its consumer, it
-  is use; created and never iterated, it is not even a call."""
+  is use, unless the call it yielded into raised; created and never iterated, it is not
+  even a call."""
   library = block("""
       def double(x):
           return 2 * x
@@ -200,6 +201,8 @@ def test_a_generator_skill_is_used_when_it_runs_to_its_end_or_is_closed(pool):
       "for page in pages(5):\n    break\n": (("double", "pages"), ()),
       "print(next(pages(5)))\n": (("double", "pages"), ()),
       "kept = pages(2)\n": ((), ()),
+      "def first():\n    value = next(pages(5))\n    raise ValueError(value)\n\n"
+      "try:\n    first()\nexcept ValueError:\n    print('by hand')\n": ((), ("double", "pages")),
   }
   for code, (used, failed) in cases.items():
     tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [code], library)

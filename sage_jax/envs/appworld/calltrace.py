@@ -22,10 +22,12 @@ What is recorded, per world:
   returned inside a call that then raised (e.g. a helper swallowed by `try/except`) counts as
   `discarded`, not `returned`.
 - A generator (or coroutine) is one call from its first resume to its end: a `yield`
-  suspends it and counts nothing. It returned when it ran to its end or its consumer closed
-  it (`break`, `next(g)` then dropped); it raised when an exception other than the close left
-  it, and then what returned inside any of its resumes is discarded. One created and never
-  started, or still suspended when the block ends, counts nothing.
+  suspends it and counts nothing yet. It raised when an exception other than its close left
+  it (what returned inside any of its resumes is then discarded); otherwise it returned, when
+  it ran to its end, when its consumer closed it (`break`, `next(g)` then dropped), or, still
+  suspended, when the block ended. If a recorded call it yielded into raised, it is
+  discarded. One created and never started counts nothing. (CPython 3.13 closes a generator
+  suspended outside `try` without running it: the block's end settles it.)
 - If the executed code replaced or removed the hook, the block's trace is marked incomplete.
 
 Only the worker process imports this module (it inspects IPython, which AppWorld runs).
@@ -41,7 +43,7 @@ from typing import Any
 
 _RETURN_OPS = frozenset(dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST")
                         if name in dis.opmap)
-_YIELD_OP = dis.opmap["YIELD_VALUE"]
+_RESUME_OP = dis.opmap["RESUME"]  # its argument's low bits: 0 at a function's start
 # Where the frame of a generator that never ran stands (3.11+): closing it runs no code.
 _NOT_STARTED_OP = dis.opmap.get("RETURN_GENERATOR")
 _NEW_LOCALS = 0x0002  # inspect.CO_NEWLOCALS: set for functions, not for class bodies
@@ -70,15 +72,43 @@ class _Function:
     return self.returned, self.raised, self.discarded
 
 
-class _Running:
-  """A recorded call in progress: the calls that returned inside it so far (they count once
-  the outermost recorded call around them has returned), and for a generator the exception
-  that last passed through it, with the instruction it passed at."""
+class _Calls:
+  """What returned inside a recorded call (or a generator's resumes) so far, counted once the
+  outermost recorded call around them has returned, and the generators that yielded into it
+  (discarded if it raises)."""
 
-  __slots__ = ("function", "inside", "exception")
+  __slots__ = ("function", "inside", "generators")
 
-  def __init__(self, function: _Function, inside: list[_Function]):
-    self.function, self.inside = function, inside
+  def __init__(self, function: _Function):
+    self.function = function
+    self.inside: list[_Function] = []
+    self.generators: dict[int, _Generator] = {}  # by id: a generator yields many times
+
+  def absorb(self, other: "_Calls") -> None:
+    self.inside += other.inside
+    self.generators.update(other.generators)
+
+
+class _Generator(_Calls):
+  """A started generator of the block, across its resumes; `spoiled` once a recorded call
+  it yielded into has raised."""
+
+  __slots__ = ("spoiled",)
+
+  def __init__(self, function: _Function):
+    super().__init__(function)
+    self.spoiled = False
+
+
+class _Running(_Calls):
+  """A recorded call in progress (for a generator, one resume of `generator`), with the
+  exception that last passed through its frame and the instruction it passed at."""
+
+  __slots__ = ("generator", "exception")
+
+  def __init__(self, function: _Function, generator: _Generator | None):
+    super().__init__(function)
+    self.generator = generator
     self.exception: tuple[int, type] | None = None
 
 
@@ -93,8 +123,7 @@ class CallTracer:
     self._line_offset = 0
     self._touched: dict[int, tuple[int, int, int]] = {}  # id(code) -> counts at block start
     self._stack: list[_Running] = []  # recorded calls in progress, innermost last
-    # Suspended generators of the block: id(frame) -> what returned inside their resumes.
-    self._suspended: dict[int, list[_Function]] = {}
+    self._generators: dict[int, _Generator] = {}  # id(frame) -> the block's started ones
 
   def run(self, execute: Callable[[str], str], code: str, *, library: bool = False
           ) -> tuple[str, dict]:
@@ -108,7 +137,7 @@ class CallTracer:
     # AppWorld strips the code before IPython compiles it: lines shift by the blank lines
     # it removed at the start.
     self._line_offset = code[:len(code) - len(code.lstrip())].count("\n")
-    self._touched, self._stack, self._suspended = {}, [], {}
+    self._touched, self._stack, self._generators = {}, [], {}
     previous = sys.gettrace()
     sys.settrace(self._global)
     try:
@@ -118,6 +147,10 @@ class CallTracer:
       complete = (getattr(hook, "__func__", None) is CallTracer._global
                   and getattr(hook, "__self__", None) is self)
       sys.settrace(previous)
+      self._stack = []
+      for generator in self._generators.values():  # suspended: they did not raise
+        self._settle(generator, "discarded" if generator.spoiled else "returned")
+      self._generators = {}
     return output, {"block": block_id, "complete": complete, "calls": self.calls()}
 
   def calls(self) -> list[dict]:
@@ -139,14 +172,22 @@ class CallTracer:
     code = frame.f_code
     function = self._functions.get(id(code))
     if function is not None and function.code is code:
+      generator = None
       if function.suspendable:
-        if code.co_code[frame.f_lasti] == _NOT_STARTED_OP:
+        op, oparg = code.co_code[frame.f_lasti], code.co_code[frame.f_lasti + 1]
+        if op == _NOT_STARTED_OP:
           return None  # a generator closed before it ever ran
-        inside = self._suspended.pop(id(frame), [])
-      else:
-        inside = []
+        generator = self._generators.get(id(frame))
+        if op == _RESUME_OP and not oparg & 3 and generator is not None:
+          # Its first resume, where a finished generator's frame stood: that one was closed
+          # without running (CPython 3.13), so it did not raise.
+          del self._generators[id(frame)]
+          self._settle(generator, "discarded" if generator.spoiled else "returned")
+          generator = None
+        if generator is None:
+          generator = self._generators[id(frame)] = _Generator(function)
       self._touched.setdefault(id(code), function.counts())  # counts before the block's calls
-      self._stack.append(_Running(function, inside))
+      self._stack.append(_Running(function, generator))
       frame.f_trace_lines = False
       return self._local_for(function)
     if (code.co_name == "<module>" and frame.f_back is not None
@@ -163,32 +204,48 @@ class CallTracer:
         running.exception = (frame.f_lasti, arg[0])
       elif event == "return":
         self._stack.pop()
-        self._ended(running, frame)
+        self._left(running, frame)
       return local
     return local
 
-  def _ended(self, running: _Running, frame: types.FrameType) -> None:
-    """Counts a recorded call that left its frame (returned, raised, or a generator that
-    yielded: suspended, counting nothing yet)."""
-    op = frame.f_code.co_code[frame.f_lasti]
-    returned = op in _RETURN_OPS
-    if running.function.suspendable and op == _YIELD_OP:
-      exception = running.exception
-      if exception is None or exception[0] != frame.f_lasti:
-        self._suspended[id(frame)] = running.inside  # a yield
-        return
-      returned = exception[1] is GeneratorExit  # closed by its consumer, or thrown into
-    if returned:
-      running.inside.append(running.function)
-      if self._stack:
-        self._stack[-1].inside.extend(running.inside)
+  def _left(self, running: _Running, frame: types.FrameType) -> None:
+    """Counts a recorded call that left its frame: it returned, raised, or (a generator)
+    yielded, which suspends it and counts nothing yet."""
+    returned = frame.f_code.co_code[frame.f_lasti] in _RETURN_OPS
+    generator = running.generator
+    if generator is None:
+      self._settle(running, "returned" if returned else "raised")
+      return
+    generator.absorb(running)
+    exception = running.exception
+    if not returned and (exception is None or exception[0] != frame.f_lasti):
+      if self._stack:  # a yield into a recorded call, which may still raise
+        self._stack[-1].generators[id(generator)] = generator
+      return
+    del self._generators[id(frame)]
+    if not returned and exception[1] is not GeneratorExit:
+      self._settle(generator, "raised")
+    else:  # ran to its end, or closed by its consumer
+      self._settle(generator, "discarded" if generator.spoiled else "returned")
+
+  def _settle(self, call: _Calls, outcome: str) -> None:
+    """Counts an ended call: its function and what returned inside it go to the recorded call
+    around it (or are counted at the top); when it raised, or returned inside a call that
+    had raised, they are discarded along with the generators that yielded into it."""
+    if outcome == "returned" and self._stack:
+      self._stack[-1].absorb(call)
+      self._stack[-1].inside.append(call.function)
+      return
+    call.function.returned += outcome == "returned"
+    call.function.raised += outcome == "raised"
+    call.function.discarded += outcome == "discarded"
+    for f in call.inside:
+      if outcome == "returned":
+        f.returned += 1
       else:
-        for f in running.inside:
-          f.returned += 1
-    else:
-      running.function.raised += 1
-      for f in running.inside:
         f.discarded += 1
+    for generator in call.generators.values():
+      generator.spoiled |= outcome != "returned"
 
   def _register(self, module: types.CodeType) -> None:
     for const in module.co_consts:
