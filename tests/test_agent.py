@@ -72,7 +72,9 @@ def test_analyze_finds_functions_calls_imports():
 def test_analyze_finds_functions_nested_in_top_level_statements():
   """Definitions inside a top-level if/for/while/with/try/match are module functions (the
   worker traces them); those inside functions or classes are not. A compound statement's
-  header rebinds names (`for LIMIT in ...`), its blocks' statements bind in order."""
+  header rebinds names (`for LIMIT in ...`), its blocks' statements bind in order; a literal
+  constant counts as one where it runs whenever the block does (top level, `try`, `with`),
+  not in a branch, a loop or a handler."""
   code_ = ("with open('x') as handle:\n"
            "    @decorate\n"
            "    def a(x):\n"
@@ -90,7 +92,13 @@ def test_analyze_finds_functions_nested_in_top_level_statements():
            "    def inner(): pass\n"
            "if (PAGE := 3) > 1:\n"
            "    import re as regex\n"
-           "    PAGE = 4\n")
+           "    PAGE = 4\n"
+           "try:\n"
+           "    LIMIT = 5\n"
+           "except ValueError:\n"
+           "    LIMIT = 6\n"
+           "finally:\n"
+           "    SIZE = 7\n")
   a = skills.analyze(code_)
   assert [(f.name, f.line) for f in a.functions] == [("a", 2), ("b", 7), ("c", 11),
                                                       ("outer", 14)]
@@ -100,7 +108,8 @@ def test_analyze_finds_functions_nested_in_top_level_statements():
   bound = [(name, b.kind) for name, b in a.bindings]
   assert bound == [("handle", ""), ("a", ""), ("LIMIT", ""), ("b", ""), ("PAGE", ""),
                    ("rest", ""), ("c", ""), ("K", ""), ("outer", ""), ("PAGE", ""),
-                   ("regex", "import"), ("PAGE", "constant")]
+                   ("regex", "import"), ("PAGE", ""), ("LIMIT", "constant"), ("LIMIT", ""),
+                   ("SIZE", "constant")]
 
 
 def test_mentioned_is_static_reachability_only():

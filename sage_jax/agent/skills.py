@@ -16,7 +16,9 @@ task was shown and had installed):
   was called successfully; the rollout adds it to the library when the task ends, with the
   imports of its block and what it reads of the task's other imports and literal constants
   (`LIMIT = 20`), as bound by the end of its block, so that it runs as it did where it is
-  installed. A value computed by code (`token = apis...`) is not carried: it would run again.
+  installed. A value computed by code (`token = apis...`) is not carried: it would run again;
+  nor is a constant bound inside an `if`, a loop or an `except` (the text does not say which
+  value the name held).
 
 So a define-only block saves nothing, a block whose skill call returned but whose last line
 failed still saves the skill, and a library skill that raised (even inside `try/except`),
@@ -108,19 +110,24 @@ def _global_reads(node: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str
   return frozenset(loaded - (local - declared))
 
 
-def _module_scope(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-  """The statements of `body` that run in the module's scope, in source order: each one,
-  then for a compound statement (if, for, while, with, try, match) those of its blocks.
-  Function and class bodies are scopes of their own."""
+def _module_scope(body: list[ast.stmt], conditional: bool = False
+                  ) -> Iterator[tuple[ast.stmt, bool]]:
+  """(statement, conditional) of each statement of `body` that runs in the module's scope, in
+  source order: each one, then for a compound statement (if, for, while, with, try, match)
+  those of its blocks. Conditional: inside a block that may run or not, or run many times
+  (if, for, while, match, an `except` handler), where the text does not say what a name holds
+  afterwards; a `with` or `try` body runs whenever its statement does. Function and class
+  bodies are scopes of their own."""
   for node in body:
-    yield node
+    yield node, conditional
     if isinstance(node, _SCOPES):
       continue
-    blocks = [getattr(node, field, []) for field in ("body", "orelse", "finalbody")]
-    blocks += [part.body for part in (*getattr(node, "handlers", ()),
-                                      *getattr(node, "cases", ()))]
-    for block in blocks:
-      yield from _module_scope(block)
+    inner = conditional or not isinstance(node, (ast.With, ast.AsyncWith, ast.Try, ast.TryStar))
+    yield from _module_scope(getattr(node, "body", []), inner)
+    for part in (*getattr(node, "handlers", ()), *getattr(node, "cases", ())):
+      yield from _module_scope(part.body, True)
+    for field in ("orelse", "finalbody"):
+      yield from _module_scope(getattr(node, field, []), inner)
 
 
 def _bound_names(node: ast.stmt) -> set[str]:
@@ -192,9 +199,11 @@ def top_level_bindings(code: str) -> list[tuple[str, Binding]]:
 
 def _bindings(tree: ast.Module, code: str) -> list[tuple[str, Binding]]:
   out = []
-  for node in _module_scope(tree.body):
+  for node, conditional in _module_scope(tree.body):
+    # A constant bound in a branch may not be what the name held: carried, it could run
+    # with another value than the task's. An import binds the same module wherever it ran.
     kind = ("import" if isinstance(node, (ast.Import, ast.ImportFrom))
-            else "constant" if _literal_constant(node) else "")
+            else "constant" if _literal_constant(node) and not conditional else "")
     # A nested statement's own text: its first line from its column, the rest as written
     # (continuation lines inside brackets or strings), so it also runs at top level.
     source = (ast.get_source_segment(code, node) or ast.unparse(node)) if kind else None
@@ -245,7 +254,7 @@ def analyze(code: str) -> CodeAnalysis:
                   if isinstance(n, (ast.Import, ast.ImportFrom)))
   lines = code.splitlines(keepends=True)
   functions = []
-  for node in _module_scope(tree.body):
+  for node, _ in _module_scope(tree.body):
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
       first = node.decorator_list[0] if node.decorator_list else node
       functions.append(FunctionInfo(
