@@ -38,6 +38,8 @@ sys.__stdout__.write("RECORDS" + json.dumps([list(sys.version_info[:2]), records
 """
 
 LIBRARY = """
+import asyncio
+
 def double(x):
     return 2 * x
 
@@ -52,6 +54,12 @@ def swallow():
         double(None + 1)
     except TypeError:
         return 0
+
+async def fetch(x, fail=False):
+    await asyncio.sleep(0)
+    if fail:
+        raise ValueError(x)
+    return double(x)
 """
 
 # block -> (names whose calls returned, names called that never returned)
@@ -68,6 +76,9 @@ BLOCKS = {
     "for _ in range(3):\n    for page in pages(5):\n        break\n": ({"double", "pages"}, set()),
     "print(next(pages(5)))\n": ({"double", "pages"}, set()),
     "kept = pages(2)\n": (set(), set()),
+    "print(asyncio.run(fetch(2)))\n": ({"double", "fetch"}, set()),
+    "try:\n    asyncio.run(fetch(2, fail=True))\nexcept ValueError:\n    pass\n":
+        (set(), {"fetch"}),
     "def first():\n    value = next(pages(5))\n    raise ValueError(value)\n\ntry:\n    first()\n"
     "except ValueError:\n    pass\n": (set(), {"double", "first", "pages"}),
 }
