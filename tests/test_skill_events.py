@@ -16,6 +16,7 @@ from sage_jax.envs import appworld
 from sage_jax.rl import rewards, rollout
 from sage_jax.sft.expert import ReplayPolicy
 from sage_jax.tokenizer import Tokenizer
+from tests import test_calltrace_versions as calltrace_cases
 from tests.appworld_fixtures import gold_solution
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
@@ -178,36 +179,16 @@ def test_gaming_attempts_are_not_use(pool, gold):
 
 # --- rewards on whole chains -----------------------------------------------------------------
 
-def test_a_generator_skill_is_used_when_it_runs_to_its_end_or_is_closed(pool):
-  """A generator is one call from its first resume to its end: yielding a value and then
-  failing is not use (the gaming pattern of a swallowed failure, one yield in), and what
-  returned inside it then is discarded; run to its end, or left early by its consumer, it
-  is use, unless the call it yielded into raised; created and never iterated, it is not
-  even a call."""
-  library = block("""
-      def double(x):
-          return 2 * x
-
-      def pages(n, fail_at=None):
-          for i in range(n):
-              if i == fail_at:
-                  raise ValueError(i)
-              yield double(i)
-      """)
-  cases = {
-      "try:\n    print(list(pages(3, fail_at=1)))\nexcept ValueError:\n    print('by hand')\n":
-          ((), ("double", "pages")),
-      "print(list(pages(3)))\n": (("double", "pages"), ()),
-      "for page in pages(5):\n    break\n": (("double", "pages"), ()),
-      "print(next(pages(5)))\n": (("double", "pages"), ()),
-      "kept = pages(2)\n": ((), ()),
-      "def first():\n    value = next(pages(5))\n    raise ValueError(value)\n\n"
-      "try:\n    first()\nexcept ValueError:\n    print('by hand')\n": ((), ("double", "pages")),
-  }
-  for code, (used, failed) in cases.items():
-    tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [code], library)
+def test_the_worker_records_reach_the_skill_events(pool):
+  """The blocks whose call records `test_calltrace_versions` checks on a bare IPython
+  (generators that yield then raise, or are left early, coroutines, calls that returned
+  inside calls that raised...), run in the AppWorld worker: the library skills whose calls
+  returned are used, those called that never did are failed uses."""
+  library = {f.name for f in analyze(calltrace_cases.LIBRARY).functions}
+  for code, (returned, failed) in calltrace_cases.BLOCKS.items():
+    tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [code], calltrace_cases.LIBRARY)
     e = tracker.events()
-    assert (e.used, e.failed_uses) == (used, failed), code
+    assert (set(e.used), set(e.failed_uses)) == (returned & library, failed & library), code
 
 
 def test_rewards_pay_only_for_skills_that_ran(pool, gold, mini_root, tok):  # noqa: F811
