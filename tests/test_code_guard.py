@@ -44,6 +44,23 @@ print("never called my_skill")
     "eval('1')",
     "t = type(print)._private",
     "from os import _exit",
+    # the builtins, by module or through an allowed module's attribute
+    "import builtins\nbuiltins.exec('x = 1')",
+    "from builtins import getattr as g",
+    "import enum\nenum.bltns.exec('x = 1')",
+    "import typing\nf = typing.types.FunctionType",
+    # attributes set by a name in a string, AppWorld's own helpers
+    "from unittest import mock\nmock.patch('os.sep', '!').start()",
+    "import unittest.mock",
+    "from appworld.common.utils import getter_plus",
+    "from appworld.requester import Requester, set_local_dbs",
+    "import appworld.requester",
+    # code run from text
+    "import typing\ndef f(x: 'print(1)'):\n    pass\n\ntyping.get_type_hints(f)",
+    "import functools\n@functools.singledispatch\ndef f(x):\n    pass",
+    "import yaml\nyaml.unsafe_load('!!python/object/apply:print [1]')",
+    "import yaml\nyaml.load('!!python/object/apply:print [1]', Loader=yaml.Loader)",
+    "from yaml import *",
 ])
 def test_interpreter_reaching_code_is_refused(code):
   assert code_guard.refusal(code) is not None
@@ -56,6 +73,9 @@ def test_interpreter_reaching_code_is_refused(code):
     "import collections\nP = collections.namedtuple('P', 'a b')\nprint(P(1, 2)._asdict())",
     "def f(x):\n    '''Doc.'''\n    return x\n\n\nprint(f.__doc__)",
     "import datetime, json, re\nprint(json.dumps({'t': datetime.date.today().isoformat()}))",
+    "import re\nprint(re.compile('a+').findall('aab'))",
+    "import yaml\nprint(yaml.safe_load('a: 1'), yaml.load('b: 2', Loader=yaml.SafeLoader))",
+    "import typing\ndef f(x: typing.List[int]) -> typing.Optional[str]:\n    return None",
     "def broken(:\n    pass",  # AppWorld reports the syntax error
 ])
 def test_ordinary_code_passes(code):

@@ -11,8 +11,13 @@ observation says "Execution failed" and why, and nothing of it executes.
 What is refused: the names `__import__`, `__builtins__`, `globals`, `locals`, `vars`,
 `eval`, `exec`, `compile`, `breakpoint`; attributes (also in `match` class patterns and
 imported names) that start with an underscore, other than a few everyday ones (`__init__`,
-`__name__`, `__doc__`, namedtuple methods), or that lead to frames, tracing or modules
-(`f_back`, `gi_frame`, `gettrace`, `sys`, `modules`, `attrgetter`, `get_field`, ...); and
+`__name__`, `__doc__`, namedtuple methods), or that lead to frames, tracing, modules or code
+run from text (`f_back`, `gi_frame`, `gettrace`, `sys`, `modules`, `bltns`, `types`,
+`attrgetter`, `get_field`, `get_type_hints`, YAML's unsafe loaders, ...); the modules that
+AppWorld lets code import but that hand it the interpreter (`builtins`: its `exec` and
+`getattr` as attributes; `unittest`: `mock.patch` sets any attribute named by a string;
+`appworld`: its helpers get attributes by name; its solutions' two annotation classes
+excepted) and `from ... import *`; and
 `getattr`/`setattr`/`delattr`/`hasattr` other than called with a literal name that passes
 the same rule. Ordinary task code (API calls, data handling, function definitions) never
 needs any of them.
@@ -33,8 +38,20 @@ FORBIDDEN_ATTRIBUTES = frozenset({
     "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code", "tb_frame", "tb_next",
     # tracing and the module table (os.sys is the sys module)
     "gettrace", "settrace", "setprofile", "getprofile", "sys", "modules",
+    # the builtins and types modules as attributes of allowed ones (enum.bltns, typing.types)
+    "builtins", "bltns", "types", "CodeType", "FunctionType",
     # attribute access by a name chosen at run time
-    "attrgetter", "methodcaller", "get_field"})
+    "attrgetter", "methodcaller", "get_field",
+    # code run from text: string annotations (evaluated by these), YAML's Python tags
+    "get_type_hints", "singledispatch", "singledispatchmethod", "unsafe_load",
+    "unsafe_load_all", "full_load", "full_load_all", "Loader", "FullLoader", "UnsafeLoader",
+    "CLoader", "CFullLoader", "CUnsafeLoader", "Constructor", "FullConstructor",
+    "UnsafeConstructor", "add_constructor", "add_multi_constructor"})
+FORBIDDEN_MODULES = frozenset({"builtins", "unittest", "appworld"})
+# The annotations of AppWorld's own solutions (`def solution(apis: ApiCollection, requester:
+# Requester)`): these two classes, imported by name, and nothing else of the package.
+ALLOWED_FROM_IMPORTS = frozenset({("appworld.collections.apis", "ApiCollection"),
+                                  ("appworld.requester", "Requester")})
 ATTRIBUTE_FUNCTIONS = frozenset({"getattr", "setattr", "delattr", "hasattr"})
 
 
@@ -73,7 +90,17 @@ def refusal(code: str) -> str | None:
         if why := _attribute_refusal(name):
           return why
     elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      if isinstance(node, ast.ImportFrom):
+        modules = [] if all((node.module, a.name) in ALLOWED_FROM_IMPORTS
+                            for a in node.names) else [node.module or ""]
+      else:
+        modules = [alias.name for alias in node.names]
+      for module in modules:
+        if module.split(".")[0] in FORBIDDEN_MODULES:
+          return f"the module {module!r} is not allowed (it reaches the interpreter's internals)"
       for alias in node.names:
+        if alias.name == "*":
+          return "`from ... import *` is not allowed: import the names you use"
         if alias.name in FORBIDDEN_NAMES:
           return f"{alias.name!r} is not allowed (it reaches the interpreter's internals)"
         if why := _attribute_refusal(alias.name.rsplit(".", 1)[-1]):
