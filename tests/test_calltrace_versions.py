@@ -53,6 +53,19 @@ def swallow():
     except TypeError:
         return 0
 
+def guarded(n, fail_at=None):
+    try:
+        for i in range(n):
+            if i == fail_at:
+                raise ValueError(i)
+            yield double(i)
+    finally:
+        pass
+
+def quits():
+    yield double(1)
+    raise GeneratorExit
+
 class Pause:
     def __await__(self):
         yield
@@ -85,7 +98,14 @@ BLOCKS = {
     "for _ in range(3):\n    for page in pages(5):\n        break\n": ({"double", "pages"}, set()),
     "print(next(pages(5)))\n": ({"double", "pages"}, set()),
     "kept = pages(2)\n": (set(), set()),
+    "try:\n    list(guarded(3, fail_at=1))\nexcept ValueError:\n    pass\n":
+        (set(), {"double", "guarded"}),
+    "for page in guarded(5):\n    break\n": ({"double", "guarded"}, set()),
+    "try:\n    list(quits())\nexcept BaseException:\n    pass\n": (set(), {"double", "quits"}),
     "print(drive(fetch(2)))\n": ({"double", "drive", "fetch"}, set()),
+    # (distinct names: in the one shell that runs every block, objects outlive their block)
+    "paused = fetch(1)\npaused.send(None)\n": (set(), {"fetch"}),
+    "closed = fetch(1)\nclosed.send(None)\nclosed.close()\n": (set(), {"fetch"}),
     "try:\n    drive(fetch(2, fail=True))\nexcept ValueError:\n    pass\n":
         (set(), {"drive", "fetch"}),
     "def first():\n    value = next(pages(5))\n    raise ValueError(value)\n\ntry:\n    first()\n"

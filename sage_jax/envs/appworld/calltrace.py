@@ -21,13 +21,15 @@ What is recorded, per world:
   call counts as returned only once every recorded call around it returned too: a skill that
   returned inside a call that then raised (e.g. a helper swallowed by `try/except`) counts as
   `discarded`, not `returned`.
-- A generator (or coroutine) is one call from its first resume to its end: a `yield`
-  suspends it and counts nothing yet. It raised when an exception other than its close left
-  it (what returned inside any of its resumes is then discarded); otherwise it returned, when
-  it ran to its end, when its consumer closed it (`break`, `next(g)` then dropped), or, still
-  suspended, when the block ended. If a recorded call it yielded into raised, it is
-  discarded. One created and never started counts nothing. (CPython 3.13 closes a generator
-  suspended outside `try` without running it: the block's end settles it.)
+- A generator (or coroutine) is one call from its first resume to its end: a `yield` (an
+  `await`) suspends it and counts nothing yet. It raised when an exception left it other than
+  the close its consumer threw in where it was suspended (what returned inside any of its
+  resumes is then discarded); otherwise a generator returned, when it ran to its end, when
+  its consumer closed it (`break`, `next(g)` then dropped), or, still suspended, when the
+  block ended; a coroutine returned only by running to its end. If a recorded call it
+  yielded into raised, it is discarded. One created and never started counts nothing.
+  (CPython 3.13 closes a generator suspended outside `try` without running it: the block's
+  end settles it.)
 - If the executed code replaced or removed the hook, the block's trace is marked incomplete.
 
 Only the worker process imports this module (it inspects IPython, which AppWorld runs).
@@ -44,10 +46,14 @@ from typing import Any
 _RETURN_OPS = frozenset(dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST")
                         if name in dis.opmap)
 _RESUME_OP = dis.opmap["RESUME"]  # its argument's low bits: 0 at a function's start
+# Where a frame stands when it leaves by a yield: the yield (3.11, 3.12) or the resume after
+# it (3.13). An exception can leave from there too; the exception event then says so.
+_SUSPEND_OPS = frozenset({dis.opmap["YIELD_VALUE"], _RESUME_OP})
 # Where the frame of a generator that never ran stands (3.11+): closing it runs no code.
 _NOT_STARTED_OP = dis.opmap.get("RETURN_GENERATOR")
 _NEW_LOCALS = 0x0002  # inspect.CO_NEWLOCALS: set for functions, not for class bodies
-_SUSPENDABLE = 0x0020 | 0x0080 | 0x0200  # inspect.CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR
+_COROUTINE = 0x0080  # inspect.CO_COROUTINE; with CO_GENERATOR and CO_ASYNC_GENERATOR:
+_SUSPENDABLE = 0x0020 | _COROUTINE | 0x0200
 LIBRARY_BLOCK = "library"
 
 
@@ -60,12 +66,13 @@ def _run_code_frame_code() -> types.CodeType:
 class _Function:
   """A registered module-scope function: where it was defined and how its calls ended."""
 
-  __slots__ = ("code", "block", "line", "name", "suspendable", "returned", "raised",
-               "discarded")
+  __slots__ = ("code", "block", "line", "name", "suspendable", "coroutine", "returned",
+               "raised", "discarded")
 
   def __init__(self, code: types.CodeType, block: Any, line: int):
     self.code, self.block, self.line, self.name = code, block, line, code.co_name
     self.suspendable = bool(code.co_flags & _SUSPENDABLE)
+    self.coroutine = bool(code.co_flags & _COROUTINE)
     self.returned = self.raised = self.discarded = 0
 
   def counts(self) -> tuple[int, int, int]:
@@ -101,15 +108,17 @@ class _Generator(_Calls):
 
 
 class _Running(_Calls):
-  """A recorded call in progress (for a generator, one resume of `generator`), with the
-  exception that last passed through its frame and the instruction it passed at."""
+  """A recorded call in progress (for a generator, one resume of `generator`, from the
+  instruction `resumed_at`), with the exception that last passed through its frame and the
+  instruction it passed at, and whether a close was thrown in where it resumed."""
 
-  __slots__ = ("generator", "exception")
+  __slots__ = ("generator", "resumed_at", "exception", "closing")
 
-  def __init__(self, function: _Function, generator: _Generator | None):
+  def __init__(self, function: _Function, generator: _Generator | None, resumed_at: int):
     super().__init__(function)
-    self.generator = generator
+    self.generator, self.resumed_at = generator, resumed_at
     self.exception: tuple[int, type] | None = None
+    self.closing = False
 
 
 class CallTracer:
@@ -149,7 +158,7 @@ class CallTracer:
       sys.settrace(previous)
       self._stack = []
       for generator in self._generators.values():  # suspended: they did not raise
-        self._settle(generator, "discarded" if generator.spoiled else "returned")
+        self._settle(generator, self._abandoned(generator))
       self._generators = {}
     return output, {"block": block_id, "complete": complete, "calls": self.calls()}
 
@@ -182,12 +191,12 @@ class CallTracer:
           # Its first resume, where a finished generator's frame stood: that one was closed
           # without running (CPython 3.13), so it did not raise.
           del self._generators[id(frame)]
-          self._settle(generator, "discarded" if generator.spoiled else "returned")
+          self._settle(generator, self._abandoned(generator))
           generator = None
         if generator is None:
           generator = self._generators[id(frame)] = _Generator(function)
       self._touched.setdefault(id(code), function.counts())  # counts before the block's calls
-      self._stack.append(_Running(function, generator))
+      self._stack.append(_Running(function, generator, frame.f_lasti))
       frame.f_trace_lines = False
       return self._local_for(function)
     if (code.co_name == "<module>" and frame.f_back is not None
@@ -202,6 +211,7 @@ class CallTracer:
       running = self._stack[-1]
       if event == "exception":
         running.exception = (frame.f_lasti, arg[0])
+        running.closing |= arg[0] is GeneratorExit and frame.f_lasti == running.resumed_at
       elif event == "return":
         self._stack.pop()
         self._left(running, frame)
@@ -211,27 +221,38 @@ class CallTracer:
   def _left(self, running: _Running, frame: types.FrameType) -> None:
     """Counts a recorded call that left its frame: it returned, raised, or (a generator)
     yielded, which suspends it and counts nothing yet."""
-    returned = frame.f_code.co_code[frame.f_lasti] in _RETURN_OPS
+    op = frame.f_code.co_code[frame.f_lasti]
     generator = running.generator
     if generator is None:
-      self._settle(running, "returned" if returned else "raised")
+      self._settle(running, "returned" if op in _RETURN_OPS else "raised")
       return
     generator.absorb(running)
     exception = running.exception
-    if not returned and (exception is None or exception[0] != frame.f_lasti):
+    if op in _SUSPEND_OPS and (exception is None or exception[0] != frame.f_lasti):
       if self._stack:  # a yield into a recorded call, which may still raise
         self._stack[-1].generators[id(generator)] = generator
       return
     del self._generators[id(frame)]
-    if not returned and exception[1] is not GeneratorExit:
-      self._settle(generator, "raised")
-    else:  # ran to its end, or closed by its consumer
+    if op in _RETURN_OPS:
       self._settle(generator, "discarded" if generator.spoiled else "returned")
+    elif running.closing and exception[1] is GeneratorExit:  # its consumer closed it
+      self._settle(generator, self._abandoned(generator))
+    else:
+      self._settle(generator, "raised")
+
+  @staticmethod
+  def _abandoned(generator: _Generator) -> str:
+    """The outcome of a generator closed or left suspended: a generator returned what its
+    consumer took; a coroutine never gave its result."""
+    if generator.spoiled:
+      return "discarded"
+    return "unfinished" if generator.function.coroutine else "returned"
 
   def _settle(self, call: _Calls, outcome: str) -> None:
     """Counts an ended call: its function and what returned inside it go to the recorded call
     around it (or are counted at the top); when it raised, or returned inside a call that
-    had raised, they are discarded along with the generators that yielded into it."""
+    had raised, they are discarded along with the generators that yielded into it; an
+    unfinished coroutine counts nothing itself and discards what returned inside it."""
     if outcome == "returned" and self._stack:
       self._stack[-1].absorb(call)
       self._stack[-1].inside.append(call.function)
