@@ -112,6 +112,19 @@ def test_analyze_finds_functions_nested_in_top_level_statements():
                    ("SIZE", "constant")]
 
 
+def test_a_saved_function_carries_the_constants_it_last_ran_with():
+  """A constant rebound in a later block where the function then ran: it is saved with the
+  value it ran with, not the one bound where it was defined."""
+  t = skills.SkillTracker()
+  t.observe("DIVISOR = 0\ndef scaled(x):\n    return x / DIVISOR\n\nscaled(1)\n",
+            skills.BlockTrace(0, (skills.Call(0, 2, "scaled", 0, 1),)))
+  assert t.saved_functions() == {}
+  t.observe("DIVISOR = 4\nprint(scaled(8))\n",
+            skills.BlockTrace(1, (skills.Call(0, 2, "scaled", 1, 0),)))
+  assert t.saved_functions()["scaled"].code == (
+      "DIVISOR = 4\ndef scaled(x):\n    return x / DIVISOR\n")
+
+
 def test_mentioned_is_static_reachability_only():
   """Without the worker's call records nothing counts as run: only the static diagnostic."""
   library = {"count_songs": {"login", "len"}, "login": set(), "unused": set()}

@@ -15,8 +15,8 @@ task was shown and had installed):
 - saved: for each generated or updated name, the last definition (in execution order) that
   was called successfully; the rollout adds it to the library when the task ends, with the
   imports of its block and what it reads of the task's other imports and literal constants
-  (`LIMIT = 20`), as bound by the end of its block, so that it runs as it did where it is
-  installed. A value computed by code (`token = apis...`) is not carried: it would run again;
+  (`LIMIT = 20`), as bound by the end of the last block in which it ran successfully, so that
+  it runs as it did where it is installed. A value computed by code (`token = apis...`) is not carried: it would run again;
   nor is a constant bound inside an `if`, a loop or an `except` (the text does not say which
   value the name held).
 
@@ -323,7 +323,9 @@ class SkillTracker:
     self._library = {name: frozenset(calls) for name, calls in library.items()}
     # (block, line, name) -> (execution order, definition) of every module-scope definition
     self._definitions: dict[tuple, tuple[tuple[int, int], FunctionInfo]] = {}
-    self._ran: set[tuple] = set()  # definitions called successfully
+    # Definitions called successfully, each carrying the task's imports and constants as
+    # bound by the end of the last block in which one of its calls returned.
+    self._ran: dict[tuple, FunctionInfo] = {}
     self._used: set[str] = set()
     self._library_called: set[str] = set()
     self._task_functions: dict[str, FunctionInfo] = {}  # latest text definition (static)
@@ -349,7 +351,7 @@ class SkillTracker:
     for i, (name, binding) in enumerate(analysis.bindings):
       self._bindings[name] = ((order, i), binding)
     for f in analysis.functions:
-      self._definitions[(trace.block, f.line, f.name)] = ((order, f.line), self._carrying(f))
+      self._definitions[(trace.block, f.line, f.name)] = ((order, f.line), f)
     if not trace.complete:
       self._untraced += 1
       return analysis
@@ -359,13 +361,14 @@ class SkillTracker:
           self._library_called.add(call.name)
           if call.returned:
             self._used.add(call.name)
-      elif call.returned and (call.block, call.line, call.name) in self._definitions:
-        self._ran.add((call.block, call.line, call.name))
+      elif call.returned and (key := (call.block, call.line, call.name)) in self._definitions:
+        self._ran[key] = self._carrying(self._definitions[key][1])
     return analysis
 
   def _carrying(self, f: FunctionInfo) -> FunctionInfo:
     """`f` with what it reads of the task's imports and literal constants, as bound by the
-    end of its block: earlier blocks' imports join those of its own block."""
+    end of the block observed last (where it ran): earlier blocks' imports join those of its
+    own block."""
     imports, constants = list(f.imports), []
     for _, binding in sorted((self._bindings[n] for n in f.reads if n in self._bindings),
                              key=lambda item: item[0]):
@@ -395,8 +398,8 @@ class SkillTracker:
     """The definitions to save: each generated or updated name's last definition that was
     called successfully."""
     latest: dict[str, tuple[tuple[int, int], FunctionInfo]] = {}
-    for key in self._ran:
-      order, f = self._definitions[key]
+    for key, f in self._ran.items():
+      order = self._definitions[key][0]
       if f.name not in latest or order > latest[f.name][0]:
         latest[f.name] = (order, f)
     return {name: f for name, (_, f) in sorted(latest.items())}
