@@ -125,6 +125,33 @@ def test_a_saved_function_carries_the_constants_it_last_ran_with():
       "DIVISOR = 4\ndef scaled(x):\n    return x / DIVISOR\n")
 
 
+def test_a_definition_that_cannot_run_where_it_is_installed_is_not_saved():
+  """Its decorator is a task function, its default a computed value, its annotation a task
+  class: installed elsewhere, its `def` would fail (and take the rest of the install block
+  with it). What it reads of builtins and carried imports is fine; a `from __future__`
+  import it carries is left out of the install block, where it could only stand first."""
+  code_ = ("from __future__ import annotations\nimport functools\ntoken = len('ab')\n"
+           "class Row:\n    pass\n\ndef logged(f):\n    return f\n\n"
+           "@logged\ndef decorated(x):\n    return x\n\n"
+           "def defaulted(x=token):\n    return x\n\n"
+           "def annotated() -> Row:\n    return None\n\n"
+           "@functools.lru_cache(maxsize=None)\n"
+           "def cached(x: int = 3, *, y: 'Row' = None) -> list[int]:\n    return [x]\n")
+  t = skills.SkillTracker()
+  t.observe(code_, skills.BlockTrace(0, tuple(
+      skills.Call(0, f.line, f.name, 1, 0) for f in skills.analyze(code_).functions)))
+  e = t.events()
+  assert e.saved == ("cached", "logged")
+  assert e.failed_definitions == ("annotated", "decorated", "defaulted")
+  lib = SkillLibrary()
+  lib.save(t.saved_functions(), scenario="s", task_id="s_1", instruction="")
+  code_ = install_code(lib.skills("s"))
+  assert "__future__" not in code_
+  namespace = {}
+  exec(code_, namespace)  # noqa: S102
+  assert namespace["cached"](4) == [4]
+
+
 def test_mentioned_is_static_reachability_only():
   """Without the worker's call records nothing counts as run: only the static diagnostic."""
   library = {"count_songs": {"login", "len"}, "login": set(), "unused": set()}

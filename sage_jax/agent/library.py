@@ -128,6 +128,16 @@ class _Rename(ast.NodeTransformer):
     return node
 
 
+def _without_future_imports(code: str) -> str:
+  """`code` without its `from __future__` imports, which may only open a block (and which
+  IPython would keep in force for the agent's later blocks)."""
+  tree = ast.parse(code)
+  drop = {row for node in tree.body if isinstance(node, ast.ImportFrom)
+          and node.module == "__future__" for row in range(node.lineno - 1, node.end_lineno)}
+  return "".join(line for row, line in enumerate(code.splitlines(keepends=True))
+                 if row not in drop)
+
+
 def install_code(skills: Iterable[Skill]) -> str | None:
   """One block that defines `skills` in a world; None if there are none.
 
@@ -141,7 +151,7 @@ def install_code(skills: Iterable[Skill]) -> str | None:
     if skill.name in names:
       continue
     names.add(skill.name)
-    code = skill.code.rstrip()
+    code = _without_future_imports(skill.code).rstrip()
     own = _constants(code)
     clashes = {n: f"{n}__{skill.name}" for n, source in own.items()
                if constants.get(n, source) != source}

@@ -10,15 +10,17 @@ task was shown and had installed):
 - used: a library skill, in its library version, that was called and returned without
   raising (directly, through functions the task defined, or inside another library skill).
 - generated: a function, not a library skill, defined in the task and called successfully
-  (a call of that definition returned).
-- updated: a library skill redefined in the task and then called successfully.
+  (a call of that definition returned), in a definition that can be saved (below).
+- updated: a library skill redefined in the task and then called successfully (likewise).
 - saved: for each generated or updated name, the last definition (in execution order) that
   was called successfully; the rollout adds it to the library when the task ends, with the
   imports of its block and what it reads of the task's other imports and literal constants
-  (`LIMIT = 20`), as bound by the end of the last block in which it ran successfully, so that
-  it runs as it did where it is installed. A value computed by code (`token = apis...`) is not carried: it would run again;
-  nor is a constant bound inside an `if`, a loop or an `except` (the text does not say which
-  value the name held).
+  (`LIMIT = 20`), as bound by the end of the last block in which it ran successfully, so
+  that it runs as it did where it is installed. A value computed by code (`token = apis...`)
+  is not carried: it would run again; nor is a constant bound inside an `if`, a loop or an
+  `except` (the text does not say which value the name held). A definition whose decorators,
+  default values or annotations read anything else (a task function or class, a computed
+  value) cannot be saved: its `def` would fail where it is installed.
 
 So a define-only block saves nothing, a block whose skill call returned but whose last line
 failed still saves the skill, and a library skill that raised (even inside `try/except`),
@@ -29,13 +31,14 @@ raised did not.
 Diagnostics only (no reward reads them): `mentioned`, the library skills the executed code
 names in calls reachable from its top level (static analysis of the text);
 `failed_uses`, library skills called that never returned; `failed_definitions`, names the
-task defined but never ran successfully; `untraced_blocks`, blocks whose call records were
-incomplete (their calls are ignored).
+task defined but saved no definition of (none ran successfully, or none can be saved);
+`untraced_blocks`, blocks whose call records were incomplete (their calls are ignored).
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import io
 import tokenize
@@ -43,6 +46,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_BUILTINS = frozenset(dir(builtins))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +64,24 @@ class FunctionInfo:
   # Module constants it reads (`LIMIT = 20`: literal values only; a value computed by
   # code, e.g. an API call, is not run again elsewhere), as the task had bound them.
   constants: tuple[str, ...] = ()
+  # Names the `def` statement itself reads (decorators, default values, annotations): where
+  # it is installed they must already be bound.
+  definition_reads: frozenset[str] = frozenset()
 
   @property
   def code(self) -> str:
     """Source to install it elsewhere: its imports and constants, then the definition."""
     return "\n".join((*self.imports, *self.constants, self.source)) + "\n"
+
+  @property
+  def installable(self) -> bool:
+    """Whether its definition runs where it is installed: what the `def` reads is a builtin
+    or bound by the imports and constants it carries (not a task function or a computed
+    value)."""
+    carried = set(_BUILTINS)
+    for statement in (*self.imports, *self.constants):
+      carried.update(*(_bound_names(n) for n in ast.parse(statement).body))
+    return self.definition_reads <= carried
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +125,18 @@ def _global_reads(node: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str
   for dec in node.decorator_list:  # run where the function is defined, in module scope
     loaded.update(n.id for n in ast.walk(dec) if isinstance(n, ast.Name))
   return frozenset(loaded - (local - declared))
+
+
+def _definition_reads(node: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
+  """Names its decorators, default values and annotations read: the `def` statement
+  evaluates them (annotations too, where the skill is installed without the task's
+  `from __future__ import annotations`, which install code leaves out)."""
+  args = node.args
+  parts = [*node.decorator_list, *args.defaults, *args.kw_defaults, node.returns,
+           *(a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                    args.vararg, args.kwarg) if a is not None)]
+  return frozenset(n.id for part in parts if part is not None for n in ast.walk(part)
+                   if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
 
 
 def _module_scope(body: list[ast.stmt], conditional: bool = False
@@ -261,7 +290,8 @@ def analyze(code: str) -> CodeAnalysis:
           name=node.name, source=_definition_source(lines, node), signature=_signature(node),
           docstring=ast.get_docstring(node) or "",
           calls=frozenset(_called_names(node.body, skip_defs=False)), imports=imports,
-          line=first.lineno, reads=_global_reads(node)))
+          line=first.lineno, reads=_global_reads(node),
+          definition_reads=_definition_reads(node)))
   return CodeAnalysis(True, None, tuple(functions),
                       frozenset(_called_names(tree.body, skip_defs=True)), imports,
                       tuple(_bindings(tree, code)))
@@ -362,7 +392,9 @@ class SkillTracker:
           if call.returned:
             self._used.add(call.name)
       elif call.returned and (key := (call.block, call.line, call.name)) in self._definitions:
-        self._ran[key] = self._carrying(self._definitions[key][1])
+        carried = self._carrying(self._definitions[key][1])
+        if carried.installable:  # else it cannot be saved: its `def` fails elsewhere
+          self._ran[key] = carried
     return analysis
 
   def _carrying(self, f: FunctionInfo) -> FunctionInfo:
