@@ -2,6 +2,7 @@
 prompt, expert rewriting and the episode loop against a fake environment."""
 
 import asyncio
+import dataclasses
 import textwrap
 
 import numpy as np
@@ -246,7 +247,12 @@ def test_library_save_update_and_install():
                    instruction="How many rock songs?")
   assert [s.name for s in saved] == ["count_songs", "login"] and len(lib) == 2
   lib.record_use([lib.get("s1", "count_songs")], success=True)
-  again = lib.save({"count_songs": a.functions[0]}, scenario="s1", task_id="s1_2",
+  same = lib.save({"login": skills.analyze("# the same code\n" + SKILL).functions[1]},
+                  scenario="s1", task_id="s1_2", instruction="How many pop songs?")[0]
+  assert same.version == 1 and same.source_task == "s1_1"  # written again: the same version
+  changed = dataclasses.replace(a.functions[0], source=a.functions[0].source.replace(
+      "== genre", "== genre.lower()"))
+  again = lib.save({"count_songs": changed}, scenario="s1", task_id="s1_2",
                    instruction="How many pop songs?")[0]
   assert again.version == 2 and again.created_by == "s1_1" and again.source_task == "s1_2"
   assert again.uses == 1 and again.successes == 1

@@ -3,8 +3,8 @@
 A skill is a saved module-scope function (dedented when the task defined it inside an `if` or
 a `try`): its code (with the imports and literal constants it reads from the task that
 defined it), signature, docstring, the task that last saved it, the skills it calls, and
-usage statistics. Saving a function under an existing name of the
-scenario replaces it (an update) and keeps its statistics.
+usage statistics. Saving a function under an existing name of the scenario replaces it (an
+update) and keeps its statistics; saving the same code again changes nothing but recency.
 """
 
 from __future__ import annotations
@@ -66,11 +66,18 @@ class SkillLibrary:
 
   def save(self, functions: Mapping[str, FunctionInfo], *, scenario: str, task_id: str,
            instruction: str) -> list[Skill]:
-    """Adds (or replaces) the scenario's skills with `functions`; returns the saved skills."""
+    """Adds (or replaces) the scenario's skills with `functions`; returns the saved skills.
+    A function whose code is the library version's (up to layout and comments) is that
+    version again: it keeps the task that wrote it, so a later task that uses it credits
+    its author, not the task that wrote the same code once more."""
     by_name = self._skills.setdefault(scenario, {})
     saved = []
     for name, f in functions.items():
       old = by_name.pop(name, None)  # re-inserted last: saving order = recency
+      if old is not None and _same_code(old.code, f.code):
+        by_name[name] = old
+        saved.append(old)
+        continue
       skill = Skill(name=name, code=f.code, signature=f.signature, docstring=f.docstring,
                     scenario=scenario, source_task=task_id, source_instruction=instruction,
                     calls=tuple(sorted(f.calls)), version=old.version + 1 if old else 1,
@@ -108,6 +115,13 @@ class SkillLibrary:
   @classmethod
   def from_list(cls, items: Iterable[Mapping]) -> "SkillLibrary":
     return cls(Skill(**{**item, "calls": tuple(item.get("calls", ()))}) for item in items)
+
+
+def _same_code(a: str, b: str) -> bool:
+  try:
+    return ast.dump(ast.parse(a)) == ast.dump(ast.parse(b))
+  except (SyntaxError, ValueError):
+    return a == b
 
 
 def _constants(code: str) -> dict[str, str]:
