@@ -53,8 +53,9 @@ print("never called my_skill")
     "from unittest import mock\nmock.patch('os.sep', '!').start()",
     "import unittest.mock",
     "from appworld.common.utils import getter_plus",
-    "from appworld.requester import Requester, set_local_dbs",
-    "import appworld.requester",
+    "from appworld.common import utils\nutils.import_module_file('x.py')",
+    "from appworld.common import utils\nobjects = utils.gc.get_objects()",
+    "from appworld import requester\nrequester.requests.logging.handlers.pickle.loads(b'')",
     # code run from text
     "import typing\ndef f(x: 'print(1)'):\n    pass\n\ntyping.get_type_hints(f)",
     "import functools\n@functools.singledispatch\ndef f(x):\n    pass",
@@ -76,6 +77,10 @@ def test_interpreter_reaching_code_is_refused(code):
     "import re\nprint(re.compile('a+').findall('aab'))",
     "import yaml\nprint(yaml.safe_load('a: 1'), yaml.load('b: 2', Loader=yaml.SafeLoader))",
     "import typing\ndef f(x: typing.List[int]) -> typing.Optional[str]:\n    return None",
+    # what AppWorld's own solutions and agents import of it
+    "from appworld.collections.apis import ApiCollection\nfrom appworld.requester import "
+    "Requester\nfrom appworld.common.datetime import VanillaDateTime as DateTime, pendulum\n"
+    "from appworld.common.utils import find_all_from_pages, find_one, list_of, set_of",
     "def broken(:\n    pass",  # AppWorld reports the syntax error
 ])
 def test_ordinary_code_passes(code):
