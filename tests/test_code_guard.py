@@ -3,6 +3,10 @@ the call records the skill rewards read) and lets ordinary task code through: ev
 solution of the mini world in both of its forms, and through a pool, the forgery of a
 skill use is refused before it runs."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from sage_jax.agent import gold_solutions
@@ -85,6 +89,61 @@ def test_interpreter_reaching_code_is_refused(code):
 ])
 def test_ordinary_code_passes(code):
   assert code_guard.refusal(code) is None
+
+
+# Walks the attributes that the modules agent code may import reach (AppWorld's allowed
+# modules, and the parts of appworld its solutions and agents import), a few steps deep,
+# through modules and classes, skipping the attributes the guard refuses; prints what it
+# found of the interpreter's internals. Runs apart: the test process does not import appworld.
+WALK = r"""
+import builtins, collections, gc, importlib, inspect, json, logging.config, sys, types
+from appworld.common.safety_guard import ALLOWED_MODULE_NAMES
+from sage_jax.envs.appworld import code_guard
+internal_modules = {"builtins", "sys", "gc", "inspect", "importlib", "types", "ctypes", "code",
+                    "codeop", "runpy", "marshal", "unittest", "_thread", "threading",
+                    "subprocess", "pickle", "copyreg", "dill", "pkgutil", "zipimport", "asyncio"}
+internal = {id(getattr(builtins, n)): n for n in (
+    "exec", "eval", "compile", "getattr", "setattr", "delattr", "globals", "locals", "vars",
+    "__import__", "breakpoint")}
+for f in (types.FunctionType, types.CodeType, importlib.import_module, gc.get_objects,
+          gc.get_referrers, inspect.currentframe, sys._getframe, logging.config.dictConfig):
+  internal[id(f)] = f.__qualname__
+roots = sorted(set(ALLOWED_MODULE_NAMES) - code_guard.FORBIDDEN_MODULES - {"appworld"}) + [
+    "appworld", "appworld.common.utils", "appworld.common.datetime",
+    "appworld.collections.apis", "appworld.requester"]
+queue = collections.deque((importlib.import_module(name), name, 0) for name in roots)
+seen, found = set(), []
+while queue:
+  obj, path, depth = queue.popleft()
+  if id(obj) in seen or depth == 4:
+    continue
+  seen.add(id(obj))
+  try:
+    names = dir(obj)
+  except Exception:
+    continue
+  for name in names:
+    if code_guard.refusal(f"x.{name}") is not None:
+      continue
+    try:
+      value = getattr(obj, name)
+    except Exception:
+      continue
+    if isinstance(value, types.ModuleType) and value.__name__.split(".")[0] in internal_modules:
+      found.append(f"{path}.{name}: {value.__name__}")
+    elif id(value) in internal:
+      found.append(f"{path}.{name}: {internal[id(value)]}")
+    elif isinstance(value, (types.ModuleType, type)):
+      queue.append((value, f"{path}.{name}", depth + 1))
+sys.__stdout__.write("FOUND" + json.dumps(found))
+"""
+
+
+def test_what_allowed_imports_reach_holds_no_interpreter_internals():
+  out = subprocess.run([sys.executable, "-c", WALK], capture_output=True, text=True,
+                       timeout=600)
+  assert "FOUND" in out.stdout, out.stderr[-3000:]
+  assert json.loads(out.stdout.split("FOUND", 1)[1]) == []
 
 
 def test_every_gold_solution_passes(mini_root):  # noqa: F811
