@@ -78,10 +78,8 @@ class FunctionInfo:
     """Whether its definition runs where it is installed: what the `def` reads is a builtin
     or bound by the imports and constants it carries (not a task function or a computed
     value)."""
-    carried = set(_BUILTINS)
-    for statement in (*self.imports, *self.constants):
-      carried.update(*(_bound_names(n) for n in ast.parse(statement).body))
-    return self.definition_reads <= carried
+    carried = top_level_bindings("\n".join((*self.imports, *self.constants)))
+    return self.definition_reads <= _BUILTINS | {name for name, _ in carried}
 
 
 @dataclasses.dataclass(frozen=True)
