@@ -210,10 +210,12 @@ def test_loss_weights_direct():
   masks = [np.array([1, 1, 0, 1]), np.array([0, 1]), np.array([0, 0])]
   w = B.loss_weights(masks, "token-mean")
   np.testing.assert_allclose(np.concatenate(w), [.25, .25, 0, .25, 0, .25, 0, 0])
+  # The sequence means count the sequences that hold a masked token (verl's and tunix's
+  # agg_loss): the third, all masked out, is not one of them.
   w = B.loss_weights(masks, "seq-mean-token-mean")
-  np.testing.assert_allclose(np.concatenate(w), [1 / 9, 1 / 9, 0, 1 / 9, 0, 1 / 3, 0, 0])
+  np.testing.assert_allclose(np.concatenate(w), [1 / 6, 1 / 6, 0, 1 / 6, 0, 1 / 2, 0, 0])
   w = B.loss_weights(masks, "seq-mean-token-sum", norm_constant=4)
-  np.testing.assert_allclose(np.concatenate(w), [1 / 3, 1 / 3, 0, 1 / 3, 0, 1 / 3, 0, 0])
+  np.testing.assert_allclose(np.concatenate(w), [1 / 2, 1 / 2, 0, 1 / 2, 0, 1 / 2, 0, 0])
   w = B.loss_weights(masks, "seq-mean-token-sum-norm", norm_constant=4)
   np.testing.assert_allclose(np.concatenate(w), [1 / 4, 1 / 4, 0, 1 / 4, 0, 1 / 4, 0, 0])
   with pytest.raises(ValueError, match="norm_constant"):

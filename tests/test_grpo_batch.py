@@ -118,6 +118,49 @@ def test_micro_batch_split_and_mini_batches():
   assert sorted(id(r) for p in parts for r in p) == sorted(id(r) for r in recs)
 
 
+@pytest.mark.parametrize("aggregation", B.AGGREGATIONS)
+def test_weights_of_a_batch_split_over_processes(aggregation):
+  """Each process packs its part of the batch; the weights are those of the whole batch,
+  in every aggregation mode, including with a sequence that holds no masked token (verl and
+  tunix count only sequences with one in the sequence means)."""
+  import threading
+  recs = _records([9, 6, 7, 12, 5])
+  recs[2]["loss_mask"] = np.zeros_like(recs[2]["loss_mask"])
+  config = B.BatchConfig(micro_batch_tokens=64, length_buckets=(16,))
+  norm = 10.0 if aggregation == "seq-mean-token-sum-norm" else None
+  whole, info = B.make_batch(recs, config, aggregation=aggregation, norm_constant=norm)
+  assert info.num_sequences == 5
+
+  parts = [recs[:2], recs[2:]]
+  barrier, shared, out = threading.Barrier(2), {}, {}
+
+  def allgather(x, rank):
+    shared[rank] = np.asarray(x)
+    barrier.wait()
+    every = np.stack([shared[0], shared[1]])
+    barrier.wait()
+    return every
+
+  def run(rank):
+    out[rank] = B.make_batch(parts[rank], config, aggregation=aggregation, norm_constant=norm,
+                             allgather=lambda x: allgather(x, rank))
+
+  threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  for rank in (0, 1):
+    batch, part_info = out[rank]
+    assert part_info.num_sequences == 5
+    first = 0 if rank == 0 else 2
+    for k, weights in enumerate(B.gather(batch.weights, part_info)):
+      np.testing.assert_allclose(weights, B.gather(whole.weights, info)[first + k], rtol=1e-6)
+  if aggregation in ("token-mean", "seq-mean-token-mean"):
+    # Means over the 4 sequences that hold masked tokens: the weights sum to 1.
+    assert float(whole.weights.sum()) == pytest.approx(1.0, rel=1e-6)
+
+
 def test_record_validation():
   bad = dict(tokens=[1, 2, 3], loss_mask=[1, 0, 1], advantage=1.0)
   with pytest.raises(ValueError, match="token 0"):

@@ -216,7 +216,7 @@ def _read(record: Any, index: int, need_advantage: bool) -> _Seq:
 
 def loss_weights(masks: Sequence[np.ndarray], aggregation: str = "token-mean",
                  norm_constant: float | None = None, *, total_tokens: float | None = None,
-                 num_sequences: int | None = None) -> list[np.ndarray]:
+                 trained_sequences: int | None = None) -> list[np.ndarray]:
   """Each sequence's per-token weight so that the batch loss is sum(weight * token_loss).
 
   The modes and their results are verl's `agg_loss` (and tunix's) on the batch's loss matrix:
@@ -227,12 +227,13 @@ def loss_weights(masks: Sequence[np.ndarray], aggregation: str = "token-mean",
     a constant (`norm_constant`, e.g. the generation budget), whatever the number of
     sequences. The Dr.GRPO paper's form, the mean over sequences of sum / constant, is
     seq-mean-token-sum at a learning rate divided by the constant.
-  A sequence without masked tokens contributes nothing (and still counts as a sequence in
-  the sequence means). `total_tokens` / `num_sequences` are the batch's counts when `masks`
-  are one process's part of it (default: the counts of `masks`).
+  A sequence without masked tokens (an episode that ended before its first sample) contributes
+  nothing and, as in verl and tunix, is not counted by the sequence means.
+  `total_tokens` / `trained_sequences` (masked tokens; sequences holding one) are the batch's
+  counts when `masks` are one process's part of it (default: the counts of `masks`).
   """
   masks = [np.asarray(m, np.float32) for m in masks]
-  n = len(masks) if num_sequences is None else num_sequences
+  n = sum(1 for m in masks if m.any()) if trained_sequences is None else trained_sequences
   if not masks:
     return []
   if aggregation == "token-mean":
@@ -328,14 +329,15 @@ def make_batch(records: Sequence[Any], config: BatchConfig = BatchConfig(), *,
   seqs = [_read(r, i, need_advantage) for i, r in enumerate(records)]
   lengths = [s.tokens.shape[0] - 1 for s in seqs]
   masks = [s.mask[1:] for s in seqs]
-  counts = np.asarray([sum(float(m.sum()) for m in masks), len(seqs), sum(lengths)],
-                      np.float64)
+  counts = np.asarray([sum(float(m.sum()) for m in masks), len(seqs), sum(lengths),
+                       sum(1 for m in masks if m.any())], np.float64)
   if allgather is not None:
     counts = np.asarray(allgather(counts)).sum(0)
-  loss_tokens, num_sequences, real_positions = float(counts[0]), int(counts[1]), int(counts[2])
+  loss_tokens, num_sequences, real_positions, trained = (float(counts[0]), int(counts[1]),
+                                                         int(counts[2]), int(counts[3]))
   row_len, r, m, used, num_processes, rows = _choose_layout(lengths, config, allgather)
   weights = loss_weights(masks, aggregation, norm_constant, total_tokens=loss_tokens,
-                         num_sequences=num_sequences)
+                         trained_sequences=trained)
 
   shape = (m * r, row_len)
   out = {f: np.zeros(shape, np.int32) for f in _FIELDS_INT}
