@@ -276,6 +276,24 @@ def test_gspo_sequence_ratio_equals_the_papers_objective():
                              [-2 * s_a / 6] * 3 + [0.0, 0.0], atol=1e-6)
 
 
+def test_gspo_sequence_log_ratio_is_clamped_at_10_as_verl_does():
+  """A sequence whose mean log-ratio is 15 and advantage negative: its ratio is e^10 (verl's
+  compute_policy_loss_gspo clamps there), with no gradient beyond the clamp; a token-level
+  log-ratio of 15 stays unclamped (verl clamps those at 20)."""
+  recs = [dict(tokens=[1, 2, 3, 4, 5], loss_mask=[0, 1, 1, 1, 1], model_logprobs=[0] + [-20] * 4,
+               advantage=-1.0)]
+  batch, _ = B.make_batch(recs, B.BatchConfig(micro_batch_tokens=8, length_buckets=(8,)),
+                          aggregation="seq-mean-token-mean")
+  micro = jax.tree.map(jnp.asarray, B.micro_batches(batch)[0])
+  new = micro.old_logprobs + 15.0 * micro.loss_mask
+  for level, ratio in (("sequence", E(10.0)), ("sequence-token", E(10.0)), ("token", E(15.0))):
+    config = grpo.GRPOConfig(ratio_level=level, loss_aggregation="seq-mean-token-mean")
+    loss, grad = jax.value_and_grad(lambda lp: grpo.batch_loss(config, lp, micro)[0])(new)
+    assert float(loss) == pytest.approx(ratio, rel=1e-5)  # -A * r, the larger of pg's two
+    if level != "token":
+      np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
 def test_kl_clamp():
   ref = [3.0, -1.0, -1.0, -1.0]  # a large log-ratio on token 0
   config = grpo.GRPOConfig(kl_coef=1.0, kl_clamp=2.0)

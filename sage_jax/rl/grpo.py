@@ -9,8 +9,9 @@ Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_ol
                 weights, is GSPO's per-sequence objective)
               "sequence-token" (GSPO-token): r_t = sg(r) * pi_theta(t) / sg(pi_theta(t)): the
                 sequence ratio's value, each token's own gradient
-              the log-ratio clamped to [-20, 20] first (as verl does): r cannot overflow, so
-                a weight of 0 (negative_weight) never meets an infinite ratio (0 * inf = NaN)
+              the log-ratio clamped first, as verl does: to [-20, 20] per token, to at most
+                10 for a sequence's (verl's GSPO loss); r cannot overflow, so a weight of 0
+                (negative_weight) never meets an infinite ratio (0 * inf = NaN)
   dual clip (A < 0 only): pg = min(pg, -A * c), c = dual_clip_c > 1
   negative weight (A < 0 only, optional): pg *= negative_weight (0: positive samples only)
   truncated importance weight (optional): pg *= min(pi_old / pi_sampler, tis_cap), no gradient
@@ -45,6 +46,7 @@ from sage_jax.rl.batch import AGGREGATIONS, Aggregation, TrainBatch
 KLEstimator = Literal["k1", "k2", "k3"]
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
 MAX_LOG_RATIO = 20.0  # |log pi_theta / pi_old| beyond it is clamped (exp(20) ~ 5e8)
+MAX_SEQUENCE_LOG_RATIO = 10.0  # a sequence's mean log-ratio, clamped from above (verl's GSPO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +182,8 @@ def per_token_loss(config: GRPOConfig, logprobs: jax.Array, batch: TrainBatch,
   elif config.ratio_level == "sequence-token":
     log_ratio = (jax.lax.stop_gradient(sequence_mean(log_ratio, mask, batch.segment_ids))
                  + logprobs - jax.lax.stop_gradient(logprobs))
-  ratio = jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+  top = MAX_LOG_RATIO if config.ratio_level == "token" else MAX_SEQUENCE_LOG_RATIO
+  ratio = jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, top))
   low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
   pg_unclipped = -adv * ratio
   pg_clipped = -adv * jnp.clip(ratio, low, high)
