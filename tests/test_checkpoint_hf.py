@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import jax.numpy as jnp
 
+from sage_jax.model.config import Qwen2Config
 from sage_jax.weights import hf
 from tests.hf_reference import hf_logits, tiny_hf_model
 
@@ -181,6 +182,18 @@ def test_default_rope_scaling_loads(src, rope_scaling):
   expected = _flat(hf.load_hf(str(src / "src")))
   _edit_config(src / "src", rope_scaling=rope_scaling)
   assert _flat(hf.load_hf(str(src / "src"))).keys() == expected.keys()
+
+
+def test_null_settings_read_as_unset_as_transformers_reads_them(src):
+  """`"num_key_value_heads": null` is multi-head attention (transformers' reading); a null
+  size the model cannot do without is named."""
+  heads = json.load(open(src / "src" / "config.json"))["num_attention_heads"]
+  _edit_config(src / "src", num_key_value_heads=None, rms_norm_eps=None)
+  cfg = Qwen2Config.from_hf(str(src / "src"))
+  assert (cfg.num_key_value_heads, cfg.rms_norm_eps) == (heads, 1e-6)
+  _edit_config(src / "src", hidden_size=None)
+  with pytest.raises(hf.CheckpointError, match=r"missing \(or null\) keys \['hidden_size'\]"):
+    hf.load_hf(str(src / "src"))
 
 
 @pytest.mark.parametrize("damage,problem", [

@@ -163,13 +163,14 @@ class Qwen2Config:
       path = os.path.join(hf, "config.json") if os.path.isdir(hf) else str(hf)
       source = path
       hf = read_checkpoint_json(path)
+    hf = {k: v for k, v in hf.items() if v is not None}  # null means unset, as in transformers
     arch = hf.get("model_type")
     if arch not in ("qwen2", None):
       raise CheckpointError(f"{source}: model_type={arch!r}, expected 'qwen2'")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                            "num_hidden_layers", "num_attention_heads") if k not in hf]
     if missing:
-      raise CheckpointError(f"{source}: missing keys {missing}")
+      raise CheckpointError(f"{source}: missing (or null) keys {missing}")
     check_supported(hf, source)
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
