@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import ml_collections
@@ -24,7 +24,7 @@ from absl import app, flags
 
 from sage_jax import multihost, run_checkpoint, run_config, storage
 from sage_jax.weights import hf
-from sage_jax.weights.peft_adapter import save_peft_adapter
+from sage_jax.weights.peft_adapter import write_peft_adapter
 
 # Where a LoRA run's adapters go, in PEFT's format, beside the merged weights.
 ADAPTER_DIR = "lora_adapter"
@@ -44,35 +44,45 @@ def check_target(out: str, keep: Sequence[str] = ()) -> None:
 
 
 def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
-                base_model: str = "", dtype: str | None = None) -> None:
+                base_model: str = "", dtype: str | None = None,
+                text_files: Mapping[str, str] | None = None) -> None:
   """The HF directory of `model` with its tokenizer, in `dtype` (default: the model's
   param_dtype); with LoRA, the adapters merged in and also alone under `out/lora_adapter` in
-  PEFT's format (for `base_model`, whose generation_config.json lends its sampling defaults).
-  Every process calls it (the gathers are collective); process 0 writes."""
-  check_target(out)  # A remote `out` is replaced by the staged copy, unseen by save_hf.
-  with storage.staged_dir(out, writer=jax.process_index() == 0) as local:
-    hf.save_hf(model, local, dtype=dtype, tokenizer_dir=os.fspath(tokenizer_dir),
-               source_dir=base_model or None)
+  PEFT's format (for `base_model`, whose generation_config.json lends its sampling defaults);
+  `text_files` (name -> text) beside them. Every file is written before the directory takes
+  `out`'s place (`hf.export_dir`), so an interrupted export never looks complete. Every
+  process calls it (the gathers are collective); process 0 writes."""
+  check_target(out)  # A remote `out` is replaced by the staged copy, unseen by export_dir.
+  writer = jax.process_index() == 0
+  with (storage.staged_dir(out, writer=writer) as local,
+        hf.export_dir(local, writer=writer) as directory):
+    hf.write_hf(model, directory, dtype=dtype, tokenizer_dir=os.fspath(tokenizer_dir),
+                source_dir=base_model or None)
     if model.config.lora.enabled:
-      save_peft_adapter(model, os.path.join(local, ADAPTER_DIR), base_model=base_model)
+      write_peft_adapter(model, directory and os.path.join(directory, ADAPTER_DIR),
+                         base_model=base_model)
+    for name, text in (text_files or {}).items():
+      if directory is not None:
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+          f.write(text)
 
 
 def export(workdir: str, out: str, step: int | None = None, stage: str = "rl",
            dtype: str | None = None) -> dict:
-  """Writes the checkpoint's model to `out` (in `dtype`, default the run's param_dtype);
-  returns what was exported."""
+  """Writes the checkpoint's model to `out` (in `dtype`, default the run's param_dtype) with
+  the run's config (sage_jax_config.json) and a model card (README.md); returns what was
+  exported."""
   config = run_checkpoint.read_config(workdir)
   # Checked before the restore, which can take minutes for a large model.
   check_target(out, keep=[p for p in (workdir, config.model.spec) if p])
   run = run_config.resolve(config)
-  # save_hf gathers each tensor and process 0 writes.
+  # write_model gathers each tensor and process 0 writes.
   model, step = run_checkpoint.restore_model(workdir, run, step, stage)
-  write_model(model, out, run_checkpoint.tokenizer_dir(workdir, run),
-              base_model=config.model.spec, dtype=dtype)
   summary = storage.read_json(storage.path(workdir) / "summary.json") or {}
-  if jax.process_index() == 0:
-    storage.write_json(storage.path(out) / "sage_jax_config.json", config.to_dict())
-    storage.write_text(storage.path(out) / "README.md", model_card(config, stage, step, summary))
+  write_model(model, out, run_checkpoint.tokenizer_dir(workdir, run),
+              base_model=config.model.spec, dtype=dtype, text_files={
+                  "sage_jax_config.json": json.dumps(config.to_dict(), indent=2),
+                  "README.md": model_card(config, stage, step, summary)})
   return {"out": out, "stage": stage, "step": step}
 
 

@@ -33,7 +33,47 @@ def test_save_hf_refuses_a_directory_it_did_not_write(model, tmp_path):
   with pytest.raises(hf.ExportError, match=r"out is not empty and is not a previous export"):
     hf.save_hf(model, str(tmp_path / "out"))
   assert precious.read_text() == "step 100"
-  assert not (tmp_path / "out.tmp").exists()
+  assert os.listdir(tmp_path) == ["out"]  # nothing written beside it either
+
+
+def _adapted():
+  return lora.add_adapters(loader.build_model(loader.ModelSpec(preset="tiny")),
+                           lora.LoraConfig(rank=2, alpha=4.0), seed=0)
+
+
+def test_an_export_replaces_no_directory_beside_its_own(tmp_path):
+  """`<out>.tmp` is a name a user may have chosen: the export writes elsewhere."""
+  adapted = _adapted()
+  for save, out in ((hf.save_hf, "out"), (save_peft_adapter, "adapter")):
+    precious = _foreign(tmp_path / f"{out}.tmp")
+    save(adapted, str(tmp_path / out))
+    assert precious.read_text() == "step 100"
+    assert (tmp_path / out / hf.EXPORT_MARKER).exists()
+  assert sorted(os.listdir(tmp_path)) == ["adapter", "adapter.tmp", "out", "out.tmp"]
+
+
+def test_an_export_interrupted_while_writing_the_adapters_leaves_the_previous_one(
+    tmp_path, monkeypatch):
+  """The merged weights, the PEFT adapters and the model card are all written before the
+  directory takes the place of the previous export."""
+  from sage_jax.weights import peft_adapter  # noqa: PLC0415
+
+  adapted = _adapted()
+  tok = tokenizer_lib.ensure_qwen25_tokenizer_dir()
+  out = tmp_path / "hf"
+  export.write_model(adapted, str(out), tok, text_files={"README.md": "first"})
+  before = {f: (out / f).stat().st_mtime_ns for f in os.listdir(out)}
+  assert (out / export.ADAPTER_DIR / "adapter_model.safetensors").exists()
+
+  def disk_full(*args, **kwargs):
+    raise OSError("disk full")
+
+  monkeypatch.setattr(peft_adapter, "save_file", disk_full)
+  with pytest.raises(OSError, match="disk full"):
+    export.write_model(adapted, str(out), tok, text_files={"README.md": "second"})
+  assert {f: (out / f).stat().st_mtime_ns for f in os.listdir(out)} == before
+  assert (out / "README.md").read_text() == "first"
+  assert os.listdir(tmp_path) == ["hf"]  # the unfinished one is removed
 
 
 def test_save_hf_replaces_an_empty_directory_and_its_previous_export(model, tmp_path):
@@ -45,8 +85,7 @@ def test_save_hf_replaces_an_empty_directory_and_its_previous_export(model, tmp_
 
 
 def test_peft_adapter_export_refuses_a_directory_it_did_not_write(tmp_path):
-  adapted = lora.add_adapters(loader.build_model(loader.ModelSpec(preset="tiny")),
-                              lora.LoraConfig(rank=2, alpha=4.0), seed=0)
+  adapted = _adapted()
   precious = _foreign(tmp_path / "adapter")
   with pytest.raises(hf.ExportError, match="adapter is not empty"):
     save_peft_adapter(adapted, str(tmp_path / "adapter"))

@@ -226,9 +226,8 @@ def _check_tokenizer(reader, path: str) -> None:
 def export_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
   """Writes a Hugging Face Qwen2 checkpoint directory (float32) from a Qwen2.5 GGUF.
 
-  Written to `<out_dir>.tmp` and moved into place at the end, so an interrupted export never
-  looks complete; `out_dir` must be missing, empty or a previous export
-  (`hf.check_export_target`).
+  Written through `hf.export_dir`, so an interrupted export never looks complete; `out_dir`
+  must be missing, empty or a previous export (`hf.check_export_target`).
   """
   gguf_path, out_dir = os.fspath(gguf_path), os.fspath(out_dir).rstrip("/")
   hf.check_export_target(out_dir, keep=[gguf_path])
@@ -236,13 +235,10 @@ def export_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
   _check_tokenizer(reader, gguf_path)
   config, tensors = _read(reader, gguf_path)
   cfg = Qwen2Config.from_hf(config)
-  tmp = out_dir + ".tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  save_file(dict(tensors), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-  hf.write_configs(tmp, cfg, dtype="float32")
-  tokenizer_lib.save_tokenizer(tmp)
-  hf.move_into_place(tmp, out_dir)
+  with hf.export_dir(out_dir) as tmp:
+    save_file(dict(tensors), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    hf.write_configs(tmp, cfg, dtype="float32")
+    tokenizer_lib.save_tokenizer(tmp)
 
 
 def main(argv: list[str]) -> None:

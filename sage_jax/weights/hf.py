@@ -12,12 +12,14 @@ tensor is laid out; both directions use it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import re
 import shutil
+import uuid
 from typing import Any, Iterable, Iterator
 
 import jax
@@ -255,12 +257,27 @@ def check_export_target(out_dir: str | os.PathLike, keep: Iterable[str] = ()) ->
                       f"{EXPORT_MARKER}); choose another output directory or remove it")
 
 
-def move_into_place(tmp: str, out_dir: str) -> None:
-  """Marks the finished export in `tmp` as ours and swaps it in for `out_dir` (which
-  `check_export_target` allowed), so an interrupted export never looks complete."""
-  with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-    json.dump({"written_by": "sage_jax", "note": "a later export may replace this directory"},
-              f, indent=2)
+@contextlib.contextmanager
+def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
+  """A new directory beside local `out_dir` to write an export into (None where `writer` is
+  false: processes that only join the gathers). When the block ends, the export is marked as
+  ours and swapped in for `out_dir` (which `check_export_target` allowed), so an interrupted
+  export never looks complete; on an error the new directory is removed and `out_dir` is
+  left as it was. The name is new each time: no directory beside `out_dir` is replaced."""
+  if not writer:
+    yield None
+    return
+  out_dir = os.path.abspath(out_dir)
+  tmp = f"{out_dir}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  os.makedirs(tmp)
+  try:
+    yield tmp
+    with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+      json.dump({"written_by": "sage_jax", "note": "a later export may replace this directory"},
+                f, indent=2)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   if os.path.exists(out_dir):
     shutil.rmtree(out_dir)
   os.replace(tmp, out_dir)
@@ -306,16 +323,27 @@ def _to_host(x: jax.Array) -> np.ndarray:
 def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
             max_shard_bytes: int = 2 << 30, tokenizer_dir: str | None = None,
             source_dir: str | None = None) -> list[str]:
-  """Writes `model` as an HF checkpoint directory; returns the safetensors file names.
+  """Writes `model` as an HF checkpoint directory (`write_hf`) through `export_dir`, so an
+  interrupted export never looks complete; returns the safetensors file names. In a
+  multi-host run every process must call this (the gathers are collective); only process 0
+  writes."""
+  check_export_target(out_dir)
+  with export_dir(out_dir, writer=jax.process_index() == 0) as directory:
+    return write_hf(model, directory, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                    tokenizer_dir=tokenizer_dir, source_dir=source_dir)
+
+
+def write_hf(model: Qwen2, directory: str | None, *, dtype: str | None = None,
+             max_shard_bytes: int = 2 << 30, tokenizer_dir: str | None = None,
+             source_dir: str | None = None) -> list[str]:
+  """Writes the files of `model`'s HF checkpoint into `directory` (None: gather only, on the
+  processes that do not write); returns the safetensors file names.
 
   `dtype` defaults to the model's param_dtype; `source_dir`, the checkpoint the model was
   loaded from, lends its sampling defaults (`write_configs`). Tensors are gathered one at a
   time. LoRA adapters are merged into their kernels as those are written, so the files hold
-  the adapted model's full weights. Files go to `<out_dir>.tmp` first and are moved into
-  place at the end, so an interrupted export never looks complete. In a multi-host run every
-  process must call this (the gathers are collective); only process 0 writes.
+  the adapted model's full weights.
   """
-  check_export_target(out_dir)
   cfg = model.config
   dtype = dtype or cfg.param_dtype
   np_dtype = NP_DTYPES[dtype]
@@ -324,11 +352,8 @@ def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
   adapters = {".".join(map(str, path)): adapter
               for path, adapter in lora.adapters_by_kernel(model).items()}
   plan = _plan_shards(params, np.dtype(np_dtype).itemsize, max_shard_bytes)
-  writer = jax.process_index() == 0
-  tmp = out_dir.rstrip("/") + ".tmp"
-  if writer:
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+  if directory is not None:
+    os.makedirs(directory, exist_ok=True)
   weight_map = {}
   for fname, paths in plan:
     tensors = {}
@@ -339,18 +364,17 @@ def save_hf(model: Qwen2, out_dir: str, *, dtype: str | None = None,
         value = lora.merge(value, adapters[path])
       tensors[hf_name] = to_hf_layout(_to_host(value), kind).astype(np_dtype)
       weight_map[hf_name] = fname
-    if writer:
-      save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-  if not writer:
+    if directory is not None:
+      save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
+  if directory is None:
     return [f for f, _ in plan]
   total = sum(math.prod(v.get_value().shape) for v in params.values()) * np.dtype(np_dtype).itemsize
-  with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+  with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
               f, indent=2)
-  write_configs(tmp, cfg, dtype=dtype, tokenizer_dir=tokenizer_dir, source_dir=source_dir)
+  write_configs(directory, cfg, dtype=dtype, tokenizer_dir=tokenizer_dir, source_dir=source_dir)
   if tokenizer_dir:
-    tokenizer_lib.save_tokenizer(tmp, tokenizer_dir)
-  move_into_place(tmp, out_dir)
+    tokenizer_lib.save_tokenizer(directory, tokenizer_dir)
   return [f for f, _ in plan]
 
 

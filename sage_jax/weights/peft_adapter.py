@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
@@ -18,7 +17,7 @@ from safetensors.numpy import save_file
 
 from sage_jax.model import lora
 from sage_jax.model.qwen2 import Qwen2
-from sage_jax.weights.hf import _to_host, check_export_target, move_into_place, path_to_hf
+from sage_jax.weights.hf import _to_host, check_export_target, export_dir, path_to_hf
 
 _PREFIX = "base_model.model."
 
@@ -35,27 +34,31 @@ def adapter_config(config: lora.LoraConfig, base_model: str) -> dict:
 
 
 def save_peft_adapter(model: Qwen2, out_dir: str, *, base_model: str = "") -> list[str]:
-  """Writes `model`'s adapters (float32) to `out_dir`; returns the tensor names. Like
-  `hf.save_hf`, every process of a multi-host run calls it and process 0 writes, through
-  `<out_dir>.tmp` so an interrupted export never looks complete, and replacing only a previous
-  export (`hf.check_export_target`)."""
+  """Writes `model`'s adapters to `out_dir` (`write_peft_adapter`); returns the tensor names.
+  Like `hf.save_hf`: every process of a multi-host run calls it and process 0 writes, through
+  `hf.export_dir`, replacing only a previous export (`hf.check_export_target`)."""
+  check_export_target(out_dir)
+  with export_dir(out_dir, writer=jax.process_index() == 0) as directory:
+    return write_peft_adapter(model, directory, base_model=base_model)
+
+
+def write_peft_adapter(model: Qwen2, directory: str | None, *, base_model: str = "") -> list[str]:
+  """Writes `model`'s adapters (float32) and their adapter_config.json into `directory` (None:
+  gather only, on the processes that do not write); returns the tensor names."""
   config = model.config.lora
   if not config.enabled:
     raise ValueError("the model has no LoRA adapters to export")
-  check_export_target(out_dir)
   tensors = {}
   for path, adapter in lora.adapters_by_kernel(model).items():
     hf_name, _ = path_to_hf(".".join(map(str, path)))
     stem = _PREFIX + hf_name[:-len(".weight")]
     tensors[stem + ".lora_A.weight"] = np.asarray(_to_host(adapter.a[...]), np.float32)
     tensors[stem + ".lora_B.weight"] = np.asarray(_to_host(adapter.b[...]), np.float32)
-  if jax.process_index() != 0:
+  if directory is None:
     return sorted(tensors)
-  tmp = out_dir.rstrip("/") + ".tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-  with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+  os.makedirs(directory, exist_ok=True)
+  save_file(tensors, os.path.join(directory, "adapter_model.safetensors"),
+            metadata={"format": "pt"})
+  with open(os.path.join(directory, "adapter_config.json"), "w") as f:
     json.dump(adapter_config(config, base_model), f, indent=2)
-  move_into_place(tmp, out_dir)
   return sorted(tensors)
