@@ -274,3 +274,8 @@ def test_split_helpers_reject_bad_input(tmp_path):
     appworld.scenario_id("not-a-task")
   with pytest.raises(FileNotFoundError, match="train"):
     appworld.read_split(str(tmp_path), "train")
+  # AppWorld's split lines may carry a tag (`<task_id>:<tag>`), which its loader drops.
+  (tmp_path / "data" / "datasets").mkdir(parents=True)
+  (tmp_path / "data" / "datasets" / "train.txt").write_text(
+      "82e2fac_1:reviewed\n82e2fac_2\r\n\n 07b42fd_3 \n")
+  assert appworld.read_split(str(tmp_path), "train") == ["82e2fac_1", "82e2fac_2", "07b42fd_3"]

@@ -182,6 +182,23 @@ def test_bad_data_root_fails_at_start_saying_what_is_missing(mini_root, tmp_path
   assert "appworld download data" in str(error.value)
 
 
+def test_tasks_without_model_hashes_run_and_evaluate(mini_root, tmp_path):  # noqa: F811
+  """AppWorld reads a task's dbs/model_hashes.json when it is there and does without it: so
+  does the data check."""
+  copy = tmp_path / "copy"
+  shutil.copytree(mini_root, copy)
+  for task in os.listdir(copy / "data" / "tasks"):
+    hashes = copy / "data" / "tasks" / task / "dbs" / "model_hashes.json"
+    if hashes.exists():
+      os.remove(hashes)
+  task_id = appworld.read_split(mini_root, "train")[0]
+  config = pool_config(str(copy), str(tmp_path / "out"), num_workers=1)
+  with appworld.EnvPool(config) as pool:
+    with pool.episode(task_id, "no_hashes") as ep:
+      ep.execute(gold_solution(mini_root, task_id)).result()
+  assert ep.result.success
+
+
 def test_server_mode_and_no_state_shared_between_episodes(mini_root, tmp_path):  # noqa: F811
   task_id = appworld.read_split(mini_root, "train")[1]
   config = pool_config(mini_root, str(tmp_path), num_workers=1, use_servers=True)

@@ -76,8 +76,9 @@ def check(root: str, db_version: str, apps: list[str]) -> None:
 
 
 # What evaluating a task needs in its directory (AppWorld's minimal ground-truth mode), on
-# top of one DB diff per app (dbs/<app>.jsonl).
-TASK_FILES = ("specs.json", "dbs/model_hashes.json", "ground_truth/metadata.json",
+# top of one DB diff per app (dbs/<app>.jsonl). Not dbs/model_hashes.json: AppWorld reads it
+# when it is there and does without it.
+TASK_FILES = ("specs.json", "ground_truth/metadata.json",
               "ground_truth/public_data.json", "ground_truth/private_data.json",
               "ground_truth/answer.json", "ground_truth/evaluation.py",
               "ground_truth/test_data.json")

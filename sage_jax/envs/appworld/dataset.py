@@ -13,7 +13,8 @@ def scenario_id(task_id: str) -> str:
 
 
 def read_split(root: str, split: str) -> list[str]:
-  """Task ids listed in <root>/data/datasets/<split>.txt, in file order."""
+  """Task ids listed in <root>/data/datasets/<split>.txt, in file order; a line's tag
+  (`<task_id>:<tag>`) is dropped, as AppWorld's `load_task_ids` drops it."""
   path = os.path.join(root, "data", "datasets", f"{split}.txt")
   if not os.path.exists(path):
     available = sorted(f.removesuffix(".txt")
@@ -21,7 +22,7 @@ def read_split(root: str, split: str) -> list[str]:
                          os.path.dirname(path)) else []
     raise FileNotFoundError(f"No split {split!r} at {path}; available: {available}")
   with open(path) as f:
-    return [line.strip() for line in f if line.strip()]
+    return [line.strip().split(":")[0] for line in f if line.strip()]
 
 
 def first_scenarios(task_ids: list[str], n: int) -> list[str]:
