@@ -69,7 +69,46 @@ def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
   assert definition.startswith("def send_venmo")
   reads_math = solution.replace("amount=45.0", "amount=math.floor(45.0)")
   with_import = gold_solutions.official_skill("import math\n" + reads_math, instruction)[1]
-  assert with_import.startswith("import math\ndef send_venmo")
+  assert with_import.startswith("import math\n\n\ndef send_venmo")
+
+
+def test_helpers_of_the_solution_file_travel_with_the_skill(pool, official_root):  # noqa: F811
+  """A solution file's helper functions and constants that the solution reads (and those they
+  read) are carried with the skill, in the file's order; the others are not."""
+  task_id = "ead7476_1"
+  source = gold_solutions.read_solution(official_root, task_id)
+  helpers = ("CENTS = 100\n\n\ndef unused():\n    return 0\n\n\n"
+             "def in_cents(x):\n    return round(x * CENTS)\n\n\n"
+             "def dollars(x):\n    return in_cents(x) / CENTS\n\n\n")
+  with_helpers = source.replace("def solution(", helpers + "def solution(").replace(
+      "amount=45.0", "amount=dollars(45.0)")
+  instruction = gold_solutions.read_instruction(official_root, task_id)
+  name, definition, call = gold_solutions.official_skill(with_helpers, instruction)
+  assert [n.name if isinstance(n, ast.FunctionDef) else ast.unparse(n)
+          for n in ast.parse(definition).body] == ["CENTS = 100", "in_cents", "dollars", name]
+  values = [ast.literal_eval(a) for a in ast.parse(call).body[0].value.args]
+  assert sorted(map(str, values)) == ["45.0", "Daniel Okafor", "Pottery class"]
+  [turn] = gold_solutions.expert_turns(with_helpers, instruction=instruction)
+  with pool.episode(task_id, "official_helpers") as ep:
+    ep.execute(_code(turn)).result()
+  assert ep.result.success
+  # The library's skill of that name is the same function: called, not written again.
+  [reuse] = gold_solutions.expert_turns(with_helpers, {name: definition},
+                                        instruction=instruction)
+  assert _code(reuse).strip() == call
+
+
+def test_the_generator_program_alone_is_named_as_not_a_gold_solution(official_root, tmp_path):  # noqa: F811
+  """Without compiled_solution.py the task's solution.py is AppWorld's generator program,
+  which needs the generator's inputs: a clear error, not broken expert turns."""
+  import shutil  # noqa: PLC0415
+  task_id = "ead7476_1"
+  root = tmp_path / "root"
+  shutil.copytree(f"{official_root}/data/tasks/{task_id}", root / "data" / "tasks" / task_id)
+  (root / "data" / "tasks" / task_id / "ground_truth" / "compiled_solution.py").unlink()
+  with pytest.raises(ValueError, match=r"solution.py is AppWorld's task-generator program "
+                     r"\(its `solution` takes main_user, public_data.*compiled_solution.py"):
+    gold_solutions.expert_turns_for_task(str(root), task_id)
 
 
 def test_scripted_expert_scores_100_and_reuses_its_skills(pool, official_root, tmp_path):  # noqa: F811

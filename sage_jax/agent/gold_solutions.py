@@ -11,7 +11,8 @@ Two forms of gold solution are understood:
   expert turns it into a skill (`official_skill`): the values that change between the tasks
   of the scenario (the sibling solutions of the same structure), or else the values that
   appear in the task instruction, become parameters; the name comes from the instruction's
-  words shared by the scenario's tasks.
+  words shared by the scenario's tasks; the file's helper functions, classes and constants
+  that it reads travel with it. A `solution.py` alone is refused (`read_solution`).
 
 The expert then writes the agent's format: when the library the task sees has no such
 function (or a different one under that name), one turn defines the function (with a
@@ -188,6 +189,43 @@ def _skill_name(instruction: str, siblings: Iterable[str], values: Iterable) -> 
   return "_".join(picked[:MAX_NAME_WORDS]) or "solve_task"
 
 
+def _bound_at_top(node: ast.stmt) -> set[str]:
+  """Names a top-level statement binds (a def's or class's name; an assignment's targets)."""
+  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    return {node.name}
+  return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _read_names(node: ast.AST) -> set[str]:
+  return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _module_text(statements: list[ast.stmt]) -> str:
+  """Top-level statements as source, with two blank lines around each definition."""
+  text = ""
+  for i, node in enumerate(statements):
+    definition = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    if i:
+      text += "\n\n\n" if definition or previous else "\n"
+    text += ast.unparse(node)
+    previous = definition
+  return text
+
+
+def _supporting(module: ast.Module, entry: ast.FunctionDef, reads: set[str]) -> list[ast.stmt]:
+  """The module's other top-level statements (helper functions, classes, constants; not its
+  imports) that bind a name `reads` needs, with those they need in turn, in source order."""
+  candidates = [n for n in module.body
+                if n is not entry and not isinstance(n, (ast.Import, ast.ImportFrom))]
+  needed: set[int] = set()
+  frontier = set(reads)
+  while frontier:
+    found = [n for n in candidates if id(n) not in needed and _bound_at_top(n) & frontier]
+    needed |= {id(n) for n in found}
+    frontier = set().union(*(_read_names(n) for n in found))
+  return [n for n in candidates if id(n) in needed]
+
+
 def official_skill(solution: str, instruction: str,
                    siblings: Iterable[tuple[str, str]] = ()) -> tuple[str, str, str] | None:
   """(name, definition, call) of an official-form gold solution rewritten as a skill, or
@@ -206,8 +244,11 @@ def official_skill(solution: str, instruction: str,
     chosen = [c for i, c in enumerate(constants) if i in varying]
   else:
     chosen = [c for c in constants if _in_instruction(c.value, instruction)]
+  module = ast.parse(solution)
+  entry = next(n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == fn.name)
   parents = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
-  taken = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} | set(OFFICIAL_ARGS)
+  taken = (_read_names(fn) | set(OFFICIAL_ARGS)
+           | set().union(*(_bound_at_top(n) for n in module.body)))
   params: dict[tuple[type, object], str] = {}
   for c in chosen:
     key = (type(c.value), c.value)
@@ -230,22 +271,24 @@ def official_skill(solution: str, instruction: str,
   new.args = ast.arguments(posonlyargs=[], args=[ast.arg(p) for p in params.values()],
                            kwonlyargs=[], kw_defaults=[], defaults=[])
   new.returns = None  # the entry's annotations name AppWorld's classes, not the skill's
-  # The solution file's imports the skill reads travel with it (the agent's block keeps
-  # them); those of the entry's type annotations (AppWorld's own classes) do not.
-  read = {n.id for n in ast.walk(new) if isinstance(n, ast.Name)}
-  imports = [ast.unparse(n) for n in ast.parse(solution).body
-             if isinstance(n, (ast.Import, ast.ImportFrom))
+  # What the skill reads of the solution file travels with it, in the file's order: its
+  # helper functions, classes and constants, and the imports these or the skill read; the
+  # imports of the entry's type annotations (AppWorld's own classes) do not.
+  support = _supporting(module, entry, _read_names(new))
+  read = set().union(_read_names(new), *(_read_names(n) for n in support))
+  imports = [n for n in module.body if isinstance(n, (ast.Import, ast.ImportFrom))
              and any((a.asname or a.name).split(".")[0] in read for a in n.names)]
-  definition = "\n".join([*imports, ast.unparse(ast.fix_missing_locations(new))])
+  definition = _module_text([*imports, *support, ast.fix_missing_locations(new)])
   call = f"{name}({', '.join(repr(v) for _, v in params)})"
   return name, definition, call
 
 
-def _same_function(a: str, b: str) -> bool:
-  """Whether two sources define the same function, docstrings aside."""
+def _same_function(a: str, b: str, name: str) -> bool:
+  """Whether two sources define the same function `name`, docstrings aside."""
   def shape(source: str) -> str | None:
     try:
-      fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef))
+      fn = next(n for n in ast.parse(source).body
+                if isinstance(n, ast.FunctionDef) and n.name == name)
     except (SyntaxError, StopIteration):
       return None
     if ast.get_docstring(fn) is not None:
@@ -269,7 +312,7 @@ def expert_turns(solution: str, library: Iterable[str] | Mapping[str, str] = (),
   official = official_skill(solution, instruction, siblings)
   if official is not None:
     name, definition, call = official
-    if name in known and (name not in codes or _same_function(codes[name], definition)):
+    if name in known and (name not in codes or _same_function(codes[name], definition, name)):
       return [f"The library skill `{name}` fits this task, so I call it.\n\n"
               f"```python\n{call}\n```"]
     definition = with_docstrings(definition).strip()
@@ -293,6 +336,23 @@ SOLUTION_FILES = ("compiled_solution.py", "solution.py")  # the first found is r
 _CANARY = re.compile(r"^# Canary String:.*\n?", re.MULTILINE)
 
 
+def _generator_inputs(source: str) -> list[str]:
+  """The inputs beyond `apis` and `requester` that the `solution` function of `source` takes
+  when nothing in `source` calls it (AppWorld's generator `solution.py`: `solution(main_user,
+  apis, requester, public_data)`); else none."""
+  try:
+    tree = ast.parse(source)
+  except SyntaxError:
+    return []
+  calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+           and isinstance(n.func, ast.Name)}
+  for fn in tree.body:
+    if isinstance(fn, ast.FunctionDef) and fn.name == OFFICIAL_ENTRY and fn.name not in calls:
+      args = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+      return [a for a in args if a not in OFFICIAL_ARGS]
+  return []
+
+
 def read_solution(appworld_root: str, task_id: str) -> str:
   """A task's gold solution: AppWorld's `compiled_solution.py` (what its verifier runs) when
   there is one, else `solution.py` (the mini world's), without the benchmark's canary line
@@ -302,7 +362,14 @@ def read_solution(appworld_root: str, task_id: str) -> str:
     path = os.path.join(truth, name)
     if os.path.exists(path):
       with open(path) as f:
-        return _CANARY.sub("", f.read())
+        source = _CANARY.sub("", f.read())
+      inputs = _generator_inputs(source)
+      if inputs:
+        raise ValueError(
+            f"{path} is AppWorld's task-generator program (its `{OFFICIAL_ENTRY}` takes "
+            f"{', '.join(inputs)} and nothing calls it); the gold solution that AppWorld's "
+            f"verifier runs is {SOLUTION_FILES[0]}, which this task lacks")
+      return source
   raise FileNotFoundError(f"{truth}: no gold solution ({' or '.join(SOLUTION_FILES)}); the "
                           f"test splits of AppWorld ship none")
 
