@@ -72,6 +72,33 @@ def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
   assert with_import.startswith("import math\n\n\ndef send_venmo")
 
 
+def test_without_siblings_of_its_shape_the_values_stated_in_the_instruction_are_parameters():
+  """Official solutions of one scenario are often written differently (other variables, other
+  APIs): then the values the instruction states are the parameters, in whatever case and
+  punctuation it states them, and the keys of the data (`passwords["phone"]`) are not, even
+  where the instruction says the word."""
+  solution = (
+      "def solution(apis, requester):\n"
+      "    passwords = {p['account_name']: p['password']\n"
+      "                 for p in apis.supervisor.show_account_passwords()}\n"
+      "    number = apis.supervisor.show_profile()['phone_number']\n"
+      "    token = apis.phone.login(username=number, password=passwords['phone'])['access_token']\n"
+      "    label = 'Go to sleep'\n"
+      "    alarm = next(a for a in apis.phone.show_alarms(access_token=token)\n"
+      "                 if label.lower() in a['label'].lower())\n"
+      "    apis.phone.update_alarm(alarm_id=alarm['alarm_id'], minutes=30, access_token=token)\n"
+      "    apis.supervisor.complete_task(answer=alarm['title'])\n")
+  instruction = "Move my go-to-sleep phone alarm 30 minutes later and tell me its title."
+  other = solution.replace("minutes=30", "minutes=-20").replace("label = ", "text = ").replace(
+      "label.lower()", "text.lower()")
+  name, definition, call = gold_solutions.official_skill(
+      solution, instruction, [(other, "Move my wake-up phone alarm 20 minutes earlier.")])
+  fn = next(n for n in ast.parse(definition).body if isinstance(n, ast.FunctionDef))
+  assert [a.arg for a in fn.args.args] == ["label_2", "minutes"]
+  assert call == f"{name}('Go to sleep', 30)"
+  assert "passwords['phone']" in definition and "alarm['title']" in definition
+
+
 def test_helpers_of_the_solution_file_travel_with_the_skill(pool, official_root):  # noqa: F811
   """A solution file's helper functions and constants that the solution reads (and those they
   read) are carried with the skill, in the file's order; the others are not."""

@@ -142,10 +142,21 @@ def _masked(fn: ast.FunctionDef) -> str:
   return ast.dump(fn)
 
 
+def _words(text: str) -> str:
+  return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
 def _in_instruction(value: str | int | float, instruction: str) -> bool:
+  """Whether the instruction states `value`: a string as written, or (3 characters or more)
+  in other case and punctuation ("Go to sleep" in "my go-to-sleep alarm"); a number in one of
+  its usual spellings."""
   if isinstance(value, str):
-    return len(value.strip()) >= 2 and re.search(
-        rf"(?<!\w){re.escape(value)}(?!\w)", instruction) is not None
+    if len(value.strip()) < 2:
+      return False
+    if re.search(rf"(?<!\w){re.escape(value)}(?!\w)", instruction):
+      return True
+    return len(value.strip()) >= 3 and bool(_words(value)) and (
+        f" {_words(value)} " in f" {_words(instruction)} ")
   texts = {str(value), f"{value:g}", f"{value:.2f}"}
   return (abs(value) >= 2 or value != int(value)) and any(
       re.search(rf"(?<![\w.]){re.escape(t)}(?![\w]|\.\d)", instruction) for t in texts)
@@ -242,11 +253,15 @@ def official_skill(solution: str, instruction: str,
     varying = {i for f in same_shape for i, (a, b) in
                enumerate(zip(constants, _constants(f))) if a.value != b.value}
     chosen = [c for i, c in enumerate(constants) if i in varying]
-  else:
-    chosen = [c for c in constants if _in_instruction(c.value, instruction)]
+  parents = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+  if not same_shape:
+    # A key (`passwords["phone"]`, `song["title"]`) names a field of the data, not a value
+    # of the task, even where the instruction says the word.
+    chosen = [c for c in constants if _in_instruction(c.value, instruction)
+              and not (isinstance(parents.get(id(c)), ast.Subscript)
+                       and parents[id(c)].slice is c)]
   module = ast.parse(solution)
   entry = next(n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == fn.name)
-  parents = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
   taken = (_read_names(fn) | set(OFFICIAL_ARGS)
            | set().union(*(_bound_at_top(n) for n in module.body)))
   params: dict[tuple[type, object], str] = {}
