@@ -61,10 +61,9 @@ def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
     if model.config.lora.enabled:
       write_peft_adapter(model, directory and os.path.join(directory, ADAPTER_DIR),
                          base_model=base_model)
-    for name, text in (text_files or {}).items():
-      if directory is not None:
-        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-          f.write(text)
+    for name, text in (text_files or {}).items() if directory is not None else ():
+      with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def export(workdir: str, out: str, step: int | None = None, stage: str = "rl",
