@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import glob
 import itertools
 import logging
 import math
@@ -47,9 +48,11 @@ PROCESS_ID_ENV = "JAX_PROCESS_ID"
 def initialize() -> None:
   """Joins a multi-process run when the environment describes one; a no-op otherwise.
 
-  - our launchers: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
+  - our launchers: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; each process
+    drives every device of its host (JAX_LOCAL_DEVICE_IDS, when set, chooses);
   - Cloud TPU VMs (TPU_WORKER_HOSTNAMES with several hosts, or Megascale) and SLURM jobs of
-    several tasks: JAX's own detection;
+    several tasks: JAX's own detection, except that a SLURM task alone on its node drives
+    every GPU of it (JAX would give it GPU <SLURM_LOCALID>, for one task per GPU);
   - on CPU (simulated devices, one machine), collectives go over gloo.
   Every entry point calls this first; a single process runs exactly as before.
   """
@@ -63,10 +66,13 @@ def initialize() -> None:
     if num_processes <= 1:
       return
     _use_cpu_collectives_if_cpu()
+    # All three given: no cluster detection, whose SLURM rule would hide all GPUs but one.
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=int(os.environ[PROCESS_ID_ENV]))
+                               process_id=int(os.environ[PROCESS_ID_ENV]),
+                               cluster_detection_method="deactivate")
   elif "," in tpu_hosts or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS") or slurm_tasks > 1:
-    jax.distributed.initialize()
+    _use_cpu_collectives_if_cpu()
+    jax.distributed.initialize(local_device_ids=_slurm_node_gpus())
   else:
     return
   # Gloo (CPU collectives) connects a group of devices at its first collective and gives up
@@ -78,6 +84,19 @@ def initialize() -> None:
                ("processes", "local_devices")))
   logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def _slurm_node_gpus() -> list[int] | None:
+  """Every GPU of the node when each SLURM task has a node of its own (CUDA_VISIBLE_DEVICES,
+  else the node's /dev/nvidia<N>); None otherwise (JAX's choice)."""
+  nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 0)
+  if not nodes or int(os.environ.get("SLURM_NTASKS") or 0) != nodes or os.environ.get(
+      "JAX_LOCAL_DEVICE_IDS"):
+    return None
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+  count = (len(visible.split(",")) if visible.strip()
+           else len(glob.glob("/dev/nvidia[0-9]*")))
+  return list(range(count)) or None
 
 
 def _use_cpu_collectives_if_cpu() -> None:

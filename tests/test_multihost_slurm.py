@@ -1,0 +1,70 @@
+"""Joining a run under SLURM, as launch/slurm.sbatch starts it (our JAX_* variables) and as a
+bare `srun` does (JAX's SLURM detection): with one task per node, each process drives every
+GPU of its node, not GPU <SLURM_LOCALID> alone. Two CPU processes on this machine stand for
+two nodes; the GPUs a process would drive are JAX's `jax_cuda_visible_devices`."""
+
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = """
+import jax
+from jax._src import xla_bridge
+from sage_jax import multihost
+multihost.initialize()
+print("visible", jax.process_index(), jax.process_count(), xla_bridge.CUDA_VISIBLE_DEVICES.value)
+"""
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run(per_process_env):
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SLURM_", "JAX_", "TPU_", "MEGASCALE_", "CUDA_"))}
+  env.pop("XLA_FLAGS", None)
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  procs = [subprocess.Popen([sys.executable, "-c", CHILD], env={**env, **extra}, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for extra in per_process_env]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-3000:]
+  return sorted(line.split()[1:] for out in outputs for line in out.splitlines()
+                if line.startswith("visible "))
+
+
+def _slurm(task: int, job_id: int, visible: str = "0,1,2,3") -> dict[str, str]:
+  """What srun sets in task `task` of a 2-node job with one task per node."""
+  return {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_NODELIST": "localhost",
+          "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS": "2", "SLURM_NNODES": "2",
+          "SLURM_JOB_NUM_NODES": "2", "SLURM_PROCID": str(task), "SLURM_LOCALID": "0",
+          "SLURM_NODEID": str(task), "CUDA_VISIBLE_DEVICES": visible}
+
+
+def test_slurm_sbatch_tasks_drive_every_gpu_of_their_node():
+  port = _free_port()
+  job = random.randrange(10_000, 1_000_000)
+  ours = [{**_slurm(i, job), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)} for i in (0, 1)]
+  # The launcher's variables name every process; JAX's default then shows every device.
+  assert _run(ours) == [["0", "2", "all"], ["1", "2", "all"]]
+
+
+@pytest.mark.parametrize("visible", ["0,1,2,3", "4,5"])
+def test_bare_srun_tasks_alone_on_their_node_drive_every_gpu_of_it(visible):
+  # JAX's SLURM detection takes the coordinator port from the job id.
+  job = random.randrange(10_000, 1_000_000)
+  count = len(visible.split(","))
+  expected = ",".join(map(str, range(count)))
+  assert _run([_slurm(i, job, visible) for i in (0, 1)]) == [
+      ["0", "2", expected], ["1", "2", expected]]
