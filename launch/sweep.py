@@ -47,9 +47,20 @@ class Run:
   flags: dict = dataclasses.field(default_factory=dict)  # the entry point's own
 
 
+def split_spec(spec: str) -> list[str]:
+  """`path[:arg[:arg...]]` -> [path, *args]; an argument may be a URL (`gs://b/run`)."""
+  parts: list[str] = []
+  for part in spec.split(":"):
+    if parts and part.startswith("//") and parts[-1].isidentifier():
+      parts[-1] += ":" + part
+    else:
+      parts.append(part)
+  return parts
+
+
 def load_sweep(spec: str) -> dict:
   """`path[:arg[:arg...]]` -> the sweep its `get_sweep(*args)` returns."""
-  path, *args = spec.split(":")
+  path, *args = split_spec(spec)
   if not os.path.exists(path):
     raise FileNotFoundError(f"sweep file {path!r} does not exist")
   module_spec = importlib.util.spec_from_file_location("sweep_definition", path)
@@ -103,7 +114,7 @@ def commands_for(run: Run, launcher: str, *, project=None, zone=None,
       raise ValueError(f"launcher tpu_pod needs --{', --'.join(missing)}")
     return tpu_pod.build(project=project, zone=zone, tpu=tpu.format(name=run.name),
                          config=run.config, workdir=run.workdir, overrides=run.overrides,
-                         module=module, entry_flags=run.flags)
+                         module=module, entry_flags=run.flags)  # started, not followed
   raise ValueError(f"unknown launcher {launcher!r}; choose from {LAUNCHERS}")
 
 
@@ -115,6 +126,9 @@ def main(argv):
       raise app.UsageError(f"--module={FLAGS.module}: {FLAGS.sweep} runs {sweep['module']}")
     sweep = {**sweep, "module": FLAGS.module}
   runs = expand(sweep, FLAGS.workdir_root)
+  if FLAGS.launcher == "tpu_pod" and len(runs) > 1 and "{name}" not in (FLAGS.tpu or ""):
+    raise app.UsageError(f"--tpu={FLAGS.tpu}: {len(runs)} runs would share one slice; put "
+                         "{name} in it (e.g. --tpu=sage-{name}) for a slice per run")
   for run in runs:
     commands = commands_for(run, FLAGS.launcher, project=FLAGS.project, zone=FLAGS.zone,
                             tpu=FLAGS.tpu)

@@ -32,13 +32,14 @@ from launch import common  # noqa: E402
 
 
 ARCHIVE = "/tmp/sage_jax_code.tar.gz"
+JOIN_ENV = "SAGE_JAX_JOIN_TPU_POD"  # set on every worker: join the run (`multihost.initialize`)
 
 
 def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax.train",
           entry_flags=(), create=False, accelerator_type="v5p-64",
           runtime_version="v2-alpha-tpuv5", remote_dir="sage_jax",
           jax_tpu="jax[tpu]==0.10.2", queued=False, spot=False) -> list[list[str]]:
-  """The full list of commands, in order."""
+  """The commands that start the run, in order (`follow` shows its log)."""
   where = [f"--zone={zone}", f"--project={project}"]
   gcloud = ["gcloud", "compute", "tpus", "tpu-vm"]
   commands = []
@@ -68,16 +69,26 @@ def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={setup}"])
   entry = shlex.join(common.entry_command(config, workdir, overrides, module=module,
                                           entry_flags=entry_flags))
-  run = (f"cd {remote_dir} && . .venv/bin/activate && "
+  # The workers join one run through JAX's Cloud TPU detection (`multihost.initialize`).
+  run = (f"cd {remote_dir} && . .venv/bin/activate && {JOIN_ENV}=1 "
          f"setsid nohup {entry} > logs/$(hostname).log 2>&1 < /dev/null &")
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={run}"])
-  follow = f"tail -F {remote_dir}/logs/$(hostname).log"
-  commands.append(gcloud + ["ssh", tpu, "--worker=0", *where, f"--command={follow}"])
   return commands
+
+
+def follow(*, project, zone, tpu, remote_dir="sage_jax") -> list[str]:
+  """The command that shows worker 0's log as it grows (stopping it leaves the run)."""
+  return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", tpu, "--worker=0", f"--zone={zone}",
+          f"--project={project}", f"--command=tail -F {remote_dir}/logs/$(hostname).log"]
 
 
 def main(argv):
   del argv
+  if FLAGS.queued and not FLAGS.create:
+    raise app.UsageError("--queued asks for the slice as a queued resource: it needs --create")
+  if FLAGS.spot and not FLAGS.queued:
+    raise app.UsageError("--spot asks for spot capacity of a queued resource: it needs "
+                         "--create --queued")
   commands = build(project=FLAGS.project, zone=FLAGS.zone, tpu=FLAGS.tpu,
                    config=FLAGS.config, workdir=FLAGS.workdir,
                    overrides=common.parse_overrides(FLAGS.override), module=FLAGS.module,
@@ -85,17 +96,16 @@ def main(argv):
                    runtime_version=FLAGS.runtime_version, remote_dir=FLAGS.remote_dir,
                    jax_tpu=FLAGS.jax_tpu_requirement, queued=FLAGS.queued,
                    spot=FLAGS.spot)
-  if FLAGS.queued and not FLAGS.create:
-    raise app.UsageError("--queued asks for the slice as a queued resource: it needs --create")
+  log = follow(project=FLAGS.project, zone=FLAGS.zone, tpu=FLAGS.tpu,
+               remote_dir=FLAGS.remote_dir)
   if FLAGS.dry_run:
-    print(common.show(commands))
+    print(common.show([*commands, log]))
     return
-  *start, follow = commands
-  for cmd in start:
+  for cmd in commands:
     subprocess.run(cmd, check=True)
   print("started on every worker; worker 0's log (Ctrl-C stops following, not the run):",
         flush=True)
-  subprocess.run(follow, check=False)
+  subprocess.run(log, check=False)
 
 
 def define_flags():

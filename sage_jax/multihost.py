@@ -43,6 +43,9 @@ from sage_jax import sharding as shd
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAX_PROCESS_ID"
+# launch/tpu_pod.py sets it on every worker of a Cloud TPU slice, whose hosts JAX finds
+# through the VM metadata (TPU_WORKER_HOSTNAMES is GKE's).
+TPU_POD_ENV = "SAGE_JAX_JOIN_TPU_POD"
 
 
 def initialize() -> None:
@@ -50,8 +53,9 @@ def initialize() -> None:
 
   - our launchers: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; each process
     drives every device of its host (JAX_LOCAL_DEVICE_IDS, when set, chooses);
-  - Cloud TPU VMs (TPU_WORKER_HOSTNAMES with several hosts, or Megascale) and SLURM jobs of
-    several tasks: JAX's own detection, except that a SLURM task alone on its node drives
+  - Cloud TPU slices (launch/tpu_pod.py's SAGE_JAX_JOIN_TPU_POD=1, GKE's
+    TPU_WORKER_HOSTNAMES with several hosts, or Megascale) and SLURM jobs of several tasks:
+    JAX's own detection, except that a SLURM task alone on its node drives
     every GPU of it (JAX would give it GPU <SLURM_LOCALID>, for one task per GPU);
   - on CPU (simulated devices, one machine), collectives go over gloo.
   Every entry point calls this first; a single process runs exactly as before.
@@ -70,7 +74,8 @@ def initialize() -> None:
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=int(os.environ[PROCESS_ID_ENV]),
                                cluster_detection_method="deactivate")
-  elif "," in tpu_hosts or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS") or slurm_tasks > 1:
+  elif (os.environ.get(TPU_POD_ENV) == "1" or "," in tpu_hosts
+        or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS") or slurm_tasks > 1):
     _use_cpu_collectives_if_cpu()
     jax.distributed.initialize(local_device_ids=_slurm_node_gpus())
   else:

@@ -69,8 +69,11 @@ def test_tpu_pod_dry_run_prints_every_step():
   setup, run, follow = lines[3][-1], lines[4][-1], lines[5]
   assert "pip install -q -r requirements.txt -e ." in setup and "jax[tpu]==0.10.2" in setup
   # Detached from the ssh session, one log per worker.
-  assert ("setsid nohup python -m sage_jax.train --config=configs/sage.py:qwen2.5-32b "
-          "--workdir=/mnt/shared/run --config.seed=1 > logs/$(hostname).log") in run
+  assert ("SAGE_JAX_JOIN_TPU_POD=1 setsid nohup python -m sage_jax.train "
+          "--config=configs/sage.py:qwen2.5-32b --workdir=/mnt/shared/run --config.seed=1 > "
+          "logs/$(hostname).log") in run
+  from sage_jax import multihost  # noqa: PLC0415
+  assert tpu_pod.JOIN_ENV == multihost.TPU_POD_ENV  # what initialize() reads
   assert run.endswith("< /dev/null &")
   assert "--worker=0" in follow and follow[-1] == "--command=tail -F sage_jax/logs/$(hostname).log"
 
@@ -87,6 +90,9 @@ def test_tpu_pod_queued_resource_waits_until_active():
   assert lines[2][:2] == ["git", "archive"]
   no_create = subprocess.run(argv[:6] + argv[7:], cwd=REPO, capture_output=True, text=True)
   assert no_create.returncode != 0 and "needs --create" in no_create.stderr
+  # Spot capacity is a queued resource's: without --queued it would silently be on-demand.
+  on_demand = subprocess.run(argv[:7] + argv[8:], cwd=REPO, capture_output=True, text=True)
+  assert on_demand.returncode != 0 and "needs --create --queued" in on_demand.stderr
 
 
 def test_slurm_dry_run(tmp_path):
@@ -133,6 +139,8 @@ def test_multinode_without_hosts_fails_clearly():
     ("seeds.py", ["sage-seed0", "sage-seed1", "sage-seed2",
                   "grpo-seed0", "grpo-seed1", "grpo-seed2",
                   "grpo_matched-seed0", "grpo_matched-seed1", "grpo_matched-seed2"]),
+    ("seeds.py:demo:2", ["sage-seed0", "sage-seed1", "grpo-seed0", "grpo-seed1",
+                         "grpo_matched-seed0", "grpo_matched-seed1"]),
 ])
 def test_sweeps_expand(name, runs):
   expanded = sweep.expand(sweep.load_sweep(os.path.join(SWEEPS, name)), "runs/x")
@@ -190,6 +198,11 @@ def test_sweep_dry_run_for_every_launcher():
   assert multi_out.count("launch/multinode.sh") == 3
   tpu_out = _run(base + ["--launcher=tpu_pod", "--project=p", "--zone=z", "--tpu=pod-{name}"])
   assert "tpu-vm ssh pod-k1 --worker=all" in tpu_out
+  # Each run is started, not followed: a sweep's launcher must not block on the first log.
+  assert "tail -F" not in tpu_out and tpu_out.count("setsid nohup") == 3
+  shared = subprocess.run(base + ["--launcher=tpu_pod", "--project=p", "--zone=z",
+                                  "--tpu=pod"], cwd=REPO, capture_output=True, text=True)
+  assert shared.returncode != 0 and "3 runs would share one slice" in shared.stderr
 
 
 def test_readme_reward_ablation_dry_run():
@@ -229,6 +242,20 @@ def test_retrieval_sweep_evaluates_one_trained_run(tmp_path):
                           f"--sweep=configs/sweeps/retrieval.py:{run}", "--workdir_root=r",
                           "--dry_run"], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert wrong.returncode != 0 and "runs sage_jax.evaluate" in wrong.stderr
+
+
+def test_retrieval_sweep_evaluates_a_run_in_a_bucket(gcs_url):
+  from sage_jax import storage  # noqa: PLC0415
+  from tests import fake_gcs  # noqa: PLC0415
+
+  fake_gcs.create_bucket(gcs_url, "runs")
+  for step in ("3", "7"):
+    storage.write_text(f"gs://runs/sage/checkpoints/{step}/done", "")
+  assert sweep.split_spec("retrieval.py:gs://runs/sage:3") == [
+      "retrieval.py", "gs://runs/sage", "3"]
+  for spec, step in (("gs://runs/sage", 7), ("gs://runs/sage:3", 3)):
+    loaded = sweep.load_sweep(os.path.join(SWEEPS, f"retrieval.py:{spec}"))
+    assert loaded["flags"] == {"run": "gs://runs/sage", "step": step}
 
 
 def test_sweep_errors_are_clear():

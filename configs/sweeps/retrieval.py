@@ -9,16 +9,17 @@ STEP defaults to the run's latest RL checkpoint when the sweep is expanded, so t
 evaluates the same one.
 """
 
-import os
+from sage_jax import storage
 
 STRATEGIES = ("same_scenario", "query_ngram", "query_embedding", "skill_embedding")
 CHECKPOINTS = "checkpoints"  # the RL checkpoints under a run's workdir
 
 
 def latest_step(run_dir: str) -> int:
-  directory = os.path.join(run_dir, CHECKPOINTS)
-  steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(
-      directory) else []
+  """The run's latest finished RL checkpoint (a local directory or a bucket's)."""
+  directory = storage.path(run_dir) / CHECKPOINTS
+  steps = sorted(int(p.name) for p in directory.iterdir()
+                 if p.name.isdigit()) if directory.is_dir() else []
   if not steps:
     raise ValueError(f"{directory}: no checkpoint to evaluate; train the run first, or name "
                      "a step (retrieval.py:RUN_DIR:STEP)")

@@ -20,7 +20,9 @@ def _stage(name: str, preset: str):
   return module.get_config(preset)
 
 
-def get_sweep(preset: str = "qwen2.5-7b", num_seeds: int = 3):
+def get_sweep(preset: str = "qwen2.5-7b", num_seeds: int | str = 3):
+  """`seeds.py[:PRESET[:NUM_SEEDS]]`."""
+  num_seeds = int(num_seeds)
   sage, baseline = _stage("sage", preset), _stage("grpo", preset)
   sage_episodes = (sage.pipeline.chains_per_step * sage.grpo.group_size
                    * sage.grpo.chain_length)
