@@ -153,6 +153,31 @@ def test_sample_frequencies_follow_the_filtered_distribution(temperature, top_k,
                              atol=1e-5)
 
 
+def test_no_draw_picks_a_token_the_filters_removed():
+  """At every u in (0, 1], u = 1 included (a uniform draw of exactly 0), the token drawn has
+  positive probability, however the cumulative sums round: a Qwen-wide row whose few kept
+  tokens lie anywhere in it, the last ones far from its end."""
+  from sage_jax.sampler.sampling import _inverse_cdf  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  rows, vocab = 256, 151936
+  probs = np.zeros((rows, vocab), np.float32)
+  for row in probs:
+    kept = rng.choice(vocab - 200, size=int(rng.integers(2, 300)), replace=False)
+    row[kept] = rng.random(len(kept))
+    row /= row.sum()
+  draw = jax.jit(_inverse_cdf)
+  for u in (np.ones(rows), rng.random(rows), 1 - rng.random(rows) * 1e-6):
+    tokens = np.asarray(draw(jnp.asarray(probs), jnp.asarray(u, jnp.float32)))
+    assert (probs[np.arange(rows), tokens] > 0).all()
+
+
+def test_greedy_on_a_diverged_row_stays_in_the_vocabulary():
+  logits = jnp.asarray([[0.0, 2.0, np.nan, 5.0, np.nan], [1.0, 3.0, 3.0, 0.0, -1.0]])
+  tokens, _, _ = sample(logits, jnp.zeros(2), jnp.ones(2), jnp.zeros(2, jnp.int32),
+                        jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32), candidates=4)
+  assert np.asarray(tokens).tolist() == np.asarray(jnp.argmax(logits, -1)).tolist() == [2, 1]
+
+
 def test_seeded_sampling_is_independent_of_slot_and_batch(model):
   a, b, c = _prompts([12, 30, 7], seed=2)
   params = SamplingParams(temperature=1.0, max_new_tokens=12)

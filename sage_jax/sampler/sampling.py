@@ -55,31 +55,41 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def _first_argmax(x: jax.Array) -> jax.Array:
-  """argmax over the last axis (first index of the max): two plain reductions, which XLA
-  CPU runs several times faster than its variadic argmax reduction."""
-  top = jnp.max(x, axis=-1, keepdims=True)
+  """argmax over the last axis (first index of the max, or of the first NaN, as
+  `jnp.argmax` and torch's give): two plain reductions, which XLA CPU runs several times
+  faster than its variadic argmax reduction."""
+  top = jnp.max(x, axis=-1, keepdims=True)  # NaN when the row holds one
   idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
-  return jnp.min(jnp.where(x == top, idx, x.shape[-1]), axis=-1)
+  return jnp.min(jnp.where((x == top) | jnp.isnan(x), idx, x.shape[-1]), axis=-1)
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, idx[:, None], axis=-1)[:, 0]
 
 
+def _last_positive(x: jax.Array) -> jax.Array:
+  """Index of each row's last positive entry (0 if none)."""
+  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.max(jnp.where(x > 0, idx, 0), axis=-1)
+
+
 def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
-  """Index i of each row with cdf[i-1] < u * total <= cdf[i]; zero-probability tokens are
-  never chosen for u in (0, 1]. Cumulative sums run over blocks, then inside one block."""
+  """Index i of each row with cdf[i-1] < u * total <= cdf[i]. Cumulative sums run over
+  blocks, then inside one block; where their rounding puts u * total past the end of a block
+  or of the row (u = 1), the last positive entry before it is taken, so a zero-probability
+  (filtered-out) token is never chosen."""
   rows, vocab = probs.shape
   padded = -(-vocab // _CDF_BLOCK) * _CDF_BLOCK
   blocks = jnp.pad(probs, ((0, 0), (0, padded - vocab))).reshape(rows, -1, _CDF_BLOCK)
-  block_cdf = jnp.cumsum(blocks.sum(-1), axis=-1)
+  block_sums = blocks.sum(-1)
+  block_cdf = jnp.cumsum(block_sums, axis=-1)
   target = u * block_cdf[:, -1]
-  block = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), block_cdf.shape[1] - 1)
+  block = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), _last_positive(block_sums))
   before = jnp.where(block > 0, _take(block_cdf, jnp.maximum(block - 1, 0)), 0.0)
   inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
   inner_cdf = jnp.cumsum(inner, axis=-1) + before[:, None]
-  offset = jnp.minimum(jnp.sum(inner_cdf < target[:, None], axis=-1), _CDF_BLOCK - 1)
-  return jnp.minimum(block * _CDF_BLOCK + offset, vocab - 1).astype(jnp.int32)
+  offset = jnp.minimum(jnp.sum(inner_cdf < target[:, None], axis=-1), _last_positive(inner))
+  return (block * _CDF_BLOCK + offset).astype(jnp.int32)
 
 
 def _nucleus_by_bisection(probs: jax.Array, target: jax.Array) -> jax.Array:
