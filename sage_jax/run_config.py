@@ -308,6 +308,10 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
     raise ConfigError("config.model.vocabulary: 'compact' is cut to the SFT corpus, which "
                       "expert.source='self' samples from the model itself; use the gold "
                       "trajectories or the full vocabulary")
+  if rollout.single_task and rollout.chain_length != 1:
+    raise ConfigError(f"config.grpo.chain_length: {rollout.chain_length} with "
+                      "grpo.single_task=True, whose rollouts are single tasks (K = 1, the "
+                      "GRPO baseline); set chain_length=1, or single_task=False for chains")
   if rollout.effective_chain_length > TASKS_PER_SCENARIO:
     raise ConfigError(f"config.grpo.chain_length: {rollout.chain_length} exceeds the "
                       f"{TASKS_PER_SCENARIO} tasks of an AppWorld scenario")

@@ -66,6 +66,11 @@ def _with(overrides, devices=1):
     ({"grpo.group_size": 1, "grpo.advantage_estimator": "drgrpo"}, 1,
      r"config.grpo.group_size: 1 leaves no group.*'drgrpo' advantage is 0"),
     ({"grpo.chain_length": 4}, 1, r"config.grpo.chain_length: 4 exceeds the 3 tasks"),
+    ({"grpo.chain_length": 2, "grpo.single_task": True}, 1,
+     r"config.grpo.chain_length: 2 with grpo.single_task=True, whose rollouts are single"),
+    ({"model.dtype": "bf16"}, 1, r"config.model: dtype='bf16': unknown dtype 'bf16'; expected "
+                                 r"one of \['bfloat16', 'float16', 'float32'\]"),
+    ({"model.param_dtype": "fp32"}, 1, r"config.model: param_dtype='fp32': unknown dtype"),
     ({"pipeline.chains_per_step": 3, "grpo.group_size": 2, "mesh.data": 4, "mesh.fsdp": 1}, 4,
      r"config.pipeline.chains_per_step: 3 chains x grpo.group_size 2 = 6 rollouts per step, not "
      r"divisible by the mesh's data axis \(4\)"),

@@ -10,7 +10,8 @@ from jax.sharding import Mesh
 from sage_jax import sharding as shd
 from sage_jax.model import lora, ragged_decode
 from sage_jax.model.attention_kernels import check_implementation
-from sage_jax.model.config import Qwen2Config, check_attention_block, check_remat, get_preset
+from sage_jax.model.config import (Qwen2Config, check_attention_block, check_remat,
+                                   dtype_from_name, get_preset)
 from sage_jax.model.qwen2 import Qwen2, init_model
 from sage_jax.weights import gguf_import, hf
 
@@ -90,6 +91,12 @@ class ModelSpec:
     if self.vocabulary == "compact" and self.spec:
       raise ValueError("vocabulary='compact' applies to a randomly initialised preset, not to "
                        f"the trained weights of spec={self.spec!r}")
+    for key in ("param_dtype", "dtype"):
+      if getattr(self, key):
+        try:
+          dtype_from_name(getattr(self, key))
+        except ValueError as e:
+          raise ValueError(f"{key}={getattr(self, key)!r}: {e}") from None
     check_remat(self.remat)
     check_attention_block(self.attention_block)
     check_implementation(self.attention_impl)
