@@ -380,6 +380,9 @@ CPU_REMAT_FLAG = "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
 def main(argv) -> None:
   del argv
   config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+  if "eval" in config and "pipeline" not in config:
+    raise app.UsageError("--config is an evaluation config (configs/eval.py); run it with "
+                         "`python -m sage_jax.evaluate`")
   xla_flags = os.environ.get("XLA_FLAGS", "")
   if config.model.remat != "none" and "xla_cpu_scheduler_type" not in xla_flags:
     os.environ["XLA_FLAGS"] = f"{xla_flags} {CPU_REMAT_FLAG}".strip()

@@ -277,6 +277,12 @@ def test_bad_config_fails_before_compiling(tmp_path):
     assert out.returncode != 0
     assert key in out.stderr, (override, out.stderr[-2000:])
     assert not os.path.exists(tmp_path / "bad" / "config.json")
+  evaluation = subprocess.run([sys.executable, "-m", "sage_jax.train",
+                               "--config=configs/eval.py:demo", f"--workdir={tmp_path / 'bad'}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert evaluation.returncode != 0 and "run it with `python -m sage_jax.evaluate`" in (
+      evaluation.stderr), evaluation.stderr[-2000:]
+  assert not os.path.exists(tmp_path / "bad")
 
 
 def test_bad_workdir_fails_at_startup_by_name(gcs_url, tmp_path):
