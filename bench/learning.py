@@ -67,9 +67,10 @@ def run_arm(seed: str, rollout_seed: str, variant: str) -> dict:
   started = time.time()
   if not os.path.exists(os.path.join(workdir, "summary.json")):
     if not os.path.exists(workdir):
-      # The SFT result only (AppWorld's data link and outputs, and the summary, stay).
+      # The SFT result only (AppWorld's data link and outputs, the summary, and the config,
+      # which the arm's own replaces, stay).
       shutil.copytree(sft_only, workdir, symlinks=True,
-                      ignore=shutil.ignore_patterns("appworld", "summary.json"))
+                      ignore=shutil.ignore_patterns("appworld", "summary.json", "config.json"))
     arm = (("--config.reward.variant=sage", "--config.optimizer.learning_rate=0.0")
            if variant == "frozen" else (f"--config.reward.variant={variant}",))
     if rollout_seed != "derived":

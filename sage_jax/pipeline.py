@@ -26,7 +26,9 @@ loops continue from their latest checkpoint. A SIGTERM (a preemption) stops the 
 step in progress, with a checkpoint of it: no later stage, evaluation or export runs, and the
 command exits with status 143 (what an unhandled SIGTERM gives) so that a scheduler or retry
 loop runs it again. An evaluation done before is redone when the weights it scored have
-changed since (a rerun with more steps evaluates the new last step).
+changed since (a rerun with more steps evaluates the new last step). A rerun may change how
+long and how the run goes (steps, layout, evaluation; `run_config.RESUMABLE_KEYS`), not the
+experiment its checkpoints belong to: that fails, naming the keys changed.
 
   python -m sage_jax.pipeline --config=configs/sage.py:<preset> --workdir=DIR
 
@@ -99,6 +101,9 @@ class Pipeline:
     memory_plan.check_fits(self.run, jax.local_devices()[0])
     self.workdir = storage.open_workdir(workdir, flag="--workdir")
     self.config_dict = run_config.with_seeds(config, self.run)
+    recorded = storage.read_json(self.workdir / "config.json")
+    if recorded is not None:
+      run_config.check_resume(recorded, self.config_dict, f"{workdir}/config.json")
     _write_json(self.workdir / "config.json", self.config_dict)
     p = self.run.pipeline
     self.root = appworld.resolve_root(p.data)

@@ -9,6 +9,7 @@ unknown key, a wrong type or an inconsistent combination, before anything is com
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import types
 import typing
@@ -160,6 +161,42 @@ def with_seeds(config: Any, run: "RunConfig") -> dict:
   for name in SEEDED_SECTIONS:
     out[name] = {**(out.get(name) or {}), "seed": getattr(run, name).seed}
   return out
+
+
+# Keys (or sections, ending in ".") a rerun into an existing workdir may change: how long it
+# runs, how it is laid out, checkpointed, evaluated and reported, where its data lies. Any
+# other change would resume the run's checkpoints under another experiment.
+RESUMABLE_KEYS = (
+    "rl.total_steps", "rl.eval_every", "sft.total_steps", "sft.eval_every", "sft.save_every",
+    "sft.logprob_chunk", "grpo.logprob_chunk", "checkpoint.", "engine.", "pool.", "mesh.",
+    "sampler_mesh.", "metrics.", "eval.", "batch.", "trainer.", "model.remat",
+    "model.remat_layers", "model.attention_block", "model.attention_impl",
+    "model.decode_attention_impl", "pipeline.compilation_cache_dir", "pipeline.eval_before",
+    "pipeline.eval_after", "pipeline.eval_train", "pipeline.export", "pipeline.plot",
+    "pipeline.stages", "pipeline.data", "pipeline.expert_trajectories", "expert.num_workers",
+    "expert.appworld_root", "expert.outputs_root")
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+  if isinstance(value, dict):
+    return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+  return {prefix[:-1]: value}
+
+
+def check_resume(recorded: dict, config: dict, source: str) -> None:
+  """Raises ConfigError when `config` (as `with_seeds` gives it) changes a key of the
+  experiment that `recorded` (the workdir's config.json, at `source`) started."""
+  normal = lambda d: _flat(json.loads(json.dumps(d, default=str)))
+  old, new = normal(recorded), normal(config)
+  changed = sorted(k for k in old.keys() | new.keys()
+                   if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_KEYS))
+  if changed:
+    shown = "; ".join(f"config.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:10])
+    raise ConfigError(
+        f"{source} records the run this workdir holds, and this config changes "
+        f"{len(changed)} of its settings ({shown}{' ...' if len(changed) > 10 else ''}); "
+        "resuming would continue its checkpoints under another experiment. Use a new "
+        "--workdir, or move that config.json aside to resume under the new settings")
 
 
 @dataclasses.dataclass(frozen=True)

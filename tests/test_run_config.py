@@ -14,7 +14,8 @@ from sage_jax import run_config
 from sage_jax.configurable import ConfigError
 from sage_jax.weights.loader import ModelSpec, build_model
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, "configs")
 # Devices each preset is sized for: a CPU, one GPU, one 8-GPU node, a v5p-64 slice (32 chips).
 PRESETS = {"demo": 1, "qwen2.5-coder-0.5b": 1, "qwen2.5-7b": 8, "qwen2.5-32b": 32,
            "qwen2.5-32b-lora": 8}
@@ -222,3 +223,47 @@ def test_tuple_and_unset_keys_can_be_overridden_on_the_command_line(tmp_path):
   with pytest.raises(ConfigError, match="stages"):
     run_config.resolve(config)
 
+
+
+def _recorded(config):
+  return run_config.with_seeds(config, run_config.resolve(config))
+
+
+def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
+  """The workdir's config.json records the experiment its checkpoints belong to: a rerun may
+  run it longer, lay it out, evaluate and checkpoint it otherwise, not change what it trains."""
+  recorded = _recorded(_config("sage", "demo"))
+  longer = _config("sage", "demo")
+  longer.rl.total_steps += 10
+  longer.engine.num_slots = 4
+  longer.pipeline.stages = ("rl",)
+  longer.checkpoint.keep_last = 7
+  run_config.check_resume(recorded, _recorded(longer), "run/config.json")
+  other = _config("sage", "demo")
+  other.optimizer.learning_rate = 1e-6
+  other.seed = 5
+  with pytest.raises(ConfigError, match=r"run/config.json records the run this workdir holds, "
+                     r"and this config changes \d+ of its settings \(.*config.optimizer."
+                     r"learning_rate: 0.0003 -> 1e-06.*config.seed: 0 -> 5.*move that "
+                     r"config.json aside"):
+    run_config.check_resume(recorded, _recorded(other), "run/config.json")
+  # What the file holds after a JSON round trip (tuples as lists) is the same config.
+  import json  # noqa: PLC0415
+  run_config.check_resume(json.loads(json.dumps(recorded)), recorded, "run/config.json")
+
+
+def test_train_refuses_to_resume_a_workdir_under_another_experiment(tmp_path):
+  import json  # noqa: PLC0415
+  config = _config("sage", "demo")
+  config.grpo.group_size = 8
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  text = json.dumps(_recorded(config), default=str)
+  (workdir / "config.json").write_text(text)
+  out = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                        f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env={**{k: v for k, v in os.environ.items()
+                                            if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode != 0
+  assert "config.grpo.group_size: 8 -> 4" in out.stderr, out.stderr[-3000:]
+  assert (workdir / "config.json").read_text() == text  # the record stays

@@ -2,7 +2,7 @@
 
 Layout under `CheckpointConfig.directory`:
 
-  config.json              the run's config (written once, atomically)
+  config.json              the run's config (written atomically at each start)
   <step>/state/            the TrainState (params, optimiser state, step, RNG), sharded arrays
   <step>/meta/             JSON: the loop's position (next step), seeds, dev metrics
 
