@@ -8,6 +8,8 @@
 # this checkout's path) with its venv in .venv, and the workdir on a shared filesystem or in a
 # bucket every host reaches (--workdir=gs://bucket/run).
 # Logs: $SAGE_JAX_DIR/logs/<host>.log on each host. DRY_RUN=1 prints the ssh commands.
+# Ctrl-C (or SIGTERM) here sends SIGTERM to every host's process once, over ssh: each saves a
+# checkpoint after its step and stops (a second Ctrl-C leaves them to it).
 set -euo pipefail
 
 if [[ -z "${HOSTS:-}" ]]; then
@@ -21,12 +23,14 @@ COORDINATOR_PORT="${COORDINATOR_PORT:-12345}"
 coordinator="${hosts[0]}:$COORDINATOR_PORT"
 args="$(printf '%q ' "$@")"
 
+dir="$(printf '%q' "$SAGE_JAX_DIR")"
 pids=()
 for i in "${!hosts[@]}"; do
   host="${hosts[$i]}"
-  remote="cd $(printf '%q' "$SAGE_JAX_DIR") && mkdir -p logs && . .venv/bin/activate && \
+  # `exec` keeps the shell's pid, written first, for the process: what stop() signals.
+  remote="cd $dir && mkdir -p logs && . .venv/bin/activate && echo \$\$ > logs/$host.pid && \
 JAX_COORDINATOR_ADDRESS=$coordinator JAX_NUM_PROCESSES=${#hosts[@]} JAX_PROCESS_ID=$i \
-python -m $SAGE_JAX_MODULE $args > logs/$host.log 2>&1"
+exec python -m $SAGE_JAX_MODULE $args > logs/$host.log 2>&1"
   if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf 'ssh %q %q\n' "$host" "$remote"
   else
@@ -37,8 +41,24 @@ python -m $SAGE_JAX_MODULE $args > logs/$host.log 2>&1"
   fi
 done
 
+# shellcheck disable=SC2317  # run by the trap below
+stop() {
+  trap - INT TERM
+  echo "multinode.sh: stopping every process after its step (SIGTERM)" >&2
+  for host in "${hosts[@]}"; do
+    # shellcheck disable=SC2029
+    ssh "$host" "kill -TERM \$(cat $dir/logs/$host.pid)" || true
+  done
+}
+trap stop INT TERM
+
 status=0
 for pid in "${pids[@]}"; do
-  wait "$pid" || status=$?
+  while :; do
+    rc=0
+    wait "$pid" || rc=$?
+    kill -0 "$pid" 2> /dev/null || break  # else a signal ended the wait, not the process
+  done
+  if [[ $rc -ne 0 ]]; then status=$rc; fi
 done
 exit "$status"

@@ -121,8 +121,53 @@ def test_multinode_dry_run():
   assert [l[:2] for l in lines] == [["ssh", "h0"], ["ssh", "h1"], ["ssh", "h2"]]
   for i, (_, _, remote) in enumerate(lines):
     assert (f"JAX_COORDINATOR_ADDRESS=h0:12345 JAX_NUM_PROCESSES=3 JAX_PROCESS_ID={i} "
-            "python -m sage_jax.train --config=configs/sage.py:qwen2.5-7b "
+            "exec python -m sage_jax.train --config=configs/sage.py:qwen2.5-7b "
             "--workdir=/shared/run") in remote
+    assert f"echo $$ > logs/h{i}.pid" in remote  # what Ctrl-C at the launcher signals
+
+
+def test_multinode_ctrl_c_stops_every_host_process_once(tmp_path):
+  """Ctrl-C at the launcher reaches every host's process as one SIGTERM (which a run answers
+  by saving a checkpoint after its step); `ssh` here runs the command in a session of its
+  own on this machine, as a remote shell runs beyond the reach of the launcher's terminal."""
+  import signal  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  bin_dir, code = tmp_path / "bin", tmp_path / "code"
+  bin_dir.mkdir()
+  (bin_dir / "ssh").write_text('#!/bin/sh\nshift\nexec setsid bash -c "$*"\n')
+  (bin_dir / "ssh").chmod(0o755)
+  (code / ".venv" / "bin").mkdir(parents=True)
+  (code / ".venv" / "bin" / "activate").write_text("")
+  (code / "job.py").write_text(
+      "import os, signal, sys, time\n"
+      "def stop(*_):\n"
+      "  open(f'stopped_{os.environ[\"JAX_PROCESS_ID\"]}', 'a').write('SIGTERM\\n')\n"
+      "  sys.exit(143)\n"
+      "signal.signal(signal.SIGTERM, stop)\n"
+      "time.sleep(300)\n")
+  env = {**os.environ, "HOSTS": "h0 h1", "SAGE_JAX_DIR": str(code), "SAGE_JAX_MODULE": "job",
+         "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+  launcher = subprocess.Popen(["bash", "launch/multinode.sh", "--workdir=w"], cwd=REPO, env=env,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+  pid_files = [code / "logs" / f"h{i}.pid" for i in (0, 1)]
+  try:
+    deadline = time.time() + 60
+    while not all(p.exists() and p.read_text().strip() for p in pid_files):
+      assert time.time() < deadline and launcher.poll() is None
+      time.sleep(0.2)
+    time.sleep(0.5)  # the processes are running Python by now
+    os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in its terminal sends
+    _, err = launcher.communicate(timeout=60)
+  finally:
+    launcher.kill()
+    for pid_file in pid_files:  # nothing left running if the test failed
+      if pid_file.exists() and pid_file.read_text().strip():
+        subprocess.run(["kill", "-9", pid_file.read_text().strip()], check=False,
+                       stderr=subprocess.DEVNULL)
+  assert launcher.returncode == 143, err
+  assert "stopping every process after its step" in err
+  for i in (0, 1):
+    assert (code / f"stopped_{i}").read_text() == "SIGTERM\n"
 
 
 def test_multinode_without_hosts_fails_clearly():
