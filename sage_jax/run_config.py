@@ -73,8 +73,10 @@ class PipelineConfig:
 
   def __post_init__(self):
     unknown = [s for s in self.stages if s not in STAGES]
-    if unknown or len(set(self.stages)) != len(self.stages):
-      raise ValueError(f"stages={self.stages}: each of {STAGES} at most once")
+    if (unknown or len(set(self.stages)) != len(self.stages)
+        or list(self.stages) != [s for s in STAGES if s in self.stages]):
+      raise ValueError(f"stages={self.stages}: each of {STAGES} at most once, in that order "
+                       "(RL starts from SFT's result)")
     if self.chains_per_step < 1:
       raise ValueError(f"chains_per_step must be >= 1, got {self.chains_per_step}")
     if self.train_scenarios < 0:

@@ -72,6 +72,8 @@ def _with(overrides, devices=1):
     ({"model.dtype": "bf16"}, 1, r"config.model: dtype='bf16': unknown dtype 'bf16'; expected "
                                  r"one of \['bfloat16', 'float16', 'float32'\]"),
     ({"model.param_dtype": "fp32"}, 1, r"config.model: param_dtype='fp32': unknown dtype"),
+    ({"pipeline.stages": ("rl", "sft")}, 1, r"config.pipeline: stages=\('rl', 'sft'\): each "
+                                            r"of \('sft', 'rl'\) at most once, in that order"),
     ({"pipeline.chains_per_step": 3, "grpo.group_size": 2, "mesh.data": 4, "mesh.fsdp": 1}, 4,
      r"config.pipeline.chains_per_step: 3 chains x grpo.group_size 2 = 6 rollouts per step, not "
      r"divisible by the mesh's data axis \(4\)"),
