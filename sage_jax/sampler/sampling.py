@@ -112,7 +112,8 @@ def _nucleus_by_bisection(probs: jax.Array, target: jax.Array) -> jax.Array:
 def _filter_threshold(probs: jax.Array, top_k: jax.Array, top_p: jax.Array,
                       candidates: int) -> jax.Array:
   """Per-row probability threshold: tokens with p >= threshold survive top-k, then top-p
-  on the renormalised top-k distribution (HF's order). top_k must be <= candidates."""
+  on the renormalised top-k distribution (HF's order); tokens tied with the last one kept
+  are kept too. top_k must be <= candidates."""
   c = min(candidates, probs.shape[-1])
   vals = jax.lax.top_k(probs, c)[0]  # [rows, c], descending
   csum = jnp.cumsum(vals, axis=-1)
