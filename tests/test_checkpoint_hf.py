@@ -102,6 +102,14 @@ def test_wrong_shape_names_file_and_tensor(src):
     hf.load_hf(str(src / "src"))
 
 
+def test_integer_weights_are_refused_not_cast(src):
+  f = src / "src" / "model.safetensors"
+  name = "model.layers.0.self_attn.q_proj.weight"
+  _rewrite(f, lambda t: t.__setitem__(name, t[name].astype(np.int32)))
+  with pytest.raises(hf.CheckpointError, match=rf"{name}' is int32, expected floating-point"):
+    hf.load_hf(str(src / "src"))
+
+
 def test_unknown_tensor_names_it(src):
   f = src / "src" / "model.safetensors"
   _rewrite(f, lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", np.zeros(3, np.float32)))

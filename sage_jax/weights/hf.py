@@ -192,6 +192,9 @@ def load_tensors(cfg: Qwen2Config, tensors: Iterable[tuple[str, str, np.ndarray]
     if tuple(array.shape) != want:
       raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                             f"the config expects {want}")
+    if not jnp.issubdtype(array.dtype, jnp.floating):  # quantised or damaged: not to cast
+      raise CheckpointError(f"{source}: tensor {name!r} is {np.dtype(array.dtype).name}, "
+                            "expected floating-point weights")
     value = array.reshape(target.shape).astype(target.dtype)
     loaded[path] = _place(value, shd.logical_axes_of(var), mesh, rules)
   missing = sorted(set(expected) - set(loaded))
