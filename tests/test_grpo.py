@@ -218,6 +218,10 @@ def test_loss_weights_direct():
   np.testing.assert_allclose(np.concatenate(w), [1 / 2, 1 / 2, 0, 1 / 2, 0, 1 / 2, 0, 0])
   w = B.loss_weights(masks, "seq-mean-token-sum-norm", norm_constant=4)
   np.testing.assert_allclose(np.concatenate(w), [1 / 4, 1 / 4, 0, 1 / 4, 0, 1 / 4, 0, 0])
+  # No sequence holds a trained token: every weight is 0 (no NaN reaches the update).
+  for mode in B.AGGREGATIONS:
+    w = B.loss_weights([np.zeros(3), np.zeros(2)], mode, norm_constant=4)
+    np.testing.assert_array_equal(np.concatenate(w), 0.0)
   with pytest.raises(ValueError, match="norm_constant"):
     B.loss_weights(masks, "seq-mean-token-sum-norm")
   with pytest.raises(ValueError, match="unknown aggregation"):

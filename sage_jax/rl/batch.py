@@ -242,7 +242,7 @@ def loss_weights(masks: Sequence[np.ndarray], aggregation: str = "token-mean",
   if aggregation == "seq-mean-token-mean":
     return [m / (n * m.sum()) if m.sum() else m * 0 for m in masks]
   if aggregation == "seq-mean-token-sum":
-    return [m / n for m in masks]
+    return [m / n if n else m * 0 for m in masks]
   if aggregation == "seq-mean-token-sum-norm":
     if not norm_constant or norm_constant <= 0:
       raise ValueError("seq-mean-token-sum-norm needs a positive norm_constant")
