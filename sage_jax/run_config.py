@@ -166,17 +166,20 @@ def with_seeds(config: Any, run: "RunConfig") -> dict:
 
 
 # Keys (or sections, ending in ".") a rerun into an existing workdir may change: how long it
-# runs, how it is laid out, checkpointed, evaluated and reported, where its data lies. Any
-# other change would resume the run's checkpoints under another experiment.
+# runs and how it is laid out, checkpointed, evaluated and reported. Any other change (the
+# data, what the model sees or samples with, the objective, the seeds) would resume the run's
+# checkpoints under another experiment. `pipeline.stages` may gain stages, not lose them.
 RESUMABLE_KEYS = (
     "rl.total_steps", "rl.eval_every", "sft.total_steps", "sft.eval_every", "sft.save_every",
-    "sft.logprob_chunk", "grpo.logprob_chunk", "checkpoint.", "engine.", "pool.", "mesh.",
-    "sampler_mesh.", "metrics.", "eval.", "batch.", "trainer.", "model.remat",
+    "sft.logprob_chunk", "grpo.logprob_chunk", "checkpoint.", "metrics.", "eval.", "batch.",
+    "mesh.", "sampler_mesh.tensor", "trainer.skip_empty_micro_batches", "engine.num_slots",
+    "engine.prefill_buckets", "engine.min_attend", "engine.steps_per_call", "engine.max_top_k",
+    "pool.num_workers", "pool.start_timeout_s", "pool.call_timeout_s", "pool.kill_grace_s",
+    "pool.log_dir", "pool.outputs_root", "pool.keep_outputs", "pool.data_check_cache",
+    "pool.use_servers", "expert.num_workers", "expert.outputs_root", "model.remat",
     "model.remat_layers", "model.attention_block", "model.attention_impl",
     "model.decode_attention_impl", "pipeline.compilation_cache_dir", "pipeline.eval_before",
-    "pipeline.eval_after", "pipeline.eval_train", "pipeline.export", "pipeline.plot",
-    "pipeline.stages", "pipeline.data", "pipeline.expert_trajectories", "expert.num_workers",
-    "expert.appworld_root", "expert.outputs_root")
+    "pipeline.eval_after", "pipeline.eval_train", "pipeline.export", "pipeline.plot")
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -187,13 +190,19 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def check_resume(recorded: dict, config: dict, source: str) -> None:
   """Raises ConfigError when `config` (as `with_seeds` gives it) changes a key of the
-  experiment that `recorded` (the workdir's config.json, at `source`) started."""
+  experiment that `recorded` (the workdir's config.json, at `source`) started. Keys only one
+  of them has (added or dropped by another version of this code) are not compared; a config
+  that does not resume (`checkpoint.resume=False`) is not checked."""
+  if not config.get("checkpoint", {}).get("resume", True):
+    return
   normal = lambda d: _flat(json.loads(json.dumps(d, default=str)))
   old, new = normal(recorded), normal(config)
-  changed = sorted(k for k in old.keys() | new.keys()
-                   if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_KEYS))
+  changed = sorted(k for k in old.keys() & new.keys()
+                   if old[k] != new[k] and not k.startswith(RESUMABLE_KEYS))
+  if "pipeline.stages" in changed and set(old["pipeline.stages"]) <= set(new["pipeline.stages"]):
+    changed.remove("pipeline.stages")  # a stage added (e.g. RL after an SFT-only run)
   if changed:
-    shown = "; ".join(f"config.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:10])
+    shown = "; ".join(f"config.{k}: {old[k]!r} -> {new[k]!r}" for k in changed[:10])
     raise ConfigError(
         f"{source} records the run this workdir holds, and this config changes "
         f"{len(changed)} of its settings ({shown}{' ...' if len(changed) > 10 else ''}); "

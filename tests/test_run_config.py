@@ -238,7 +238,7 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
   longer = _config("sage", "demo")
   longer.rl.total_steps += 10
   longer.engine.num_slots = 4
-  longer.pipeline.stages = ("rl",)
+  longer.pipeline.eval_after = False
   longer.checkpoint.keep_last = 7
   run_config.check_resume(recorded, _recorded(longer), "run/config.json")
   other = _config("sage", "demo")
@@ -252,6 +252,26 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
   # What the file holds after a JSON round trip (tuples as lists) is the same config.
   import json  # noqa: PLC0415
   run_config.check_resume(json.loads(json.dumps(recorded)), recorded, "run/config.json")
+  # A key the record lacks (written by a version without it) is not compared.
+  older = json.loads(json.dumps(recorded))
+  del older["grpo"]["ratio_level"]
+  run_config.check_resume(older, recorded, "run/config.json")
+  # Each of these changes what the run trains on, sees or samples with.
+  for key, value in (("pipeline.data", "/data/appworld"), ("pipeline.stages", ("rl",)),
+                     ("engine.max_len", 1024), ("pool.max_output_chars", 100),
+                     ("sampler_mesh.param_dtype", "bfloat16"), ("trainer.seed", 3)):
+    changed = _config("sage", "demo")
+    section, field = key.split(".")
+    changed[section][field] = value
+    with pytest.raises(ConfigError, match=rf"config.{key}: "):
+      run_config.check_resume(recorded, _recorded(changed), "run/config.json")
+    # A rerun that does not resume starts the run again: any change goes.
+    changed.checkpoint.resume = False
+    run_config.check_resume(recorded, _recorded(changed), "run/config.json")
+  # RL added after an SFT-only run.
+  sft_only = _config("sage", "demo")
+  sft_only.pipeline.stages = ("sft",)
+  run_config.check_resume(_recorded(sft_only), recorded, "run/config.json")
 
 
 def test_train_refuses_to_resume_a_workdir_under_another_experiment(tmp_path):
