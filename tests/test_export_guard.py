@@ -52,6 +52,25 @@ def test_an_export_replaces_no_directory_beside_its_own(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["adapter", "adapter.tmp", "out", "out.tmp"]
 
 
+def test_a_killed_exports_directory_is_removed_by_the_next_and_a_link_is_followed(
+    model, tmp_path):
+  """A killed export leaves its directory (`<out>.tmp-<pid>-<hex>`): the next export to the
+  same target removes it once its process is gone. A target that is a link to a previous
+  export is replaced where the link points, the link kept."""
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  abandoned = tmp_path / f"out.tmp-{dead}-0123abcd"
+  (abandoned / "partial").mkdir(parents=True)
+  running = tmp_path / f"out.tmp-{os.getpid()}-89abcdef"  # an export still under way
+  running.mkdir()
+  hf.save_hf(model, str(tmp_path / "out"))
+  assert sorted(os.listdir(tmp_path)) == ["out", running.name]
+  os.rename(tmp_path / "out", tmp_path / "real")
+  os.symlink(tmp_path / "real", tmp_path / "out")
+  hf.save_hf(model, str(tmp_path / "out"))
+  assert os.path.islink(tmp_path / "out") and (tmp_path / "real" / hf.EXPORT_MARKER).exists()
+
+
 def test_an_export_interrupted_while_writing_the_adapters_leaves_the_previous_one(
     tmp_path, monkeypatch):
   """The merged weights, the PEFT adapters and the model card are all written before the

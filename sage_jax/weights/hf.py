@@ -260,6 +260,27 @@ def check_export_target(out_dir: str | os.PathLike, keep: Iterable[str] = ()) ->
                       f"{EXPORT_MARKER}); choose another output directory or remove it")
 
 
+def _remove_abandoned(out_dir: str) -> None:
+  """Removes the directories that exports to `out_dir` left when killed (named
+  `<out_dir>.tmp-<pid>-<8 hex>` by `export_dir`, their process no longer running here)."""
+  parent, name = os.path.split(out_dir)
+  pattern = re.compile(rf"{re.escape(name)}\.tmp-(\d+)-[0-9a-f]{{8}}")
+  for entry in os.listdir(parent) if os.path.isdir(parent) else ():
+    match = pattern.fullmatch(entry)
+    if match and not _running(int(match.group(1))):
+      shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
 @contextlib.contextmanager
 def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
   """A new directory beside local `out_dir` to write an export into (None where `writer` is
@@ -270,7 +291,8 @@ def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
   if not writer:
     yield None
     return
-  out_dir = os.path.abspath(out_dir)
+  out_dir = os.path.realpath(out_dir)  # a link's target is what check_export_target allowed
+  _remove_abandoned(out_dir)
   tmp = f"{out_dir}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   os.makedirs(tmp)
   try:
