@@ -94,7 +94,8 @@ def initialize() -> None:
 def _slurm_node_gpus() -> list[int] | None:
   """Every GPU of the node when each SLURM task has a node of its own (CUDA_VISIBLE_DEVICES,
   else the node's /dev/nvidia<N>); None otherwise (JAX's choice)."""
-  nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 0)
+  # The step's counts (what JAX's detection reads), else the allocation's (sbatch's shell).
+  nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 0)
   if not nodes or int(os.environ.get("SLURM_NTASKS") or 0) != nodes or os.environ.get(
       "JAX_LOCAL_DEVICE_IDS"):
     return None

@@ -44,11 +44,11 @@ def _run(per_process_env):
 
 
 def _slurm(task: int, job_id: int, visible: str = "0,1,2,3") -> dict[str, str]:
-  """What srun sets in task `task` of a 2-node job with one task per node."""
+  """What `srun -N2 --ntasks-per-node=1` sets in task `task`, inside a 4-node allocation."""
   return {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_NODELIST": "localhost",
           "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS": "2", "SLURM_NNODES": "2",
-          "SLURM_JOB_NUM_NODES": "2", "SLURM_PROCID": str(task), "SLURM_LOCALID": "0",
-          "SLURM_NODEID": str(task), "CUDA_VISIBLE_DEVICES": visible}
+          "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NUM_NODES": "4", "SLURM_PROCID": str(task),
+          "SLURM_LOCALID": "0", "SLURM_NODEID": str(task), "CUDA_VISIBLE_DEVICES": visible}
 
 
 def test_slurm_sbatch_tasks_drive_every_gpu_of_their_node():
