@@ -46,19 +46,21 @@ stop() {
   trap - INT TERM
   echo "multinode.sh: stopping every process after its step (SIGTERM)" >&2
   for host in "${hosts[@]}"; do
+    # Only a pid that is this run's process: the file may be an earlier run's.
     # shellcheck disable=SC2029
-    ssh "$host" "kill -TERM \$(cat $dir/logs/$host.pid)" || true
+    ssh "$host" "pid=\$(cat $dir/logs/$host.pid) && \
+grep -qF -- $(printf '%q' "$SAGE_JAX_MODULE") /proc/\$pid/cmdline && kill -TERM \$pid" || true
   done
 }
 trap stop INT TERM
 
 status=0
 for pid in "${pids[@]}"; do
-  while :; do
-    rc=0
-    wait "$pid" || rc=$?
-    kill -0 "$pid" 2> /dev/null || break  # else a signal ended the wait, not the process
+  while kill -0 "$pid" 2> /dev/null; do
+    wait "$pid" || true  # returns early when a signal runs stop()
   done
+  rc=0
+  wait "$pid" || rc=$?  # the host's own exit status
   if [[ $rc -ne 0 ]]; then status=$rc; fi
 done
 exit "$status"
