@@ -101,10 +101,12 @@ def test_without_siblings_of_its_shape_the_values_stated_in_the_instruction_are_
 
 def test_helpers_of_the_solution_file_travel_with_the_skill(pool, official_root):  # noqa: F811
   """A solution file's helper functions and constants that the solution reads (and those they
-  read) are carried with the skill, in the file's order; the others are not."""
+  read) are carried with the skill, in the file's order; the others, and those that only
+  share a name with one of its locals, are not."""
   task_id = "ead7476_1"
   source = gold_solutions.read_solution(official_root, task_id)
-  helpers = ("CENTS = 100\n\n\ndef unused():\n    return 0\n\n\n"
+  # `users` at the top is not the solution's: its `users` is a local of its own.
+  helpers = ("CENTS = 100\nusers = []\n\n\ndef unused():\n    return 0\n\n\n"
              "def in_cents(x):\n    return round(x * CENTS)\n\n\n"
              "def dollars(x):\n    return in_cents(x) / CENTS\n\n\n")
   with_helpers = source.replace("def solution(", helpers + "def solution(").replace(

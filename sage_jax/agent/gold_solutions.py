@@ -31,6 +31,7 @@ import json
 import keyword
 import os
 import re
+import symtable
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -211,6 +212,17 @@ def _read_names(node: ast.AST) -> set[str]:
   return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
+def _module_reads(node: ast.stmt) -> set[str]:
+  """The module-scope names a top-level statement reads when it runs or is called: not the
+  locals of its functions (a skill's local `result` does not need a top-level `result`)."""
+  def reads(table: symtable.SymbolTable) -> set[str]:
+    module = table.get_type() == "module"
+    own = {sym.get_name() for sym in table.get_symbols()
+           if sym.is_referenced() and (module or sym.is_global())}
+    return own.union(*(reads(child) for child in table.get_children()))
+  return reads(symtable.symtable(ast.unparse(node), "<solution>", "exec"))
+
+
 def _module_text(statements: list[ast.stmt]) -> str:
   """Top-level statements as source, with two blank lines around each definition."""
   text = ""
@@ -233,7 +245,7 @@ def _supporting(module: ast.Module, entry: ast.FunctionDef, reads: set[str]) -> 
   while frontier:
     found = [n for n in candidates if id(n) not in needed and _bound_at_top(n) & frontier]
     needed |= {id(n) for n in found}
-    frontier = set().union(*(_read_names(n) for n in found))
+    frontier = set().union(*(_module_reads(n) for n in found))
   return [n for n in candidates if id(n) in needed]
 
 
@@ -289,8 +301,8 @@ def official_skill(solution: str, instruction: str,
   # What the skill reads of the solution file travels with it, in the file's order: its
   # helper functions, classes and constants, and the imports these or the skill read; the
   # imports of the entry's type annotations (AppWorld's own classes) do not.
-  support = _supporting(module, entry, _read_names(new))
-  read = set().union(_read_names(new), *(_read_names(n) for n in support))
+  support = _supporting(module, entry, _module_reads(new))
+  read = set().union(_module_reads(new), *(_module_reads(n) for n in support))
   imports = [n for n in module.body if isinstance(n, (ast.Import, ast.ImportFrom))
              and any((a.asname or a.name).split(".")[0] in read for a in n.names)]
   definition = _module_text([*imports, *support, ast.fix_missing_locations(new)])
