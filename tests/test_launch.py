@@ -147,8 +147,11 @@ def test_multinode_ctrl_c_stops_every_host_process_once(tmp_path):
       "time.sleep(300)\n")
   env = {**os.environ, "HOSTS": "h0 h1", "SAGE_JAX_DIR": str(code), "SAGE_JAX_MODULE": "job",
          "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+  # As from a terminal: SIGINT at its default (a job started in the background, as CI may
+  # start this test, inherits it ignored, and bash cannot trap a signal ignored at entry).
   launcher = subprocess.Popen(["bash", "launch/multinode.sh", "--workdir=w"], cwd=REPO, env=env,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   pid_files = [code / "logs" / f"h{i}.pid" for i in (0, 1)]
   try:
     deadline = time.time() + 60
