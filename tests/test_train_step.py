@@ -183,6 +183,30 @@ def test_empty_micro_batches_are_skipped_exactly():
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_a_non_finite_step_changes_nothing_but_the_step_count():
+  """A batch whose loss is NaN (here an advantage of NaN, which the batch builder would refuse,
+  put in by hand) leaves the parameters and optimiser state as they were; the next finite
+  batch trains as it would have."""
+  cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16,))
+  batch = B.make_batch(_records(4, seed=6), cfg)[0]
+  poisoned = batch.replace(advantages=np.where(batch.loss_mask > 0, np.nan, 0.0).astype(
+      np.float32))
+  trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()), LINEAR_ADAM)
+  before = _leaves(trainer.state.params) + _leaves(trainer.state.opt_state)
+  skipped = jax.device_get(trainer.step(poisoned))
+  assert skipped["nonfinite_skipped"] == 1.0 and not np.isfinite(skipped["loss"])
+  after = _leaves(trainer.state.params) + _leaves(trainer.state.opt_state)
+  for a, b in zip(before, after):
+    np.testing.assert_array_equal(a, b)
+  assert trainer.step_count == 1
+  good = jax.device_get(trainer.step(batch))
+  assert good["nonfinite_skipped"] == 0.0
+  fresh = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()), LINEAR_ADAM)
+  fresh.step(batch)
+  for a, b in zip(_leaves(fresh.state.params), _leaves(trainer.state.params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_micro_batches_without_a_gradient_run_forward_only_exactly():
   """Micro-batches whose advantages are all 0 (no KL, no entropy term; or all <= 0 with the
   negative side off) skip the backward pass:

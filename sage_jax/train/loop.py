@@ -89,6 +89,9 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
           sync_params(trainer.params)
           values["time/sync_s"] = time.perf_counter() - t_sync
         step += 1
+        if values.get("nonfinite_skipped"):
+          logging.warning("step %d: a non-finite loss or gradient; that update was skipped "
+                          "(parameters and optimiser state unchanged)", step)
         values["time/step_s"] = time.perf_counter() - t0
         values.update(memory_metrics())
         dev = {}

@@ -7,7 +7,8 @@ of the batch loss), skips micro-batches without a loss token (padding to the fix
 nothing) and runs only the forward pass (for the statistics) of those whose loss has no
 gradient (a GRPO micro-batch whose advantages are all 0), then applies the optimiser once.
 The state is donated; its shardings are pinned, so after the first call per row length
-nothing compiles again.
+nothing compiles again. A step whose loss or gradient is not finite changes nothing but the
+step count (metric `nonfinite_skipped`).
 
 A loss function is `loss_fn(model, micro_batch) -> (loss, stats)`: `loss` the micro-batch's
 weighted loss sum, `stats` a dict of scalars: sums over loss tokens (the step divides them by
@@ -139,9 +140,16 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
       updates, opt_state = tx.update(grads, state.opt_state, trainable)
       new_params = merge_trainable(optax.apply_updates(trainable, updates), frozen)
+      # A non-finite loss or gradient (a diverged batch) would spread NaN into every weight
+      # and every later checkpoint: the step leaves the parameters and optimiser state as
+      # they were, and says so.
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+      new_params, opt_state = keep(new_params, params), keep(opt_state, state.opt_state)
       total_tokens = jnp.sum(batch.loss_mask)
       metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
-                 "loss_tokens": total_tokens, **_reduce_stats(stats, total_tokens)}
+                 "loss_tokens": total_tokens, "nonfinite_skipped": 1.0 - finite.astype(_F32),
+                 **_reduce_stats(stats, total_tokens)}
       rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[1])
       new_state = TrainState(params=new_params, opt_state=opt_state, step=state.step + 1,
                              rng=rng)
