@@ -94,9 +94,11 @@ def test_without_siblings_of_its_shape_the_values_stated_in_the_instruction_are_
   name, definition, call = gold_solutions.official_skill(
       solution, instruction, [(other, "Move my wake-up phone alarm 20 minutes earlier.")])
   fn = next(n for n in ast.parse(definition).body if isinstance(n, ast.FunctionDef))
-  assert [a.arg for a in fn.args.args] == ["label_2", "minutes"]
+  assert [a.arg for a in fn.args.args] == ["label", "minutes"]
   assert call == f"{name}('Go to sleep', 30)"
   assert "passwords['phone']" in definition and "alarm['title']" in definition
+  # `label = 'Go to sleep'`, bound nowhere else, became the parameter itself.
+  assert "label = " not in definition and "label.lower()" in definition
 
 
 def test_helpers_of_the_solution_file_travel_with_the_skill(pool, official_root):  # noqa: F811

@@ -26,6 +26,7 @@ the turns through the same agent, rollout and evaluation code as a model.
 from __future__ import annotations
 
 import ast
+import collections
 import copy
 import json
 import keyword
@@ -163,8 +164,11 @@ def _in_instruction(value: str | int | float, instruction: str) -> bool:
       re.search(rf"(?<![\w.]){re.escape(t)}(?![\w]|\.\d)", instruction) for t in texts)
 
 
-def _parameter_name(node: ast.Constant, parents: dict[int, ast.AST], taken: set[str]) -> str:
-  """A name from where the value stands: `f(title=...)`, `x = ...`, `d["title"] == ...`."""
+def _parameter_name(node: ast.Constant, parents: dict[int, ast.AST], taken: set[str],
+                    bound_once: set[str]) -> str:
+  """A name from where the value stands: `f(title=...)`, `x = ...`, `d["title"] == ...`.
+  `x = <value>` where `x` is bound nowhere else (`bound_once`) makes `x` itself the
+  parameter (the assignment, then `x = x`, is dropped)."""
   parent = parents.get(id(node))
   name = "value"
   if isinstance(parent, ast.keyword) and parent.arg:
@@ -172,6 +176,10 @@ def _parameter_name(node: ast.Constant, parents: dict[int, ast.AST], taken: set[
   elif (isinstance(parent, ast.Assign) and len(parent.targets) == 1
         and isinstance(parent.targets[0], ast.Name)):
     name = parent.targets[0].id
+    if name in bound_once:
+      bound_once.discard(name)
+      taken.add(name)
+      return name
   elif isinstance(parent, ast.Compare):
     other = parent.left
     if (isinstance(other, ast.Subscript) and isinstance(other.slice, ast.Constant)
@@ -276,11 +284,14 @@ def official_skill(solution: str, instruction: str,
   entry = next(n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == fn.name)
   taken = (_read_names(fn) | set(OFFICIAL_ARGS)
            | set().union(*(_bound_at_top(n) for n in module.body)))
+  stores = collections.Counter(n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
+                               and isinstance(n.ctx, (ast.Store, ast.Del)))
+  bound_once = {n for n, count in stores.items() if count == 1} - set(OFFICIAL_ARGS)
   params: dict[tuple[type, object], str] = {}
   for c in chosen:
     key = (type(c.value), c.value)
     if key not in params:
-      params[key] = _parameter_name(c, parents, taken)
+      params[key] = _parameter_name(c, parents, taken, bound_once)
   name = _skill_name(instruction, [i for _, i in siblings], [v for _, v in params])
   new = copy.deepcopy(fn)
   chosen_ids = {id(c) for c in chosen}
@@ -294,6 +305,10 @@ def official_skill(solution: str, instruction: str,
                                node)
 
   new = Substitute().visit(new)
+  new.body = [st for st in new.body if not (  # `x = x`: x is the parameter now
+      isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.value, ast.Name)
+      and isinstance(st.targets[0], ast.Name) and st.targets[0].id == st.value.id)] or [
+          ast.Pass()]
   new.name = name
   new.args = ast.arguments(posonlyargs=[], args=[ast.arg(p) for p in params.values()],
                            kwonlyargs=[], kw_defaults=[], defaults=[])
