@@ -47,9 +47,13 @@ def _sentence(name: str) -> str:
   return text[0].upper() + text[1:] + "."
 
 
+def _arg_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+  return [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+
+
 def default_docstring(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
   """A generic docstring from the function's name and parameters."""
-  params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+  params = _arg_names(node)
   doc = _sentence(node.name)
   if params:
     doc += "\n\nArgs:\n" + "\n".join(f"    {p}: the {p.replace('_', ' ')}." for p in params)
@@ -102,24 +106,38 @@ _STOPWORDS = frozenset(
 MAX_NAME_WORDS = 6
 
 
-def official_function(source: str) -> ast.FunctionDef | None:
-  """`def solution(apis, requester)` when `source` is in the official form (the function and
-  nothing that calls it), else None."""
+def _parse(source: str) -> ast.Module | None:
   try:
-    tree = ast.parse(source)
+    return ast.parse(source)
   except SyntaxError:
     return None
-  defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == OFFICIAL_ENTRY]
+
+
+def _uncalled_entries(tree: ast.Module) -> list[ast.FunctionDef]:
+  """The module's top-level `def solution`s when nothing in it calls `solution` (what
+  AppWorld calls itself: its compiled solutions and its generator programs), else none."""
+  calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+           and isinstance(n.func, ast.Name)}
+  if OFFICIAL_ENTRY in calls:
+    return []
+  return [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == OFFICIAL_ENTRY]
+
+
+def _official_entry(tree: ast.Module) -> ast.FunctionDef | None:
+  defs = _uncalled_entries(tree)
   if len(defs) != 1:
     return None
   fn = defs[0]
-  args = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
-  calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
-           and isinstance(n.func, ast.Name)}
-  if not set(args) <= set(OFFICIAL_ARGS) or fn.args.vararg or fn.args.kwarg or (
-      OFFICIAL_ENTRY in calls):
+  if not set(_arg_names(fn)) <= set(OFFICIAL_ARGS) or fn.args.vararg or fn.args.kwarg:
     return None
   return fn
+
+
+def official_function(source: str) -> ast.FunctionDef | None:
+  """`def solution(apis, requester)` when `source` is in the official form (the function and
+  nothing that calls it), else None."""
+  tree = _parse(source)
+  return None if tree is None else _official_entry(tree)
 
 
 def _constants(fn: ast.FunctionDef) -> list[ast.Constant]:
@@ -262,26 +280,25 @@ def official_skill(solution: str, instruction: str,
   """(name, definition, call) of an official-form gold solution rewritten as a skill, or
   None when `solution` is not in that form. `siblings`: (solution, instruction) of the
   scenario's other tasks."""
-  fn = official_function(solution)
+  module = _parse(solution)
+  fn = None if module is None else _official_entry(module)
   if fn is None:
     return None
   siblings = list(siblings)
   constants = _constants(fn)
   same_shape = [f for s, _ in siblings if (f := official_function(s)) is not None
                 and _masked(f) == _masked(fn)]
+  parents = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
   if same_shape:  # what changes between the scenario's tasks is a parameter
     varying = {i for f in same_shape for i, (a, b) in
                enumerate(zip(constants, _constants(f))) if a.value != b.value}
     chosen = [c for i, c in enumerate(constants) if i in varying]
-  parents = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
-  if not same_shape:
+  else:
     # A key (`passwords["phone"]`, `song["title"]`) names a field of the data, not a value
     # of the task, even where the instruction says the word.
     chosen = [c for c in constants if _in_instruction(c.value, instruction)
               and not (isinstance(parents.get(id(c)), ast.Subscript)
                        and parents[id(c)].slice is c)]
-  module = ast.parse(solution)
-  entry = next(n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == fn.name)
   taken = (_read_names(fn) | set(OFFICIAL_ARGS)
            | set().union(*(_bound_at_top(n) for n in module.body)))
   stores = collections.Counter(n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
@@ -316,7 +333,7 @@ def official_skill(solution: str, instruction: str,
   # What the skill reads of the solution file travels with it, in the file's order: its
   # helper functions, classes and constants, and the imports these or the skill read; the
   # imports of the entry's type annotations (AppWorld's own classes) do not.
-  support = _supporting(module, entry, _module_reads(new))
+  support = _supporting(module, fn, _module_reads(new))
   read = set().union(_module_reads(new), *(_module_reads(n) for n in support))
   imports = [n for n in module.body if isinstance(n, (ast.Import, ast.ImportFrom))
              and any((a.asname or a.name).split(".")[0] in read for a in n.names)]
@@ -382,17 +399,9 @@ def _generator_inputs(source: str) -> list[str]:
   """The inputs beyond `apis` and `requester` that the `solution` function of `source` takes
   when nothing in `source` calls it (AppWorld's generator `solution.py`: `solution(main_user,
   apis, requester, public_data)`); else none."""
-  try:
-    tree = ast.parse(source)
-  except SyntaxError:
-    return []
-  calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
-           and isinstance(n.func, ast.Name)}
-  for fn in tree.body:
-    if isinstance(fn, ast.FunctionDef) and fn.name == OFFICIAL_ENTRY and fn.name not in calls:
-      args = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
-      return [a for a in args if a not in OFFICIAL_ARGS]
-  return []
+  tree = _parse(source)
+  defs = [] if tree is None else _uncalled_entries(tree)
+  return [a for a in _arg_names(defs[0]) if a not in OFFICIAL_ARGS] if defs else []
 
 
 def read_solution(appworld_root: str, task_id: str) -> str:
