@@ -296,14 +296,15 @@ def test_retrieval_sweep_evaluates_a_run_in_a_bucket(gcs_url):
   from sage_jax import storage  # noqa: PLC0415
   from tests import fake_gcs  # noqa: PLC0415
 
-  fake_gcs.create_bucket(gcs_url, "runs")
+  # A bucket of its own: the GCS server is the session's, shared with other tests.
+  fake_gcs.create_bucket(gcs_url, "sweep-runs")
   for step in ("3", "7"):
-    storage.write_text(f"gs://runs/sage/checkpoints/{step}/done", "")
-  assert sweep.split_spec("retrieval.py:gs://runs/sage:3") == [
-      "retrieval.py", "gs://runs/sage", "3"]
-  for spec, step in (("gs://runs/sage", 7), ("gs://runs/sage:3", 3)):
+    storage.write_text(f"gs://sweep-runs/sage/checkpoints/{step}/done", "")
+  assert sweep.split_spec("retrieval.py:gs://sweep-runs/sage:3") == [
+      "retrieval.py", "gs://sweep-runs/sage", "3"]
+  for spec, step in (("gs://sweep-runs/sage", 7), ("gs://sweep-runs/sage:3", 3)):
     loaded = sweep.load_sweep(os.path.join(SWEEPS, f"retrieval.py:{spec}"))
-    assert loaded["flags"] == {"run": "gs://runs/sage", "step": step}
+    assert loaded["flags"] == {"run": "gs://sweep-runs/sage", "step": step}
 
 
 def test_sweep_errors_are_clear():
