@@ -91,6 +91,7 @@ def main(argv) -> None:
     report = evaluate(config, workdir)
   else:
     report = evaluate_run(run_dir, config, workdir, FLAGS.step, FLAGS.stage)
+  multihost.finish()
   if not multihost.is_lead():
     return
   print(metrics_lib.markdown_table(report["metrics"], report["split"]))

@@ -109,6 +109,7 @@ def main(argv) -> None:
   multihost.initialize()
   result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage,
                   flags.FLAGS.dtype)
+  multihost.finish()
   if multihost.is_lead():
     print(json.dumps(result))
 

@@ -65,6 +65,7 @@ def main(argv: list[str]) -> None:
   start = time.perf_counter()
   (result,) = engine.generate([ids], sampling, seeds=[_SEED.value])
   elapsed = time.perf_counter() - start
+  multihost.finish()
   tokens = result.tokens
   if result.finish_reason == "eos":
     tokens = tokens[:-1]

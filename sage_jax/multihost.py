@@ -7,8 +7,9 @@ AppWorld timing never make processes wait for each other; the cross-process step
 (0) at startup, connecting the device groups (`initialize`, `connect`), (1) the weight sync
 after an update (`WeightSync`), (2) the global train batch (`make_global`, with the layout
 agreed through `allgather`), (3) gathers of episode metrics and evaluation records
-(`allgather_objects`), and (4) the stop decision after each step (`any_process`). Each is a
-collective: every process calls it, in the same order.
+(`allgather_objects`), (4) the stop decision after each step (`any_process`), and (5) at the
+end, leaving the run together (`finish`). Each is a collective: every process calls it, in the
+same order.
 
 With one process every function here is the identity or a local device-to-device copy, so
 single-host runs pay nothing.
@@ -89,6 +90,18 @@ def initialize() -> None:
                ("processes", "local_devices")))
   logging.info("process %d of %d: %d local devices, %d in all", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def finish() -> None:
+  """Leaves a multi-process run whose work this process has done (every entry point calls it
+  on success, after its last collective): JAX's shutdown, a barrier of every process and then
+  the coordination service's end, while the runtime is whole. Left to JAX's exit hook, it runs
+  in the interpreter's teardown after the backends are cleared, where a process of a run that
+  had succeeded was seen to abort (SIGABRT) in the coordination service's shutdown. A failing
+  process skips it (its peers would wait for it at that barrier); JAX's hook ends its part as
+  before. A no-op for one process."""
+  if jax.distributed.is_initialized():
+    jax.distributed.shutdown()
 
 
 def _slurm_node_gpus() -> list[int] | None:

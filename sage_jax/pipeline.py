@@ -403,6 +403,7 @@ def main(argv) -> None:
   if lead:
     print(config, flush=True)
   summary = run(config, workdir)
+  multihost.finish()  # every process stops at the same step, preempted or not
   if "preempted" in summary:
     logging.warning("Stopped by a signal during the %s stage, its checkpoint saved; run the "
                     "same command again to resume.", summary["preempted"])

@@ -119,6 +119,7 @@ def main(argv):
                  "preempted": result.preempted,
                  "loss": [h.get("loss") for h in result.history],
                  "processes": jax.process_count(), "devices": jax.device_count()}, f)
+  multihost.finish()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ demo pipeline test runs SFT, SAGE, checkpoints, dev evaluation and export as 2 p
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,12 +34,22 @@ def _env():
   return env
 
 
-def _failure(output: str) -> str:
-  """What a failed launch printed: from the first Python traceback (the process that failed
-  first; the others' shutdown errors follow it) and the end."""
-  first = output.find("Traceback (most recent call last)")
-  head = output[first:first + 6000] + "\n[...]\n" if first >= 0 else ""
-  return head + output[-3000:]
+# Lines that say why a process stopped: glog's error and fatal lines (a C++ check or abort,
+# e.g. in the distributed runtime's teardown), Python's fatal errors and exceptions.
+_CAUSE = re.compile(r"^(?:[EF]\d{4} |.*(?:Check failed|Fatal Python error|Terminating process|"
+                    r"Error: |exited with))")
+
+
+def _failure(*outputs: str) -> str:
+  """What a failed launch printed: the lines that name a cause, the first Python traceback
+  (the process that failed first; the others' shutdown errors follow it) and each output's
+  end."""
+  causes = [line for output in outputs for line in output.splitlines() if _CAUSE.match(line)]
+  joined = "\n".join(outputs)
+  first = joined.find("Traceback (most recent call last)")
+  head = joined[first:first + 6000] + "\n[...]\n" if first >= 0 else ""
+  return ("\n".join(causes[:40]) + "\n[...]\n" + head
+          + "\n[...]\n".join(output[-3000:] for output in outputs))
 
 
 def _launch(num_processes, devices, out, *args, wait=True):
@@ -149,7 +160,7 @@ def _launch_entry(workdir, *command):
   done = subprocess.run([sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
                          f"--workdir={workdir}", "--", sys.executable, *command],
                         env=_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert done.returncode == 0, _failure(done.stdout, done.stderr)
   return done.stdout
 
 
@@ -182,7 +193,7 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path, demo_expert_file):  # noq
   done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True,
                         timeout=2400)
   log = open(workdir / "logs" / "process_1.log").read()
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log[-3000:]
+  assert done.returncode == 0, _failure(done.stdout, done.stderr, log)
   assert "| tgc |" in done.stdout and "| tgc |" not in log  # process 0 reports
   assert "Gloo" not in done.stdout  # collectives' connection reports go to stderr
   rl = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
