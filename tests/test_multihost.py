@@ -173,6 +173,31 @@ def _safetensors(directory):
   return out
 
 
+def test_a_finished_command_leaves_the_run_before_the_interpreter_exits(tmp_path):
+  """Each process of a finished multi-process command ends its part in the run itself
+  (`multihost.finish`: the shutdown barrier and disconnect), before the interpreter's exit
+  hooks start; JAX's own hook would do it only after clearing the backends."""
+  from sage_jax.model import get_preset, init_model  # noqa: PLC0415
+  from sage_jax.tokenizer import ensure_qwen25_tokenizer_dir  # noqa: PLC0415
+  from sage_jax.weights import hf  # noqa: PLC0415
+  from tests.exit_marker import EXIT_MARKER  # noqa: PLC0415
+  model_dir = str(tmp_path / "model")
+  hf.save_hf(init_model(get_preset("tiny")), model_dir,
+             tokenizer_dir=str(ensure_qwen25_tokenizer_dir()))
+  marker = os.path.join(REPO, "tests", "exit_marker.py")
+  env = {**_env(), "TF_CPP_MIN_LOG_LEVEL": "0"}  # the runtime's INFO lines say when it leaves
+  done = subprocess.run([sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=1",
+                         f"--workdir={tmp_path}", "--", sys.executable, marker,
+                         "sage_jax.generate", f"--model={model_dir}", "--prompt=hi",
+                         "--max_new_tokens=2"],
+                        env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+  outputs = [done.stderr, open(tmp_path / "logs" / "process_1.log").read()]
+  assert done.returncode == 0, _failure(done.stdout, *outputs)
+  for output in outputs:
+    left = output.find("Distributed task shutdown initiated")
+    assert 0 <= left < output.find(EXIT_MARKER), _failure(output)
+
+
 @pytest.mark.long
 def test_demo_pipeline_runs_as_two_processes(tmp_path, demo_expert_file):  # noqa: F811
   """The expert's plays (each process its share), SFT, SAGE steps with per-process
