@@ -1,6 +1,7 @@
 """The Skill Library Agent without AppWorld: parsing, AST skill events, library, retrieval,
 prompt, expert rewriting and the episode loop against a fake environment."""
 
+import ast
 import asyncio
 import dataclasses
 import textwrap
@@ -218,6 +219,15 @@ def test_a_saved_function_carries_the_imports_and_literal_constants_it_reads():
   namespace = {"TOKEN": "!", "PAGE": 0}  # the names it reads but cannot carry
   exec(f.code, namespace)  # noqa: S102 - the carried code runs on its own
   assert namespace["f"](["a", "aa", "c", "d"]) == "b,bb,c!"
+
+
+def test_a_comprehension_variable_does_not_rebind_the_constant_of_its_name():
+  """A comprehension's loop variable is its own: the module's `LIMIT` still holds 3."""
+  saved = _saved(["LIMIT = 3\nsizes = [LIMIT * 2 for LIMIT in range(2)]\n"
+                  "def f():\n    return LIMIT\n"])
+  assert saved["f"].constants == ("LIMIT = 3",)
+  statement = ast.parse("n = [(last := x) for x in range(3)]").body[0]
+  assert skills.module_scope_bindings(statement) == {"n", "last"}
 
 
 def test_skills_whose_constants_clash_each_read_their_own_once_installed():

@@ -72,6 +72,22 @@ def test_values_of_the_task_become_parameters(official_root):  # noqa: F811
   assert with_import.startswith("import math\n\n\ndef send_venmo")
 
 
+def test_a_helper_bound_inside_a_top_level_block_travels_with_the_skill(official_root):  # noqa: F811
+  """A name the solution reads that the file binds inside a top-level `try` or `if` (an
+  import with its fallback, a helper defined under a condition) comes with its block."""
+  task_id = "ead7476_1"
+  fallback = ("try:\n    from math import floor\nexcept ImportError:\n"
+              "    def floor(x):\n        return int(x)\n\n\n")
+  source = gold_solutions.read_solution(official_root, task_id)
+  with_block = fallback + source.replace("amount=45.0", "amount=floor(45.0)")
+  instruction = gold_solutions.read_instruction(official_root, task_id)
+  name, definition, _ = gold_solutions.official_skill(with_block, instruction)
+  assert definition.startswith("try:\n    from math import floor\nexcept ImportError:")
+  namespace = {}
+  exec(definition, namespace)  # noqa: S102 - the skill's own text, as installed
+  assert namespace["floor"](45.5) == 45 and callable(namespace[name])
+
+
 def test_without_siblings_of_its_shape_the_values_stated_in_the_instruction_are_parameters():
   """Official solutions of one scenario are often written differently (other variables, other
   APIs): then the values the instruction states are the parameters, in whatever case and

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from sage_jax.agent.policy import PolicyTurn, TaskContext, TurnRequest
+from sage_jax.agent.skills import module_scope_bindings
 from sage_jax.tokenizer import Tokenizer
 
 
@@ -227,13 +228,6 @@ def _skill_name(instruction: str, siblings: Iterable[str], values: Iterable) -> 
   return "_".join(picked[:MAX_NAME_WORDS]) or "solve_task"
 
 
-def _bound_at_top(node: ast.stmt) -> set[str]:
-  """Names a top-level statement binds (a def's or class's name; an assignment's targets)."""
-  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-    return {node.name}
-  return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-
-
 def _read_names(node: ast.AST) -> set[str]:
   return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
@@ -269,7 +263,7 @@ def _supporting(module: ast.Module, entry: ast.FunctionDef, reads: set[str]) -> 
   needed: set[int] = set()
   frontier = set(reads)
   while frontier:
-    found = [n for n in candidates if id(n) not in needed and _bound_at_top(n) & frontier]
+    found = [n for n in candidates if id(n) not in needed and module_scope_bindings(n) & frontier]
     needed |= {id(n) for n in found}
     frontier = set().union(*(_module_reads(n) for n in found))
   return [n for n in candidates if id(n) in needed]
@@ -300,7 +294,7 @@ def official_skill(solution: str, instruction: str,
               and not (isinstance(parents.get(id(c)), ast.Subscript)
                        and parents[id(c)].slice is c)]
   taken = (_read_names(fn) | set(OFFICIAL_ARGS)
-           | set().union(*(_bound_at_top(n) for n in module.body)))
+           | set().union(*(module_scope_bindings(n) for n in module.body)))
   stores = collections.Counter(n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
                                and isinstance(n.ctx, (ast.Store, ast.Del)))
   bound_once = {n for n, count in stores.items() if count == 1} - set(OFFICIAL_ARGS)

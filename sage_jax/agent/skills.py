@@ -46,6 +46,9 @@ from collections.abc import Iterable, Iterator, Mapping
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+# Expressions with a scope of their own: the names they bind stay inside them.
+_OWN_SCOPE_EXPRESSIONS = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+                          ast.GeneratorExp)
 _BUILTINS = frozenset(dir(builtins))
 
 
@@ -179,6 +182,10 @@ def _bound_names(node: ast.stmt) -> set[str]:
         stack.append(child)
   while stack:
     n = stack.pop()
+    if isinstance(n, _OWN_SCOPE_EXPRESSIONS):
+      if not isinstance(n, ast.Lambda):  # a comprehension's walrus binds out here
+        names.update(w.target.id for w in ast.walk(n) if isinstance(w, ast.NamedExpr))
+      continue
     if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
       names.add(n.id)
     elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
@@ -187,6 +194,12 @@ def _bound_names(node: ast.stmt) -> set[str]:
       names.add(n.rest)
     stack.extend(ast.iter_child_nodes(n))
   return names
+
+
+def module_scope_bindings(node: ast.stmt) -> set[str]:
+  """Names a module-scope statement binds, the statements of its blocks included (a helper
+  defined inside a top-level `if` or `try` too)."""
+  return set().union(*(_bound_names(n) for n, _ in _module_scope([node])))
 
 
 def _literal_constant(node: ast.stmt) -> bool:
