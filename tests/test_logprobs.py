@@ -9,9 +9,10 @@ import pytest
 from sage_jax.model.logprobs import head_logprobs
 
 
-def _plain(hidden, head, targets):
+def _plain(hidden, head, targets, temperature=1.0):
+  """The sampler's distribution: float32 logits over the temperature."""
   logits = jnp.einsum("rte,ve->rtv", hidden, head.astype(hidden.dtype),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.float32) / jnp.float32(temperature)
   log_p = jax.nn.log_softmax(logits, axis=-1)
   logprob = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
   entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
@@ -28,13 +29,13 @@ def _inputs(dtype, vocab=301, rows=3, t=7, embed=16, scale=2.0):
   return hidden, head, targets, weights
 
 
-@pytest.mark.parametrize("entropy_weight", [0.0, 0.3])
-def test_values_and_gradients_match_autodiff(entropy_weight):
+@pytest.mark.parametrize("entropy_weight,temperature", [(0.0, 1.0), (0.3, 1.0), (0.3, 0.7)])
+def test_values_and_gradients_match_autodiff(entropy_weight, temperature):
   hidden, head, targets, (w_lp, w_ent) = _inputs(jnp.float32)
 
   def objective(fn):
     def f(h, w):
-      lp, ent = fn(h, w, targets)
+      lp, ent = fn(h, w, targets, temperature)
       ent = ent if entropy_weight else jax.lax.stop_gradient(ent)
       return jnp.sum(w_lp * lp) + entropy_weight * jnp.sum(w_ent * ent), (lp, ent)
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
@@ -69,3 +70,14 @@ def test_bfloat16_hidden_states_keep_their_dtype_in_the_gradient():
   np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(dh_ref, np.float32),
                              rtol=0.05, atol=0.02)
   np.testing.assert_allclose(dw, dw_ref, rtol=0.05, atol=0.02)
+
+
+def test_bfloat16_hidden_states_at_a_temperature_give_the_samplers_logprobs():
+  """The float32 logits are divided by the temperature, as the sampler divides them: not the
+  bfloat16 hidden states multiplied by a bfloat16 1 / temperature (0.7 would become 0.6995,
+  every state rounded again)."""
+  hidden, head, targets, _ = _inputs(jnp.bfloat16, scale=8.0)
+  lp, ent = head_logprobs(hidden, head, targets, 0.7)
+  lp_ref, ent_ref = _plain(hidden, head, targets, 0.7)
+  np.testing.assert_allclose(lp, lp_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ent, ent_ref, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,8 @@
 """The jitted train step: gradient accumulation is exact, the sharded step equals the
 single-device step, nothing recompiles, chunked logprobs, bf16 compute, schedules."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,12 +188,14 @@ def test_empty_micro_batches_are_skipped_exactly():
 def test_a_non_finite_step_changes_nothing_but_the_step_count():
   """A batch whose loss is NaN (here an advantage of NaN, which the batch builder would refuse,
   put in by hand) leaves the parameters and optimiser state as they were; the next finite
-  batch trains as it would have."""
+  batch trains as it would have, at the learning rate of the optimiser's first update (the
+  warm-up counts updates applied, and so does the logged rate)."""
   cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16,))
+  warmup = dataclasses.replace(LINEAR_ADAM, warmup_steps=4)
   batch = B.make_batch(_records(4, seed=6), cfg)[0]
   poisoned = batch.replace(advantages=np.where(batch.loss_mask > 0, np.nan, 0.0).astype(
       np.float32))
-  trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()), LINEAR_ADAM)
+  trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()), warmup)
   before = _leaves(trainer.state.params) + _leaves(trainer.state.opt_state)
   skipped = jax.device_get(trainer.step(poisoned))
   assert skipped["nonfinite_skipped"] == 1.0 and not np.isfinite(skipped["loss"])
@@ -201,8 +205,9 @@ def test_a_non_finite_step_changes_nothing_but_the_step_count():
   assert trainer.step_count == 1
   good = jax.device_get(trainer.step(batch))
   assert good["nonfinite_skipped"] == 0.0
-  fresh = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()), LINEAR_ADAM)
-  fresh.step(batch)
+  fresh = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()), warmup)
+  first = jax.device_get(fresh.step(batch))
+  assert skipped["learning_rate"] == good["learning_rate"] == first["learning_rate"] == 0.25
   for a, b in zip(_leaves(fresh.state.params), _leaves(trainer.state.params)):
     np.testing.assert_allclose(a, b, atol=1e-6)
 
@@ -288,6 +293,21 @@ def test_logprobs_at_a_temperature_are_of_the_scaled_logits():
       np.testing.assert_allclose(ent, want_entropy, atol=1e-5)
   assert not np.allclose(token_logprobs(model, *args, temperature=0.6)[0],
                          token_logprobs(model, *args)[0], atol=1e-3)
+
+
+def test_bfloat16_logprobs_at_a_temperature_are_the_samplers():
+  """With bfloat16 activations the float32 logits are divided by the temperature, as the
+  sampler divides them (sampling.sample), not the hidden states scaled in bfloat16."""
+  _, micro, args = _one_micro_batch()
+  model = init_model(CFG.replace(dtype="bfloat16"), seed=3)
+  hidden, _ = model.hidden_states(micro.tokens, micro.positions, segment_ids=micro.segment_ids)
+  assert hidden.dtype == jnp.bfloat16
+  logits = jnp.einsum("rte,ve->rtv", hidden, model.head_weight().astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
+  log_p = jax.nn.log_softmax(logits / jnp.float32(0.7), axis=-1)
+  want = jnp.take_along_axis(log_p, micro.targets[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(token_logprobs(model, *args, temperature=0.7)[0], want,
+                             rtol=1e-6, atol=1e-6)
 
 
 def test_a_sampling_temperature_trains_that_policy_with_pi_old_recomputed():

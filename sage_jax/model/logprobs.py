@@ -19,6 +19,8 @@ reduced to (logprob, entropy) and dropped, and recomputed in the backward pass
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -28,15 +30,18 @@ from sage_jax.sharding import constrain
 _F32 = jnp.float32
 
 
-def _logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
-  """Float32 logits [rows, t, vocab] of hidden [rows, t, embed] under head [vocab, embed]."""
+def _logits(hidden: jax.Array, head: jax.Array, temperature: float) -> jax.Array:
+  """Float32 logits [rows, t, vocab] of hidden [rows, t, embed] under head [vocab, embed],
+  over `temperature` in float32, as the sampler divides them."""
   out = jnp.einsum("rte,ve->rtv", hidden, head.astype(hidden.dtype),
                    preferred_element_type=_F32)
+  if temperature != 1.0:
+    out = out / _F32(temperature)
   return constrain(out, LOGIT_AXES)
 
 
-def _head_forward(hidden, head, targets):
-  logits = _logits(hidden, head)
+def _head_forward(hidden, head, targets, temperature):
+  logits = _logits(hidden, head, temperature)
   top = jnp.max(logits, axis=-1, keepdims=True)
   shifted = logits - top
   exps = jnp.exp(shifted)
@@ -50,7 +55,7 @@ def _head_forward(hidden, head, targets):
   return (logprob, entropy), (hidden, head, targets, logits, lse, entropy)
 
 
-def _head_backward(residuals, cotangents):
+def _head_backward(temperature, residuals, cotangents):
   hidden, head, targets, logits, lse, entropy = residuals
   d_logprob, d_entropy = cotangents
   log_p = logits - lse[..., None]
@@ -59,6 +64,8 @@ def _head_backward(residuals, cotangents):
   # d logprob / d logits = onehot - p;  d entropy / d logits = -p (log p + entropy).
   d_logits = (d_logprob[..., None] * (target - p)
               - d_entropy[..., None] * p * (log_p + entropy[..., None]))
+  if temperature != 1.0:  # to the gradient of the unscaled logits
+    d_logits = d_logits / _F32(temperature)
   d_logits = constrain(d_logits.astype(hidden.dtype), LOGIT_AXES)
   rows_t, vocab, embed = hidden.shape[:-1], head.shape[0], head.shape[1]
   flat_d, flat_h = d_logits.reshape(-1, vocab), hidden.reshape(-1, embed)
@@ -70,13 +77,15 @@ def _head_backward(residuals, cotangents):
   return d_hidden.astype(hidden.dtype), d_head.astype(head.dtype), None
 
 
-@jax.custom_vjp
-def head_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array):
-  """(log softmax(hidden . head^T)[targets], entropy of that softmax), [rows, t] each, float32.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def head_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
+                  temperature: float = 1.0):
+  """(log softmax(hidden . head^T / temperature)[targets], entropy of that softmax), [rows, t]
+  each, float32.
 
   hidden: [rows, t, embed] final hidden states; head: [vocab, embed] output embedding;
   targets: [rows, t] int. Differentiable in hidden and head (both outputs)."""
-  return _head_forward(hidden, head, targets)[0]
+  return _head_forward(hidden, head, targets, temperature)[0]
 
 
 head_logprobs.defvjp(_head_forward, _head_backward)
@@ -90,15 +99,14 @@ def token_logprobs(model: Qwen2, tokens: jax.Array, positions: jax.Array,
   `chunk`: tokens per chunk of the logits computation (0, or at least rows * T: all at
   once). The result does not depend on it beyond float rounding. `temperature`: pi is
   softmax(logits / temperature), the distribution a sampler at that temperature draws from
-  (before any top-k / top-p cut); the hidden states are scaled, so the fused head is unchanged.
+  (before any top-k / top-p cut), with the float32 logits divided as the sampler divides them
+  (scaling bfloat16 hidden states instead would round the temperature and every state).
   """
   hidden, _ = model.hidden_states(tokens, positions, segment_ids=segment_ids)
-  if temperature != 1.0:
-    hidden = hidden * jnp.asarray(1.0 / temperature, hidden.dtype)
   rows, t, e = hidden.shape
   per_row = max(1, chunk // rows) if chunk else t
   if per_row >= t:
-    return head_logprobs(hidden, model.head_weight(), targets)
+    return head_logprobs(hidden, model.head_weight(), targets, temperature)
   n = -(-t // per_row)
   pad = n * per_row - t
   if pad:  # padded positions are computed and dropped
@@ -109,7 +117,7 @@ def token_logprobs(model: Qwen2, tokens: jax.Array, positions: jax.Array,
 
   @jax.checkpoint
   def one(h_c, y_c):
-    return head_logprobs(h_c, model.head_weight(), y_c)
+    return head_logprobs(h_c, model.head_weight(), y_c, temperature)
 
   def body(_, xs):
     return None, one(*xs)

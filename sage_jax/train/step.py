@@ -80,6 +80,16 @@ def _combine(acc: dict, new: dict) -> dict:
           for k, v in new.items()}
 
 
+def applied_updates(opt_state: optax.OptState) -> jax.Array:
+  """How many updates the optimiser has applied: the count its learning-rate schedule reads,
+  which a skipped (non-finite) step does not advance, unlike `TrainState.step`."""
+  is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  counts = [s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
+  if len(counts) != 1:
+    raise ValueError(f"expected one learning-rate schedule in the optimiser, found {len(counts)}")
+  return counts[0]
+
+
 def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, *, mesh: Mesh | None = None,
                     rules: shd.ShardingRules = shd.ShardingRules(),
@@ -147,7 +157,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
       new_params, opt_state = keep(new_params, params), keep(opt_state, state.opt_state)
       total_tokens = jnp.sum(batch.loss_mask)
-      metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+      metrics = {"loss": loss, "grad_norm": grad_norm,
+                 "learning_rate": schedule(applied_updates(state.opt_state)),
                  "loss_tokens": total_tokens, "nonfinite_skipped": 1.0 - finite.astype(_F32),
                  **_reduce_stats(stats, total_tokens)}
       rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[1])
