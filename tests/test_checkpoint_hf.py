@@ -176,13 +176,33 @@ def _edit_config(model_dir, **changes):
     ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
      r"rope_parameters=.*'linear'.*default RoPE only.*rope_type 'default' and rope_theta"),
     ("use_sliding_window", True,
-     r"use_sliding_window=True: .*full attention only. Set use_sliding_window to false"),
+     r"use_sliding_window=True with a window of 4 tokens on layers \[1\]: .*full attention "
+     r"only. Set use_sliding_window to false"),
     ("hidden_act", "gelu", r"hidden_act='gelu': .*'silu' only"),
 ])
 def test_settings_the_model_does_not_implement_are_refused(src, field, value, problem):
+  if field == "use_sliding_window":  # a window from layer 1 on (transformers' reading)
+    _edit_config(src / "src", layer_types=None, max_window_layers=1, sliding_window=4)
   _edit_config(src / "src", **{field: value})
   with pytest.raises(hf.CheckpointError, match=rf"src/config.json: {problem}"):
     hf.load_hf(str(src / "src"))
+
+
+@pytest.mark.parametrize("window", [
+    {"max_window_layers": 28, "layer_types": None},  # Qwen2.5 3B-72B: no layer from 28 on
+    {"max_window_layers": 0, "sliding_window": None},  # no window size: no window
+    {"max_window_layers": 0, "layer_types": ["full_attention"] * 2},  # transformers 5's list
+])
+def test_a_sliding_window_flag_that_windows_no_layer_loads(src, window):
+  """As transformers reads it: with use_sliding_window on, the window applies only to the
+  layers layer_types marks, or else to those from max_window_layers on."""
+  expected = _flat(hf.load_hf(str(src / "src")))
+  assert json.load(open(src / "src" / "config.json"))["num_hidden_layers"] == 2
+  _edit_config(src / "src", **{"use_sliding_window": True, "sliding_window": 4, **window})
+  loaded = _flat(hf.load_hf(str(src / "src")))
+  assert loaded.keys() == expected.keys()
+  for path, value in expected.items():
+    np.testing.assert_array_equal(loaded[path], value)
 
 
 @pytest.mark.parametrize("rope_scaling", [None, {"type": "default"}, {"rope_type": "default"}])

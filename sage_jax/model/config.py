@@ -55,6 +55,19 @@ def read_checkpoint_json(path: str) -> Any:
     raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
+def windowed_layers(hf: dict[str, Any]) -> list[int]:
+  """The layers transformers runs with sliding-window attention: none without
+  use_sliding_window or with a null sliding_window; else those `layer_types` marks
+  "sliding_attention", or without layer_types those from max_window_layers on (the Qwen2.5
+  releases set max_window_layers to at least their depth)."""
+  if not hf.get("use_sliding_window") or hf.get("sliding_window", 4096) is None:
+    return []
+  if hf.get("layer_types"):
+    return [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
+  first = hf.get("max_window_layers", 28)
+  return list(range(first, hf.get("num_hidden_layers") or 0))
+
+
 def check_supported(hf: dict[str, Any], source: str) -> None:
   """Refuses HF config settings the model does not implement: loaded anyway, it would compute
   another function than transformers and vLLM do on the same checkpoint, without a sign."""
@@ -69,10 +82,12 @@ def check_supported(hf: dict[str, Any], source: str) -> None:
           f"{source}: {field}={rope}: the model implements the default RoPE only, not "
           f"{rope_type!r}. To train at the native context, {fix}"
           + (f" and set max_position_embeddings to {native}" if native else ""))
-  if hf.get("use_sliding_window"):
+  windowed = windowed_layers(hf)
+  if windowed:
     raise CheckpointError(
-        f"{source}: use_sliding_window={hf['use_sliding_window']!r}: the model implements full "
-        "attention only. Set use_sliding_window to false in config.json (as the Qwen2.5 "
+        f"{source}: use_sliding_window={hf['use_sliding_window']!r} with a window of "
+        f"{hf.get('sliding_window', 4096)} tokens on layers {windowed}: the model implements "
+        "full attention only. Set use_sliding_window to false in config.json (as the Qwen2.5 "
         "releases do) to use it with full attention")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
