@@ -310,6 +310,9 @@ def test_requests_are_checked(model):
     engine.append(seq, [3])
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=0.0)
+  for temperature in (-0.5, float("nan"), float("inf")):  # NaN would sample token 0 forever
+    with pytest.raises(ValueError, match="temperature=.* must be a finite number >= 0"):
+      SamplingParams(temperature=temperature)
 
 
 # --- Compilation, parameters, async driver, sharding ---------------------------------------

@@ -11,6 +11,7 @@ sampling is an inverse CDF over blocks, top-k / top-p thresholds come from a sma
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +37,8 @@ class SamplingParams:
   stop_strings: tuple[str, ...] = ()
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0")
+    if not 0 <= self.temperature < math.inf:  # NaN too
+      raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
     if self.top_k < 0:
