@@ -50,6 +50,28 @@ def test_export_reloads_in_transformers_with_same_logits(tmp_path, tied):
   np.testing.assert_allclose(hf_logits(reloaded, tokens), _logits(model, tokens), atol=1e-4)
 
 
+def test_a_tied_config_with_a_head_of_its_own_loads_untied_as_transformers_does(tmp_path):
+  """Training that untied the head may leave tie_word_embeddings true beside an lm_head.weight
+  of other values: transformers then uses that head, and so does the loader (and its export
+  says untied); a stored head equal to the embeddings keeps the model tied."""
+  tiny_hf_model(str(tmp_path / "src"), tied=True)
+  weights = tmp_path / "src" / "model.safetensors"
+  embed = load_file(str(weights))["model.embed_tokens.weight"]
+  _rewrite(weights, lambda t: t.update({"lm_head.weight": embed.copy()}))
+  assert hf.load_hf(str(tmp_path / "src")).config.tie_word_embeddings
+  other = embed + 0.05 * np.random.RandomState(1).standard_normal(embed.shape).astype(embed.dtype)
+  _rewrite(weights, lambda t: t.update({"lm_head.weight": other}))
+  model = hf.load_hf(str(tmp_path / "src"))
+  assert not model.config.tie_word_embeddings
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / "src"), attn_implementation="eager")
+  np.testing.assert_array_equal(reference.lm_head.weight.detach().numpy(), other)
+  tokens = np.random.RandomState(0).randint(0, 512, (2, 16))
+  np.testing.assert_allclose(hf_logits(reference, tokens), _logits(model, tokens), atol=1e-4)
+  hf.save_hf(model, str(tmp_path / "out"))
+  assert not json.load(open(tmp_path / "out" / "config.json"))["tie_word_embeddings"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_import_export_import_is_bit_exact(tmp_path, dtype):
   tiny_hf_model(str(tmp_path / "src"), dtype=dtype, tied=False)

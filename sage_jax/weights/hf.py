@@ -222,7 +222,28 @@ def load_hf(model_dir: str, *, mesh: Mesh | None = None,
   """
   param_dtype = param_dtype or _checkpoint_dtype(model_dir)
   cfg = Qwen2Config.from_hf(model_dir, param_dtype=param_dtype, dtype=dtype or param_dtype)
+  if cfg.tie_word_embeddings and _stores_another_head(model_dir):
+    logging.warning("%s: config.json ties the LM head to the embeddings, but the checkpoint "
+                    "stores an lm_head.weight of other values: loaded untied, with that head "
+                    "(as transformers loads it)", model_dir)
+    cfg = cfg.replace(tie_word_embeddings=False)
   return load_tensors(cfg, iter_safetensors(model_dir), mesh, rules, origin=model_dir)
+
+
+def _stores_another_head(model_dir: str) -> bool:
+  """Whether the checkpoint holds an lm_head.weight that differs from its embeddings (left
+  behind by training that untied them, say)."""
+  files = _weight_files(model_dir)
+  names = ("lm_head.weight", "model.embed_tokens.weight")
+  if not all(n in files for n in names):
+    return False
+  head, embed = (_read_tensor(files[n], n) for n in names)
+  return head.shape != embed.shape or not np.array_equal(head, embed)
+
+
+def _read_tensor(path: str, name: str) -> np.ndarray:
+  with _open_safetensors(path) as f:
+    return f.get_tensor(name)
 
 
 # --- Export --------------------------------------------------------------------------------
