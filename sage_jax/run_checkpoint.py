@@ -45,8 +45,10 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
   ckpt_dir = os.fspath(storage.path(run_dir) / STAGE_DIRS[stage])
   if not storage.path(ckpt_dir).is_dir():
     raise FileNotFoundError(f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist)")
+  # Read-only: the run may still be training, with a save under way that a cleanup of
+  # temporary directories would delete.
   checkpointer = Checkpointer(CheckpointConfig(directory=ckpt_dir, keep_best=0,
-                                               async_save=False))
+                                               async_save=False, read_only=True))
   try:
     steps = checkpointer.all_steps()
     step = (steps[-1] if steps else None) if step is None else step

@@ -72,6 +72,28 @@ def test_half_written_checkpoint_is_ignored_and_cleaned(tmp_path, trainer):
   saver.close()
 
 
+def test_a_read_only_checkpointer_leaves_a_live_runs_files_alone(tmp_path, trainer):
+  """Export and evaluation read a run that may still be training: its save under way (orbax's
+  temporary directory) is not cleaned up, nothing is written into the run, and no save."""
+  directory = tmp_path / "ck"
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), async_save=False))
+  saver.save(1, trainer.state, meta={"step": 1})
+  saver.close()
+  (directory / "1" / ckpt.FILES_RECORD).unlink()  # a step whose record is not written yet
+  under_way = directory / "2.orbax-checkpoint-tmp-1764400000000"
+  (under_way / "state").mkdir(parents=True)
+  (under_way / "state" / "part").write_bytes(b"\0" * 100)
+  before = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+  reader = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), read_only=True))
+  assert reader.all_steps() == [1]
+  state, meta = reader.restore(trainer.abstract_state(), 1)
+  assert meta["step"] == 1
+  with pytest.raises(ValueError, match="opened read-only, so step 2 cannot be saved"):
+    reader.save(2, state)
+  reader.close()
+  assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
+
+
 def test_restore_into_a_sharded_trainer(tmp_path, trainer):
   saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(tmp_path / "ck")))
   saver.save(1, trainer.state, meta={"step": 1})

@@ -66,7 +66,9 @@ class CheckpointConfig:
   keep_last: most recent checkpoints kept. keep_best: checkpoints kept by the dev metric
   `best_metric` (higher is better for best_mode "max"), on top of the last ones.
   async_save: write in the background while training goes on. resume: continue from the
-  latest checkpoint in `directory` when there is one."""
+  latest checkpoint in `directory` when there is one. read_only: only read what is there
+  (export, evaluation of a run that may still be training): no save, no deletion, no
+  cleanup of an unfinished save's temporary directory, nothing written into the run."""
 
   directory: str = ""
   save_every: int = 100
@@ -76,6 +78,7 @@ class CheckpointConfig:
   best_mode: Literal["max", "min"] = "max"
   async_save: bool = True
   resume: bool = True
+  read_only: bool = False
 
   def __post_init__(self):
     if self.save_every < 1 or self.keep_last < 1 or self.keep_best < 0:
@@ -154,6 +157,14 @@ class Checkpointer:
       raise ValueError("CheckpointConfig.directory is empty")
     self.config = config
     self.directory = storage.path(config.directory)
+    if config.read_only:
+      if run_config is not None:
+        raise ValueError("a read-only Checkpointer writes no run config")
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                             cleanup_tmp_directories=False)
+      self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                            item_names=("state", "meta"))
+      return
     if run_config is not None and jax.process_index() == 0:
       storage.write_json(self.directory / CONFIG_FILE, to_jsonable(run_config), sort_keys=True)
     policies = [cm.LatestN(n=config.keep_last)]
@@ -195,7 +206,7 @@ class Checkpointer:
 
   def _record_files(self) -> None:
     """Writes files.json into every finalised step that lacks one (process 0 only)."""
-    if jax.process_index() != 0:
+    if jax.process_index() != 0 or self.config.read_only:
       return
     for step in self._manager.all_steps():
       root = self.step_directory(step)
@@ -233,6 +244,8 @@ class Checkpointer:
     `metrics`: dev metrics of this step (they rank the best-N policy); they are also stored
     in the meta JSON. Returns False if the step already exists.
     """
+    if self.config.read_only:
+      raise ValueError(f"{self.directory}: opened read-only, so step {step} cannot be saved")
     if step in self._manager.all_steps():
       return False
     # The previous save is long done by now (save_every steps ago): record its files.
