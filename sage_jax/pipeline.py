@@ -28,7 +28,9 @@ command exits with status 143 (what an unhandled SIGTERM gives) so that a schedu
 loop runs it again. An evaluation done before is redone when the weights it scored have
 changed since (a rerun with more steps evaluates the new last step). A rerun may change how
 long and how the run goes (steps, layout, evaluation; `run_config.RESUMABLE_KEYS`), not the
-experiment its checkpoints belong to: that fails, naming the keys changed.
+experiment its checkpoints belong to: that fails, naming the keys changed. More SFT steps
+continue a finished SFT stage, until RL has trained from its result. A workdir that holds a
+run refuses `checkpoint.resume=False` (a new run there would mix with the old one's files).
 
   python -m sage_jax.pipeline --config=configs/sage.py:<preset> --workdir=DIR
 
@@ -56,7 +58,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sage_jax import compact_tokenizer, export, multihost, plot, run_config, storage
+from sage_jax import (compact_tokenizer, export, multihost, plot, run_checkpoint, run_config,
+                      storage)
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
 from sage_jax.envs import appworld
@@ -69,7 +72,7 @@ from sage_jax.sft import loop as sft_loop
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.tools import memory_plan
 from sage_jax.train import rl_loop
-from sage_jax.train.checkpoint import Checkpointer
+from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.loop import LoopResult
 from sage_jax.train.state import abstract_like
 from sage_jax.train.metrics import MetricsConfig
@@ -102,8 +105,14 @@ class Pipeline:
     self.workdir = storage.open_workdir(workdir, flag="--workdir")
     self.config_dict = run_config.with_seeds(config, self.run)
     recorded = storage.read_json(self.workdir / "config.json")
+    if recorded is not None and not self.run.checkpoint.resume:
+      raise run_config.ConfigError(
+          f"--workdir {workdir} holds a run ({workdir}/config.json), and "
+          "checkpoint.resume=False starts a new one: its checkpoints, metrics and evaluations "
+          "would mix with the new run's. Use a new --workdir, or remove that one")
     if recorded is not None:
       run_config.check_resume(recorded, self.config_dict, f"{workdir}/config.json")
+    self.sft_finished_at = self._check_saved_stages(workdir)
     _write_json(self.workdir / "config.json", self.config_dict)
     p = self.run.pipeline
     self.root = appworld.resolve_root(p.data)
@@ -139,6 +148,46 @@ class Pipeline:
   def close(self) -> None:
     self.driver.close()
     self.pool.close()
+
+  def saved_steps(self, stage: str) -> list[int]:
+    """The checkpoint steps of `stage` in the workdir (read without cleaning anything up)."""
+    directory = self.workdir / run_checkpoint.STAGE_DIRS[stage]
+    if not directory.is_dir():
+      return []
+    reader = Checkpointer(CheckpointConfig(directory=os.fspath(directory), read_only=True))
+    try:
+      return reader.all_steps()
+    finally:
+      reader.close()
+
+  def _check_saved_stages(self, workdir: str) -> int | None:
+    """The step at which the workdir's SFT stage finished (None: it has not), after refusing
+    a rerun whose SFT stage would change the model that RL already trained from (SFT added to
+    a run whose RL started without it, or sft.total_steps changed since). More SFT steps
+    before RL has started continue SFT."""
+    sft, rl = self.saved_steps("sft"), self.saved_steps("rl")
+    finished = sft[-1] if sft and storage.read_json(self.sft_marker) is not None else None
+    if "sft" not in self.run.pipeline.stages:
+      return finished
+    total, keep = self.run.sft.total_steps, "; keep it, or use a new --workdir"
+    if rl and finished is None:
+      raise run_config.ConfigError(
+          f"--workdir {workdir} holds RL checkpoints (steps {rl}) of a run that did not start "
+          f"from SFT: the SFT stage cannot come before them now; use a new --workdir")
+    if finished is not None and finished > total:
+      raise run_config.ConfigError(
+          f"--workdir {workdir}: its SFT stage finished at step {finished}, past "
+          f"config.sft.total_steps={total}{keep}")
+    if rl and finished != total:
+      raise run_config.ConfigError(
+          f"--workdir {workdir}: RL trained (steps {rl}) from the SFT result of step "
+          f"{finished}, and config.sft.total_steps={total} would change that model{keep}")
+    return finished
+
+  @property
+  def sft_marker(self):
+    """Written when the SFT stage has finished."""
+    return self.workdir / "sft" / "done.json"
 
   # --- Stages -------------------------------------------------------------------------------
 
@@ -260,9 +309,10 @@ class Pipeline:
   def _sft_checkpointer(self, run_config: Any = None) -> Checkpointer:
     """SFT's checkpoints, <workdir>/sft/checkpoints (the last ones: no dev metric ranks them),
     every `sft.save_every` steps."""
+    directory = self.workdir / run_checkpoint.STAGE_DIRS["sft"]
     return Checkpointer(dataclasses.replace(
-        self.run.checkpoint, directory=os.fspath(self.workdir / "sft" / "checkpoints"),
-        keep_best=0, save_every=self.run.sft.save_every or self.run.checkpoint.save_every),
+        self.run.checkpoint, directory=os.fspath(directory), keep_best=0,
+        save_every=self.run.sft.save_every or self.run.checkpoint.save_every),
         run_config=run_config)
 
   def rl(self) -> LoopResult:
@@ -282,7 +332,7 @@ class Pipeline:
       return self.evaluate(f"eval_step{step}")
 
     checkpointer = Checkpointer(dataclasses.replace(
-        run.checkpoint, directory=os.fspath(self.workdir / "checkpoints"),
+        run.checkpoint, directory=os.fspath(self.workdir / run_checkpoint.STAGE_DIRS["rl"]),
         keep_best=run.checkpoint.keep_best if run.rl.eval_every else 0),
         run_config=self.config_dict)
     # KL's reference is the model RL starts from (the SFT result, also on a resumed run),
@@ -343,12 +393,12 @@ def run(config: Any, workdir: str) -> dict:
       summary["before"] = pipe.evaluate("eval_before")
       if p.eval_train:
         summary["train_before"] = pipe.evaluate("eval_before", training_scenarios=True)
-    sft_marker = pipe.workdir / "sft" / "done.json"
-    if "sft" in p.stages and storage.read_json(sft_marker) is None:
+    # SFT runs when it has not finished, or to continue to more steps than it finished at.
+    if "sft" in p.stages and pipe.sft_finished_at != pipe.run.sft.total_steps:
       result = pipe.sft()
       if result.preempted:
         return {**summary, "preempted": "sft", "stop_signal": result.stop_signal}
-      _write_json(sft_marker, {"finished": time.time()})
+      _write_json(pipe.sft_marker, {"finished": time.time()})
     elif "sft" in p.stages:  # resumed after SFT: its last params are the starting point
       pipe.adopt_sft_result()
     if p.eval_train and "sft" in p.stages and "rl" in p.stages:  # what RL starts from

@@ -191,10 +191,7 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 def check_resume(recorded: dict, config: dict, source: str) -> None:
   """Raises ConfigError when `config` (as `with_seeds` gives it) changes a key of the
   experiment that `recorded` (the workdir's config.json, at `source`) started. Keys only one
-  of them has (added or dropped by another version of this code) are not compared; a config
-  that does not resume (`checkpoint.resume=False`) is not checked."""
-  if not config.get("checkpoint", {}).get("resume", True):
-    return
+  of them has (added or dropped by another version of this code) are not compared."""
   normal = lambda d: _flat(json.loads(json.dumps(d, default=str)))
   old, new = normal(recorded), normal(config)
   changed = sorted(k for k in old.keys() & new.keys()

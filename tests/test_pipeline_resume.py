@@ -4,6 +4,7 @@ nothing else of SFT: SFT's optimizer state (Adam: twice the params) would otherw
 RL's own for the whole run, which put the real 0.5B's SAGE stage over a 24 GB machine."""
 
 import gc
+import json
 import os
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 from flax import nnx
 
 from sage_jax import pipeline
+from sage_jax.configurable import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -56,3 +58,34 @@ def test_resuming_after_sft_keeps_only_its_params(tmp_path, demo_expert_file):  
     assert after - before < param_bytes / 2, (before, after, param_bytes)
   finally:
     pipe.close()
+
+
+def test_more_sft_steps_continue_sft_until_rl_has_trained_from_it(tmp_path, demo_expert_file):  # noqa: F811
+  """A rerun with a larger sft.total_steps continues the finished SFT stage; once RL has
+  trained from SFT's result, changing it is refused (RL's checkpoints belong to that model)."""
+  c = sage_configs.get_config("demo")
+  c.pipeline.update(stages=("sft",), eval_before=False, eval_after=False, eval_train=False,
+                    export=False, plot=False, expert_trajectories=demo_expert_file,
+                    chains_per_step=1, train_scenarios=1)
+  c.sft.update(total_steps=2, save_every=2)
+  c.grpo.group_size = 2
+  c.agent.update(max_turn_tokens=16)
+  c.rl.total_steps = 1
+  c.pool.num_workers = 2
+  c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
+  workdir = tmp_path / "run"
+  steps = lambda stage: sorted(int(d) for d in os.listdir(workdir / stage) if d.isdigit())
+  pipeline.run(c, str(workdir))
+  c.sft.total_steps = 3
+  pipeline.run(c, str(workdir))
+  assert steps("sft/checkpoints") == [2, 3]
+  logged = [json.loads(line)["step"] for line in open(workdir / "sft" / "metrics.jsonl")]
+  assert logged == [1, 2, 3]
+  c.pipeline.stages = ("sft", "rl")
+  pipeline.run(c, str(workdir))
+  assert steps("checkpoints") == [1]
+  c.sft.total_steps = 4
+  with pytest.raises(ConfigError, match=r"RL trained \(steps \[1\]\) from the SFT result of "
+                                        r"step 3, and config.sft.total_steps=4 would change"):
+    pipeline.Pipeline(c, str(workdir))
+  assert steps("sft/checkpoints") == [2, 3]

@@ -265,9 +265,6 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
     changed[section][field] = value
     with pytest.raises(ConfigError, match=rf"config.{key}: "):
       run_config.check_resume(recorded, _recorded(changed), "run/config.json")
-    # A rerun that does not resume starts the run again: any change goes.
-    changed.checkpoint.resume = False
-    run_config.check_resume(recorded, _recorded(changed), "run/config.json")
   # RL added after an SFT-only run.
   sft_only = _config("sage", "demo")
   sft_only.pipeline.stages = ("sft",)
@@ -289,3 +286,13 @@ def test_train_refuses_to_resume_a_workdir_under_another_experiment(tmp_path):
   assert out.returncode != 0
   assert "config.grpo.group_size: 8 -> 4" in out.stderr, out.stderr[-3000:]
   assert (workdir / "config.json").read_text() == text  # the record stays
+  # Not resuming is no way around it: a new run would mix with the one the workdir holds.
+  fresh = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                          f"--workdir={workdir}", "--config.checkpoint.resume=false"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300,
+                         env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                              "JAX_PLATFORMS": "cpu"})
+  assert fresh.returncode != 0
+  assert (f"--workdir {workdir} holds a run ({workdir}/config.json), and "
+          "checkpoint.resume=False starts a new one") in fresh.stderr, fresh.stderr[-3000:]
+  assert (workdir / "config.json").read_text() == text

@@ -94,6 +94,19 @@ def test_a_read_only_checkpointer_leaves_a_live_runs_files_alone(tmp_path, train
   assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
 
 
+def test_a_loop_that_does_not_resume_refuses_a_directory_with_checkpoints(tmp_path, trainer):
+  """Its steps 1, 2, ... would mix with the ones there (and a later resume would take the
+  old run's newest step)."""
+  config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), async_save=False, resume=False)
+  saver = ckpt.Checkpointer(config)
+  assert loop.restore_latest(trainer, saver) == 0  # nothing there yet
+  saver.save(5, trainer.state, meta={"step": 5})
+  saver.close()
+  with pytest.raises(ValueError, match=r"ck holds checkpoints \(latest step 5\) and resuming "
+                                       r"is off"):
+    loop.restore_latest(trainer, ckpt.Checkpointer(config))
+
+
 def test_restore_into_a_sharded_trainer(tmp_path, trainer):
   saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(tmp_path / "ck")))
   saver.save(1, trainer.state, meta={"step": 1})

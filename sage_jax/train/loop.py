@@ -54,10 +54,16 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def restore_latest(trainer: Trainer, checkpointer: Checkpointer | None) -> int:
-  """Loads the newest intact checkpoint into `trainer` (if resuming is on and there is one;
-  damaged newer steps are moved aside); returns the step to continue from."""
-  if checkpointer is None or not checkpointer.config.resume or checkpointer.latest_step() is None:
+  """Loads the newest intact checkpoint into `trainer` (if there is one; damaged newer steps
+  are moved aside); returns the step to continue from. With resuming off, checkpoints already
+  in the directory are an error: the new run's steps would mix with them."""
+  latest = None if checkpointer is None else checkpointer.latest_step()
+  if latest is None:
     return 0
+  if not checkpointer.config.resume:
+    raise ValueError(f"{checkpointer.directory} holds checkpoints (latest step {latest}) and "
+                     "resuming is off: a new run there would mix its steps with them. Use "
+                     "another directory, or remove them to start over")
   trainer.state, meta = checkpointer.restore_newest_intact(trainer.release_state())
   logging.info("resumed from %s at step %d", checkpointer.directory, meta["step"])
   return int(meta["step"])
