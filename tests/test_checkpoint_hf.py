@@ -14,8 +14,8 @@ from safetensors.numpy import load_file, save_file
 
 import jax.numpy as jnp
 
-from sage_jax.model.config import Qwen2Config
-from sage_jax.weights import hf
+from sage_jax.model.config import Qwen2Config, get_preset
+from sage_jax.weights import hf, loader
 from tests.hf_reference import hf_logits, tiny_hf_model
 
 
@@ -70,6 +70,22 @@ def test_a_tied_config_with_a_head_of_its_own_loads_untied_as_transformers_does(
   np.testing.assert_allclose(hf_logits(reference, tokens), _logits(model, tokens), atol=1e-4)
   hf.save_hf(model, str(tmp_path / "out"))
   assert not json.load(open(tmp_path / "out" / "config.json"))["tie_word_embeddings"]
+
+
+def test_a_preset_pointed_at_weights_loads_them_if_they_have_its_shapes(tmp_path):
+  """A model section with both: spec's weights, checked against the preset's architecture
+  before they load; the plan reads the preset alone (no checkpoint needed at hand)."""
+  tiny_hf_model(str(tmp_path / "src"), vocab=151936, tied=True)  # the "tiny" preset's shapes
+  both = loader.ModelSpec(spec=str(tmp_path / "src"), preset="tiny")
+  loaded, reference = _flat(loader.build_model(both)), _flat(hf.load_hf(str(tmp_path / "src")))
+  assert loaded.keys() == reference.keys()
+  for path, value in reference.items():
+    np.testing.assert_array_equal(loaded[path], value)
+  assert loader.architecture(both) == get_preset("tiny")
+  with pytest.raises(ValueError, match=r"does not have the architecture of "
+                                       r"model.preset='tiny-untied': tie_word_embeddings=True "
+                                       r"\(the preset's: False\)"):
+    loader.build_model(loader.ModelSpec(spec=str(tmp_path / "src"), preset="tiny-untied"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

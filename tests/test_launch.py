@@ -253,6 +253,24 @@ def test_sweep_dry_run_for_every_launcher():
   assert shared.returncode != 0 and "3 runs would share one slice" in shared.stderr
 
 
+def test_a_sweep_override_reaches_every_run_and_may_not_undo_the_sweep():
+  """The checkpoint a real-size preset starts from, for every arm of a sweep."""
+  name = "reward_ablation.py:qwen2.5-7b"
+  base = [sys.executable, "launch/sweep.py", f"--sweep=configs/sweeps/{name}",
+          "--workdir_root=r", "--launcher=slurm", "--dry_run"]
+  out = _run(base + ["--override=model.spec=/ckpt/Qwen2.5-7B-Instruct"])
+  assert out.count("--config.model.spec=/ckpt/Qwen2.5-7B-Instruct") == 3, out
+  for run in sweep.expand(sweep.load_sweep(os.path.join(SWEEPS, name)), "r",
+                          {"model.spec": "/ckpt/Qwen2.5-7B-Instruct"}):
+    resolved = _resolved(run)
+    assert (resolved.model.spec, resolved.model.preset) == ("/ckpt/Qwen2.5-7B-Instruct",
+                                                            "qwen2.5-7b")
+  undo = subprocess.run(base + ["--override=reward.variant=sage"], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert undo.returncode != 0
+  assert "--override of ['reward.variant']: run 'outcome_only' sets it" in undo.stderr
+
+
 def test_readme_reward_ablation_dry_run():
   out = _run([sys.executable, "launch/sweep.py",
               "--sweep=configs/sweeps/reward_ablation.py:qwen2.5-7b",

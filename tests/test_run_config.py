@@ -43,6 +43,20 @@ def test_every_preset_resolves(name, preset, devices):
     assert run.pipeline.stages == ("sft",)
 
 
+@pytest.mark.parametrize("preset", ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-32b-lora"])
+def test_a_real_size_preset_takes_the_weights_it_is_pointed_at(preset):
+  """`--config.model.spec=<HF dir>` on a preset that names an architecture: both are kept (the
+  loader checks that the checkpoint has the preset's shapes)."""
+  config = _config("sage", preset)
+  config.model.spec = "/checkpoints/Qwen2.5-Instruct"
+  run = run_config.resolve(config, num_devices=PRESETS[preset])
+  assert (run.model.spec, run.model.preset) == ("/checkpoints/Qwen2.5-Instruct",
+                                                config.model.preset)
+  config.model.update(spec="", preset="")
+  with pytest.raises(ConfigError, match=r"set spec \(the weights to load\) or preset"):
+    run_config.resolve(config, num_devices=PRESETS[preset])
+
+
 def test_unknown_preset_names_the_known_ones():
   with pytest.raises(ValueError, match="unknown preset 'big'; known: demo"):
     _config("sage", "big")

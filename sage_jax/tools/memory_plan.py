@@ -246,19 +246,13 @@ def check_fits(run, device: jax.Device) -> RunPlan | None:
 
 
 def _model_config(spec) -> Qwen2Config:
-  """The architecture a run's model section names: its preset, or the checkpoint's own
-  config.json (the bundled 0.5B has the qwen2.5-0.5b preset's shapes)."""
+  """The architecture a run's model section names (`loader.architecture`), with its numerics."""
   from sage_jax.weights import loader  # noqa: PLC0415
 
   dtypes = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype)) if v}
-  if spec.preset:
-    cfg = get_preset(spec.preset, **dtypes)
-  elif spec.spec == loader.BUNDLED_0P5B:
-    cfg = get_preset("qwen2.5-0.5b", **dtypes)
-  else:
-    cfg = Qwen2Config.from_hf(spec.spec, **dtypes)
-  return cfg.replace(remat=spec.remat, attention_block=spec.attention_block,
-                     lora=spec.lora_config)
+  return loader.architecture(spec).replace(remat=spec.remat,
+                                           attention_block=spec.attention_block,
+                                           lora=spec.lora_config, **dtypes)
 
 
 def main(argv):

@@ -26,6 +26,24 @@ def resolve(spec: str) -> str:
   return spec
 
 
+def checkpoint_architecture(spec: str) -> Qwen2Config:
+  """The architecture of the checkpoint `spec` names, read without its weights: an HF
+  directory's config.json, a GGUF's metadata (the bundled model has the qwen2.5-0.5b preset's
+  shapes, so it is not fetched for them)."""
+  if spec == BUNDLED_0P5B:
+    return get_preset("qwen2.5-0.5b")
+  if os.path.isdir(spec):
+    return Qwen2Config.from_hf(spec)
+  if spec.endswith(".gguf") and os.path.isfile(spec):
+    return Qwen2Config.from_hf(gguf_import.read_gguf(spec)[0])
+  raise FileNotFoundError(_not_a_model(spec))
+
+
+def _not_a_model(spec: str) -> str:
+  return (f"model {spec!r}: not an HF checkpoint directory, not a .gguf file, and not "
+          f"{BUNDLED_0P5B!r}")
+
+
 def load_model(spec: str, *, mesh: Mesh | None = None,
                rules: shd.ShardingRules = shd.ShardingRules(),
                param_dtype: str | None = None, dtype: str | None = None) -> Qwen2:
@@ -42,9 +60,7 @@ def load_model(spec: str, *, mesh: Mesh | None = None,
     cfg = Qwen2Config.from_hf(config, param_dtype=param_dtype, dtype=dtype or param_dtype)
     return hf.load_tensors(cfg, ((path, name, array) for name, array in tensors), mesh, rules,
                            origin=path)
-  raise FileNotFoundError(
-      f"model {spec!r}: not an HF checkpoint directory, not a .gguf file, and not "
-      f"{BUNDLED_0P5B!r}")
+  raise FileNotFoundError(_not_a_model(spec))
 
 
 VOCABULARIES = ("full", "compact")
@@ -52,9 +68,11 @@ VOCABULARIES = ("full", "compact")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """spec: what `load_model` takes (an HF directory, a .gguf file, or
-  "qwen2.5-coder-0.5b-instruct"); preset: instead, a randomly initialised model preset
-  (e.g. "tiny") with init seed `seed`. param_dtype / dtype: numerics ("" keeps defaults).
+  """spec: the weights to load, what `load_model` takes (an HF directory, a .gguf file, or
+  "qwen2.5-coder-0.5b-instruct"); preset: a model preset's architecture (e.g. "tiny"), alone
+  randomly initialised with init seed `seed`. With both, spec's checkpoint must have the
+  preset's architecture (a config preset sized for its hardware, pointed at real weights).
+  param_dtype / dtype: numerics ("" keeps defaults).
   remat / remat_layers: rematerialisation of decoder layers in training ("none", "full",
   "dots"; layers empty = all), which the activation memory of long sequences needs.
   attention_block: training attention over rows longer than this runs in blocks of this many
@@ -84,8 +102,9 @@ class ModelSpec:
   vocabulary: str = "full"
 
   def __post_init__(self):
-    if bool(self.spec) == bool(self.preset):
-      raise ValueError("model: set exactly one of spec (weights) and preset (random init)")
+    if not (self.spec or self.preset):
+      raise ValueError("model: set spec (the weights to load) or preset (an architecture to "
+                       "initialise randomly), or both (spec's weights, of the preset's shape)")
     if self.vocabulary not in VOCABULARIES:
       raise ValueError(f"vocabulary={self.vocabulary!r}: expected one of {VOCABULARIES}")
     if self.vocabulary == "compact" and self.spec:
@@ -108,6 +127,31 @@ class ModelSpec:
     return lora.LoraConfig(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
 
 
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "tie_word_embeddings")
+
+
+def architecture(spec: ModelSpec) -> Qwen2Config:
+  """The architecture a model section names, without reading weights: its preset's when it
+  has one (so a plan needs no checkpoint at hand), else its checkpoint's."""
+  return get_preset(spec.preset) if spec.preset else checkpoint_architecture(spec.spec)
+
+
+def check_architecture(spec: ModelSpec) -> None:
+  """With both spec and preset: fails unless spec's checkpoint has the preset's shapes."""
+  if not (spec.spec and spec.preset):
+    return
+  have, want = checkpoint_architecture(spec.spec), get_preset(spec.preset)
+  differ = [f"{k}={getattr(have, k)} (the preset's: {getattr(want, k)})"
+            for k in ARCHITECTURE_FIELDS if getattr(have, k) != getattr(want, k)]
+  if differ:
+    raise ValueError(f"model.spec={spec.spec!r} does not have the architecture of "
+                     f"model.preset={spec.preset!r}: {', '.join(differ)}. Point spec at a "
+                     f"{spec.preset} checkpoint, or set model.preset='' to take the "
+                     "checkpoint's own")
+
+
 def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
                 rules: shd.ShardingRules = shd.ShardingRules(),
                 vocab_size: int | None = None) -> Qwen2:
@@ -116,7 +160,7 @@ def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
   if (vocab_size is None) != (spec.vocabulary == "full"):
     raise ValueError(f"vocabulary={spec.vocabulary!r} with vocab_size={vocab_size}: a compact "
                      "vocabulary needs its size, a full one takes none")
-  if spec.preset:
+  if not spec.spec:
     overrides = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype),
                                    ("vocab_size", vocab_size)) if v}
     cfg = get_preset(spec.preset, **overrides)
@@ -125,6 +169,7 @@ def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
     else:
       model = shd.create_sharded(lambda: init_model(cfg, seed=spec.seed), mesh, rules)
   else:
+    check_architecture(spec)  # before a load that can take minutes
     model = load_model(spec.spec, mesh=mesh, rules=rules, param_dtype=spec.param_dtype or None,
                        dtype=spec.dtype or None)
   # Remat and the attention kernels change how the forward pass is traced, not the weights.
