@@ -4,6 +4,8 @@ multi-process JAX run (how to try a multi-host run on one machine).
   python launch/local.py --config=configs/sage.py:demo --workdir=runs/demo [--cpu_devices=8]
       [--gpus=0,1] [--override=grpo.group_size=4 ...] [--module=sage_jax.evaluate]
       [--dry_run]
+  python launch/local.py --num_processes=2 --module=sage_jax.export --workdir=runs/demo \
+      --flag=out=runs/demo_hf        # an entry point's own flags: --flag=NAME=VALUE
   python launch/local.py --num_processes=2 --cpu_devices=2 --config=configs/sage.py:demo \\
       --workdir=runs/demo2
   python launch/local.py --num_processes=2 --cpu_devices=2 -- python -m sage_jax.generate ...
@@ -122,11 +124,13 @@ def main(argv):
   if command:
     cmd = command
   else:
-    if not FLAGS.config or not FLAGS.workdir:
-      raise app.UsageError("--config and --workdir are required (or a command after --).")
-    cmd = common.entry_command(FLAGS.config, FLAGS.workdir,
-                               common.parse_overrides(FLAGS.override), FLAGS.module,
-                               python=sys.executable)
+    try:
+      cmd = common.entry_command(FLAGS.config, FLAGS.workdir,
+                                 common.parse_overrides(FLAGS.override), FLAGS.module,
+                                 python=sys.executable,
+                                 entry_flags=common.parse_entry_flags(FLAGS.flag))
+    except ValueError as e:
+      raise app.UsageError(f"{e} (or give a whole command after --)") from None
   if FLAGS.num_processes < 1:
     raise app.UsageError(f"--num_processes must be >= 1, got {FLAGS.num_processes}")
   envs = ([env] if FLAGS.num_processes == 1 else
@@ -144,6 +148,8 @@ def define_flags():
   flags.DEFINE_string("workdir", None, "Run directory.")
   flags.DEFINE_string("module", "sage_jax.train", "Entry point module.")
   flags.DEFINE_multi_string("override", [], "KEY=VALUE config overrides.")
+  flags.DEFINE_multi_string("flag", [], "NAME=VALUE: a flag of the entry point's own "
+                            "(export's out, evaluate's run and step).")
   flags.DEFINE_integer("num_processes", 1, "JAX processes to start on this machine.")
   flags.DEFINE_integer("port", 0, "Coordinator port of a multi-process run (0: a free one).")
   flags.DEFINE_integer("cpu_devices", 0, "Simulate this many CPU devices (per process).")

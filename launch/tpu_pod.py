@@ -14,6 +14,8 @@ of each checkpoint there.
 
   python launch/tpu_pod.py --project=P --zone=us-east5-a --tpu=sage-v5p --accelerator_type=v5p-64 \\
       --config=configs/sage.py:qwen2.5-32b --workdir=gs://my-bucket/runs/sage32b [--create [--queued]]
+  python launch/tpu_pod.py --project=P --zone=us-east5-a --tpu=sage-v5p --module=sage_jax.export \\
+      --workdir=gs://my-bucket/runs/sage32b --flag=out=gs://my-bucket/hf/sage32b
 """
 
 from __future__ import annotations
@@ -89,9 +91,15 @@ def main(argv):
   if FLAGS.spot and not FLAGS.queued:
     raise app.UsageError("--spot asks for spot capacity of a queued resource: it needs "
                          "--create --queued")
+  try:  # the entry point's command first: nothing starts when it is wrong
+    common.entry_command(FLAGS.config, FLAGS.workdir, common.parse_overrides(FLAGS.override),
+                         FLAGS.module, entry_flags=common.parse_entry_flags(FLAGS.flag))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   commands = build(project=FLAGS.project, zone=FLAGS.zone, tpu=FLAGS.tpu,
                    config=FLAGS.config, workdir=FLAGS.workdir,
                    overrides=common.parse_overrides(FLAGS.override), module=FLAGS.module,
+                   entry_flags=common.parse_entry_flags(FLAGS.flag),
                    create=FLAGS.create, accelerator_type=FLAGS.accelerator_type,
                    runtime_version=FLAGS.runtime_version, remote_dir=FLAGS.remote_dir,
                    jax_tpu=FLAGS.jax_tpu_requirement, queued=FLAGS.queued,
@@ -117,11 +125,13 @@ def define_flags():
   flags.DEFINE_bool("create", False, "Create the TPU VM first.")
   flags.DEFINE_bool("queued", False, "With --create: as a queued resource, waiting until ACTIVE.")
   flags.DEFINE_bool("spot", False, "With --queued: spot capacity.")
-  flags.DEFINE_string("config", None, "configs/<file>.py:<preset>", required=True)
+  flags.DEFINE_string("config", None, "configs/<file>.py:<preset> (not for export, generate)")
   flags.DEFINE_string("workdir", None, "Run directory: gs://bucket/run, or a path every worker "
-                      "mounts.", required=True)
+                      "mounts (not for generate).")
   flags.DEFINE_string("module", "sage_jax.train", "Entry point module.")
   flags.DEFINE_multi_string("override", [], "KEY=VALUE config overrides.")
+  flags.DEFINE_multi_string("flag", [], "NAME=VALUE: a flag of the entry point's own "
+                            "(export's out, evaluate's run and step).")
   flags.DEFINE_string("remote_dir", "sage_jax", "Code directory on the workers.")
   flags.DEFINE_string("jax_tpu_requirement", "jax[tpu]==0.10.2",
                       "JAX build for TPU, installed over requirements.txt.")

@@ -50,6 +50,29 @@ def test_local_multi_process_dry_run():
                                           "--prompt=hi")
 
 
+def test_every_entry_point_launches_with_its_own_flags():
+  """Export reads the run's own config and takes --out; generate takes neither a config nor a
+  workdir: each gets the flags it reads, and a flag it does not read is refused."""
+  out = _run([sys.executable, "launch/local.py", "--num_processes=2", "--port=4321",
+              "--module=sage_jax.export", "--workdir=runs/demo", "--flag=out=runs/demo_hf",
+              "--flag=--step=3", "--dry_run"])
+  for line in out.strip().splitlines():
+    assert line.endswith("-m sage_jax.export --out=runs/demo_hf --step=3 --workdir=runs/demo")
+  wrong = subprocess.run([sys.executable, "launch/local.py", "--module=sage_jax.export",
+                          "--config=configs/sage.py:demo", "--workdir=runs/demo", "--dry_run"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert wrong.returncode != 0 and "sage_jax.export takes no --config" in wrong.stderr
+  pod = _run([sys.executable, "launch/tpu_pod.py", "--project=p", "--zone=z", "--tpu=t",
+              "--module=sage_jax.generate", "--flag=model=/ckpt/Qwen2.5-32B-Instruct",
+              "--flag=prompt=hi", "--dry_run"])
+  assert ("python -m sage_jax.generate --model=/ckpt/Qwen2.5-32B-Instruct --prompt=hi > "
+          "logs/$(hostname).log") in pod, pod
+  missing = subprocess.run([sys.executable, "launch/tpu_pod.py", "--project=p", "--zone=z",
+                            "--tpu=t", "--workdir=gs://b/run", "--dry_run"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+  assert missing.returncode != 0 and "sage_jax.train needs --config" in missing.stderr
+
+
 def test_tpu_pod_dry_run_prints_every_step():
   out = _run([sys.executable, "launch/tpu_pod.py", "--project=proj", "--zone=us-east5-a",
               "--tpu=sage-v5p", "--accelerator_type=v5p-64", "--create",
@@ -330,7 +353,7 @@ def test_sweep_errors_are_clear():
     sweep.commands_for(sweep.Run("a", "c.py:x", {}, "w"), "tpu_pod", tpu="t")
   with pytest.raises(ValueError, match="set \\['seed'\\] twice"):
     sweep.expand({"config": "c", "axes": [{"a": {"seed": 1}}, {"b": {"seed": 2}}]}, "r")
-  with pytest.raises(ValueError, match="not KEY=VALUE"):
+  with pytest.raises(ValueError, match="override 'seed' is not KEY=VALUE"):
     common.parse_overrides(["seed"])
 
 
