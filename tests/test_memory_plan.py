@@ -84,6 +84,11 @@ def test_config_command_prints_the_run_plan():
   assert result["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2} and result["fits"] is True
   assert set(result["gib_per_device"]) == {"params", "grads", "optimizer", "kl_reference",
                                            "activations", "sampler_weights", "kv_cache", "total"}
+  misspelt = subprocess.run(
+      [sys.executable, "-m", "sage_jax.tools.memory_plan", "--config=configs/sage.py:qwen2.5-7b",
+       "--config.grpo.group_sise=4"], capture_output=True, text=True, timeout=300)
+  assert misspelt.returncode != 0 and "Traceback" not in misspelt.stderr
+  assert "unknown config key 'config.grpo.group_sise'" in misspelt.stderr
 
 
 def test_lora_plan_trains_the_adapters_only():

@@ -59,7 +59,7 @@ class EvalConfig:
   under: AppWorld scores whatever such an episode saved, we count it as failed). seed:
   sampler seeds. temperature: the sampling temperature of evaluation (greedy by default,
   also for the dev evaluations inside a training run, whose agent section samples for
-  training); None keeps the agent section's."""
+  training: set it to the agent's to evaluate what training samples)."""
 
   split: str = "dev"
   data: str = "mini"
@@ -69,7 +69,7 @@ class EvalConfig:
   max_scenarios: int = 0
   appworld_check: bool = True
   seed: int = 0
-  temperature: float | None = 0.0
+  temperature: float = 0.0
 
   def __post_init__(self):
     if self.policy not in POLICIES:
@@ -79,8 +79,6 @@ class EvalConfig:
 
   def agent(self, agent: AgentConfig) -> AgentConfig:
     """The agent settings evaluation samples with."""
-    if self.temperature is None:
-      return agent
     return dataclasses.replace(agent, temperature=self.temperature)
 
 
