@@ -37,9 +37,9 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
     c.agent.max_episode_tokens = 2048
     c.eval.temperature = 1.0
     c.engine.max_len = 2048
-  elif preset in ("qwen2.5-coder-0.5b", "run"):
-    pass
-  else:
+  elif preset == "run":
+    c.model = dict(spec="", preset="")  # the run's own: `--run=RUN_DIR` names it
+  elif preset != "qwen2.5-coder-0.5b":
     raise ValueError(f"unknown eval preset {preset!r}; known: demo, tiny, qwen2.5-coder-0.5b, "
                      "run")
   return c

@@ -25,6 +25,7 @@ import dataclasses
 import importlib.util
 import itertools
 import os
+import re
 import subprocess
 import sys
 
@@ -100,6 +101,12 @@ def expand(sweep: dict, workdir_root: str, overrides: dict | None = None) -> lis
   return runs
 
 
+def tpu_name(template: str, run_name: str) -> str:
+  """`template` with {name} as the run's name in what Cloud TPU names allow (lowercase
+  letters, digits and hyphens): `grpo_matched-seed0` -> `grpo-matched-seed0`."""
+  return template.format(name=re.sub(r"[^a-z0-9-]+", "-", run_name.lower()))
+
+
 def commands_for(run: Run, launcher: str, *, project=None, zone=None,
                  tpu=None) -> list[list[str]]:
   """The exact commands that start `run` with `launcher`."""
@@ -119,7 +126,7 @@ def commands_for(run: Run, launcher: str, *, project=None, zone=None,
     missing = [n for n, v in (("project", project), ("zone", zone), ("tpu", tpu)) if not v]
     if missing:
       raise ValueError(f"launcher tpu_pod needs --{', --'.join(missing)}")
-    return tpu_pod.build(project=project, zone=zone, tpu=tpu.format(name=run.name),
+    return tpu_pod.build(project=project, zone=zone, tpu=tpu_name(tpu, run.name),
                          config=run.config, workdir=run.workdir, overrides=run.overrides,
                          module=module, entry_flags=run.flags)  # started, not followed
   raise ValueError(f"unknown launcher {launcher!r}; choose from {LAUNCHERS}")

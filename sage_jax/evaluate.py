@@ -81,6 +81,9 @@ def main(argv) -> None:
                          f"known: {sorted(RUN_SECTIONS + EVAL_SECTIONS)}")
   if run_dir is None and (FLAGS.step is not None or FLAGS["stage"].present):
     raise app.UsageError("--step and --stage choose a checkpoint of --run=RUN_DIR")
+  if run_dir is None and not (config.model.get("spec") or config.model.get("preset")):
+    raise app.UsageError("this config names no model (configs/eval.py:run evaluates a trained "
+                         "run's): pass --run=RUN_DIR, or set --config.model.spec")
   from_run = [a for a in sys.argv if a.startswith(tuple(f"--config.{s}." for s in RUN_SECTIONS))]
   if run_dir is not None and from_run:
     raise app.UsageError(f"{from_run[0]}: with --run the {', '.join(RUN_SECTIONS)} sections "

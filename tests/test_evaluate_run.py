@@ -95,3 +95,11 @@ def test_evaluate_run_errors_are_clear(run_dir, tmp_path):
   scripted = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:demo",
                        f"--workdir={tmp_path}")
   assert scripted.returncode != 0 and "config.eval.policy must be 'model'" in scripted.stderr
+
+
+def test_the_run_preset_without_a_run_is_refused(tmp_path):
+  """It evaluates a trained run's model; without --run it names none (it used to evaluate
+  the bundled model instead, on the whole dev split)."""
+  out = _evaluate("--config=configs/eval.py:run", f"--workdir={tmp_path / 'eval'}")
+  assert out.returncode != 0 and "pass --run=RUN_DIR" in out.stderr, out.stderr[-2000:]
+  assert not (tmp_path / "eval").exists()

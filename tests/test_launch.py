@@ -271,6 +271,10 @@ def test_sweep_dry_run_for_every_launcher():
   assert "tpu-vm ssh pod-k1 --worker=all" in tpu_out
   # Each run is started, not followed: a sweep's launcher must not block on the first log.
   assert "tail -F" not in tpu_out and tpu_out.count("setsid nohup") == 3
+  seeds = _run([sys.executable, "launch/sweep.py", "--sweep=configs/sweeps/seeds.py:demo:1",
+                 "--workdir_root=r", "--dry_run", "--launcher=tpu_pod", "--project=p",
+                 "--zone=z", "--tpu=sage-{name}"])  # Cloud TPU names take no underscores
+  assert "tpu-vm ssh sage-grpo-matched-seed0 --worker=all" in seeds, seeds
   shared = subprocess.run(base + ["--launcher=tpu_pod", "--project=p", "--zone=z",
                                   "--tpu=pod"], cwd=REPO, capture_output=True, text=True)
   assert shared.returncode != 0 and "3 runs would share one slice" in shared.stderr
