@@ -23,7 +23,7 @@ import ml_collections
 from absl import app, flags
 
 from sage_jax import multihost, run_checkpoint, run_config, storage
-from sage_jax.weights import hf
+from sage_jax.weights import hf, loader
 from sage_jax.weights.peft_adapter import write_peft_adapter
 
 # Where a LoRA run's adapters go, in PEFT's format, beside the merged weights.
@@ -60,7 +60,7 @@ def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
                 source_dir=base_model or None)
     if model.config.lora.enabled:
       write_peft_adapter(model, directory and os.path.join(directory, ADAPTER_DIR),
-                         base_model=base_model)
+                         base_model=loader.release_name(base_model))
     for name, text in (text_files or {}).items() if directory is not None else ():
       with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
         f.write(text)
@@ -89,7 +89,8 @@ def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary
   method = ("GRPO baseline (single-task rollouts)" if config.grpo.single_task
             else f"SAGE, reward '{config.reward.variant}', chain length "
                  f"{config.grpo.chain_length}")
-  base = config.model.spec or f"random-init preset {config.model.preset}"
+  base = (loader.release_name(config.model.spec) if config.model.spec
+          else f"random-init preset {config.model.preset}")
   lines = [
       "---", "library_name: transformers", "tags: [sage, grpo, appworld, qwen2]", "---", "",
       "# Tool-using agent trained with sage_jax", "",

