@@ -57,7 +57,7 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
                               f"{steps or 'none'}")
     vocab_size = (Tokenizer(tokenizer_dir(run_dir, run)).vocab_size
                   if run.model.vocabulary == "compact" else None)
-    model = nnx.eval_shape(lambda: loader.build_model(run.model, vocab_size=vocab_size))
+    model = loader.abstract_model(run.model, vocab_size=vocab_size)  # reads no weights
     params = nnx.state(model)
     tx, _ = make_optimizer(run.sft_optimizer if stage == "sft" else run.optimizer)
     mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))

@@ -15,7 +15,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.model.config import Qwen2Config
-from sage_jax.weights import gguf_import, hf
+from sage_jax.weights import gguf_import, hf, loader
 
 _TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
          "        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
@@ -201,6 +201,16 @@ def test_config_as_transformers_builds_it(ours, reference):
   built = {k: v for k, v in transformers.Qwen2Config(**config).to_dict().items() if k not in ignore}
   loaded = {k: v for k, v in reference.config.to_dict().items() if k not in ignore}
   assert built == loaded
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_the_bundled_architecture_a_plan_assumes_is_the_files(coder_gguf):
+  """Memory plans take the bundled model's shapes without fetching it."""
+  read = loader.checkpoint_config(loader.BUNDLED_0P5B)
+  assumed = loader.checkpoint_architecture(loader.BUNDLED_0P5B)
+  assert {k: getattr(read, k) for k in loader.ARCHITECTURE_FIELDS} == {
+      k: getattr(assumed, k) for k in loader.ARCHITECTURE_FIELDS}
 
 
 @pytest.mark.real_model

@@ -116,3 +116,35 @@ def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
                        base_model=base)
     adapter = json.load(open(out / export.ADAPTER_DIR / "adapter_config.json"))
     assert adapter["base_model_name_or_path"] == named
+
+
+def test_a_run_from_a_checkpoint_exports_without_reading_its_base_weights(tmp_path):
+  """The checkpoint holds every weight (the frozen base too): restoring it needs the base's
+  config.json, not its weights, which a 32B run would otherwise read whole to learn shapes."""
+  from sage_jax import export, run_config  # noqa: PLC0415
+  from sage_jax.rl import grpo  # noqa: PLC0415
+  from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: PLC0415
+  from sage_jax.train.step import Trainer  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
+
+  tiny_hf_model(str(tmp_path / "base"), tied=False)
+  config = run_config.defaults()
+  config.model.update(spec=str(tmp_path / "base"), preset="", lora_rank=4, lora_alpha=8.0)
+  run = run_config.resolve(config)
+  model = loader.build_model(run.model)
+  for path, var in nnx.to_flat_state(nnx.state(model, lora.LoraParam)):
+    var.set_value(jnp.asarray(np.random.default_rng(4).normal(size=var.shape) * 0.05,
+                              jnp.float32))
+  trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()), run.optimizer)
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  with open(run_dir / "config.json", "w") as f:
+    json.dump(run_config.with_seeds(config, run), f)
+  checkpointer = Checkpointer(CheckpointConfig(directory=str(run_dir / "checkpoints"),
+                                               async_save=False))
+  checkpointer.save(2, trainer.state)
+  checkpointer.close()
+  (tmp_path / "base" / "model.safetensors").unlink()  # only its config.json stays
+  export.export(str(run_dir), str(tmp_path / "hf"))
+  np.testing.assert_allclose(hf_logits(_load(str(tmp_path / "hf")), TOKENS),
+                             _logits(trainer.model()), atol=1e-4)

@@ -220,6 +220,14 @@ def load_hf(model_dir: str, *, mesh: Mesh | None = None,
 
   `param_dtype` defaults to the checkpoint's own dtype; `dtype` (compute) to `param_dtype`.
   """
+  cfg = checkpoint_config(model_dir, param_dtype=param_dtype, dtype=dtype)
+  return load_tensors(cfg, iter_safetensors(model_dir), mesh, rules, origin=model_dir)
+
+
+def checkpoint_config(model_dir: str, *, param_dtype: str | None = None,
+                      dtype: str | None = None) -> Qwen2Config:
+  """The config `load_hf` loads the checkpoint with, read without its weights (but the two
+  tensors that decide whether its head is tied)."""
   param_dtype = param_dtype or _checkpoint_dtype(model_dir)
   cfg = Qwen2Config.from_hf(model_dir, param_dtype=param_dtype, dtype=dtype or param_dtype)
   if cfg.tie_word_embeddings and _stores_another_head(model_dir):
@@ -227,7 +235,7 @@ def load_hf(model_dir: str, *, mesh: Mesh | None = None,
                     "stores an lm_head.weight of other values: loaded untied, with that head "
                     "(as transformers loads it)", model_dir)
     cfg = cfg.replace(tie_word_embeddings=False)
-  return load_tensors(cfg, iter_safetensors(model_dir), mesh, rules, origin=model_dir)
+  return cfg
 
 
 def _stores_another_head(model_dir: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from flax import nnx
 from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
@@ -34,22 +35,30 @@ def resolve(spec: str) -> str:
   return spec
 
 
+# The bundled GGUF's shapes, known here so that a plan needs no fetch: Qwen2.5-0.5B's, with
+# the separately quantised head the file stores (untied). tests/test_gguf_import.py checks it.
+BUNDLED_0P5B_ARCHITECTURE = get_preset("qwen2.5-0.5b").replace(tie_word_embeddings=False)
+
+
 def checkpoint_architecture(spec: str) -> Qwen2Config:
-  """The architecture of the checkpoint `spec` names, read without its weights: an HF
-  directory's config.json, a GGUF's metadata (the bundled model has the qwen2.5-0.5b preset's
-  shapes, so it is not fetched for them)."""
-  if spec == BUNDLED_0P5B:
-    return get_preset("qwen2.5-0.5b")
-  if os.path.isdir(spec):
-    return Qwen2Config.from_hf(spec)
-  if spec.endswith(".gguf") and os.path.isfile(spec):
-    return Qwen2Config.from_hf(gguf_import.read_gguf(spec)[0])
-  raise FileNotFoundError(_not_a_model(spec))
+  """The architecture of the checkpoint `spec` names, read without its weights."""
+  return BUNDLED_0P5B_ARCHITECTURE if spec == BUNDLED_0P5B else checkpoint_config(spec)
 
 
-def _not_a_model(spec: str) -> str:
-  return (f"model {spec!r}: not an HF checkpoint directory, not a .gguf file, and not "
-          f"{BUNDLED_0P5B!r}")
+def checkpoint_config(spec: str, param_dtype: str | None = None,
+                      dtype: str | None = None) -> Qwen2Config:
+  """The config `load_model(spec)` loads with, read without the weights: an HF directory's
+  config.json, a GGUF's metadata (its weights dequantised to float32 by default)."""
+  path = resolve(spec)
+  if os.path.isdir(path):
+    return hf.checkpoint_config(path, param_dtype=param_dtype, dtype=dtype)
+  if path.endswith(".gguf") and os.path.isfile(path):
+    param_dtype = param_dtype or "float32"
+    return Qwen2Config.from_hf(gguf_import.read_gguf(path)[0], param_dtype=param_dtype,
+                               dtype=dtype or param_dtype)
+  raise FileNotFoundError(
+      f"model {spec!r}: not an HF checkpoint directory, not a .gguf file, and not "
+      f"{BUNDLED_0P5B!r}")
 
 
 def load_model(spec: str, *, mesh: Mesh | None = None,
@@ -59,16 +68,19 @@ def load_model(spec: str, *, mesh: Mesh | None = None,
 
   GGUF weights are dequantised to float32; `param_dtype` then casts them on placement.
   """
+  return _load_weights(spec, checkpoint_config(spec, param_dtype, dtype), mesh, rules)
+
+
+def _load_weights(spec: str, cfg: Qwen2Config, mesh: Mesh | None,
+                  rules: shd.ShardingRules) -> Qwen2:
+  """The checkpoint's weights in a model of `cfg` (`checkpoint_config`, with any settings
+  that do not change the weights)."""
   path = resolve(spec)
   if os.path.isdir(path):
-    return hf.load_hf(path, mesh=mesh, rules=rules, param_dtype=param_dtype, dtype=dtype)
-  if path.endswith(".gguf") and os.path.isfile(path):
-    config, tensors = gguf_import.read_gguf(path)
-    param_dtype = param_dtype or "float32"
-    cfg = Qwen2Config.from_hf(config, param_dtype=param_dtype, dtype=dtype or param_dtype)
-    return hf.load_tensors(cfg, ((path, name, array) for name, array in tensors), mesh, rules,
-                           origin=path)
-  raise FileNotFoundError(_not_a_model(spec))
+    tensors = hf.iter_safetensors(path)
+  else:
+    tensors = ((path, name, array) for name, array in gguf_import.read_gguf(path)[1])
+  return hf.load_tensors(cfg, tensors, mesh, rules, origin=path)
 
 
 VOCABULARIES = ("full", "compact")
@@ -160,31 +172,48 @@ def check_architecture(spec: ModelSpec) -> None:
                      "checkpoint's own")
 
 
+def model_config(spec: ModelSpec, vocab_size: int | None = None) -> Qwen2Config:
+  """The config of the model `build_model(spec)` builds, read without any weights."""
+  if (vocab_size is None) != (spec.vocabulary == "full"):
+    raise ValueError(f"vocabulary={spec.vocabulary!r} with vocab_size={vocab_size}: a compact "
+                     "vocabulary needs its size, a full one takes none")
+  if spec.spec:
+    cfg = checkpoint_config(spec.spec, spec.param_dtype or None, spec.dtype or None)
+  else:
+    overrides = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype),
+                                   ("vocab_size", vocab_size)) if v}
+    cfg = get_preset(spec.preset, **overrides)
+  # Remat and the attention kernels change how the forward pass is traced, not the weights.
+  return cfg.replace(remat=spec.remat, remat_layers=spec.remat_layers,
+                     attention_block=spec.attention_block, attention_impl=spec.attention_impl,
+                     decode_attention_impl=spec.decode_attention_impl)
+
+
 def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
                 rules: shd.ShardingRules = shd.ShardingRules(),
                 vocab_size: int | None = None) -> Qwen2:
   """The model a config's `model` section names, placed on `mesh` when one is given.
   `vocab_size`: the size of a compact vocabulary (required with `vocabulary="compact"`)."""
-  if (vocab_size is None) != (spec.vocabulary == "full"):
-    raise ValueError(f"vocabulary={spec.vocabulary!r} with vocab_size={vocab_size}: a compact "
-                     "vocabulary needs its size, a full one takes none")
-  if not spec.spec:
-    overrides = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype),
-                                   ("vocab_size", vocab_size)) if v}
-    cfg = get_preset(spec.preset, **overrides)
-    if mesh is None:
-      model = init_model(cfg, seed=spec.seed)
-    else:
-      model = shd.create_sharded(lambda: init_model(cfg, seed=spec.seed), mesh, rules)
-  else:
+  cfg = model_config(spec, vocab_size)
+  if spec.spec:
     check_architecture(spec)  # before a load that can take minutes
-    model = load_model(spec.spec, mesh=mesh, rules=rules, param_dtype=spec.param_dtype or None,
-                       dtype=spec.dtype or None)
-  # Remat and the attention kernels change how the forward pass is traced, not the weights.
-  model.config = model.config.replace(remat=spec.remat, remat_layers=spec.remat_layers,
-                                      attention_block=spec.attention_block,
-                                      attention_impl=spec.attention_impl,
-                                      decode_attention_impl=spec.decode_attention_impl)
+    model = _load_weights(spec.spec, cfg, mesh, rules)
+  elif mesh is None:
+    model = init_model(cfg, seed=spec.seed)
+  else:
+    model = shd.create_sharded(lambda: init_model(cfg, seed=spec.seed), mesh, rules)
+  return _with_adapters(model, spec, mesh, rules)
+
+
+def abstract_model(spec: ModelSpec, vocab_size: int | None = None) -> Qwen2:
+  """The shapes, dtypes and structure of `build_model(spec)`'s model, without reading or
+  making any weights: what a checkpoint of it restores into."""
+  cfg = model_config(spec, vocab_size)
+  return nnx.eval_shape(lambda: _with_adapters(init_model(cfg, seed=0), spec))
+
+
+def _with_adapters(model: Qwen2, spec: ModelSpec, mesh: Mesh | None = None,
+                   rules: shd.ShardingRules = shd.ShardingRules()) -> Qwen2:
   if spec.lora_config.enabled:
     lora.add_adapters(model, spec.lora_config, seed=spec.seed)
     if mesh is not None:
