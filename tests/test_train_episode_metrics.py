@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sage_jax.train.loop import step_seed
-from sage_jax.rl.metrics import batch_metrics
+from sage_jax.rl.metrics import advantage_metrics, sample_metrics
 
 
 def _episode(group, rollout, position, reward, success, generated=(), used=False, no_code=False):
@@ -18,7 +18,7 @@ def _episode(group, rollout, position, reward, success, generated=(), used=False
               no_code=no_code, advantage=0.0 if group == 1 else reward - 1.0)
 
 
-def test_batch_metrics_by_position_and_chain():
+def test_sample_metrics_by_position_and_chain():
   eps = [
       # group 0, rollout 0: both tasks succeed (skill generated in task 1, used in task 2)
       _episode(0, 0, 0, 2.0, True, generated=("f",)), _episode(0, 0, 1, 2.0, True, used=True),
@@ -27,7 +27,7 @@ def test_batch_metrics_by_position_and_chain():
       # group 1, rollout 0: no code at all
       _episode(1, 0, 0, -1.0, False, no_code=True), _episode(1, 0, 1, -1.0, False, no_code=True),
   ]
-  m = batch_metrics(eps)
+  m = sample_metrics(eps)
   assert m["episodes"] == 6
   assert m["reward/mean"] == pytest.approx(0.5)
   assert m["reward/pos0/mean"] == pytest.approx(2 / 3)
@@ -39,14 +39,14 @@ def test_batch_metrics_by_position_and_chain():
   assert m["generated_tokens/mean"] == pytest.approx(15.0)
   # One definition of the task metrics: the batch statistics leave them to task_metrics.
   assert not {"tgc", "sgc", "chain_success", "skill_usage_rate", "no_code_rate"} & set(m)
-  assert m["advantage/zero_frac"] == pytest.approx(2 / 6 + 1 / 6)
+  assert advantage_metrics(eps)["advantage/zero_frac"] == pytest.approx(2 / 6 + 1 / 6)
 
 
-def test_batch_metrics_with_only_batch_fields():
+def test_sample_metrics_with_only_batch_fields():
   eps = [dict(tokens=[1, 2, 3], loss_mask=[0, 1, 1], advantage=0.5)]
-  m = batch_metrics(eps)
-  assert m == {"episodes": 1.0, "generated_tokens/mean": 2.0, "generated_tokens/total": 2.0,
-               "advantage/abs_mean": 0.5, "advantage/zero_frac": 0.0}
+  assert sample_metrics(eps) == {"episodes": 1.0, "generated_tokens/mean": 2.0,
+                                 "generated_tokens/total": 2.0}
+  assert advantage_metrics(eps) == {"advantage/abs_mean": 0.5, "advantage/zero_frac": 0.0}
 
 
 def test_step_seeds_are_distinct_and_stable():

@@ -107,6 +107,8 @@ def test_dynamic_sampling_redraws_chains_without_signal(tmp_path):
     # steady scenario's chain all successes (2 constant groups), the mixed ones' half.
     assert values["compute/episodes"] == 12 and values["constant_groups"] == 2
     assert values["rollout/tgc"] == pytest.approx(100 * 8 / 12)
+    assert values["episodes"] == 12 and values["success"] == pytest.approx(8 / 12)
+    assert values["num_env_failures"] == values["num_rewards_unknown"] == 0
     assert values["rollout/reward/pos0"] < 2.0
     # Only chains without a signal: every draw is spent and the step trains on nothing.
     run = rl_loop.appworld_rollout(ctx, scenarios[steady], config, rewards.RewardConfig(),
@@ -117,4 +119,5 @@ def test_dynamic_sampling_redraws_chains_without_signal(tmp_path):
                                                   progress=False))
   (h,) = result.history
   assert h["sampling/draws"] == 3 and h["sampling/kept_chains"] == 0
-  assert h["episodes"] == 0 and h["updates"] == 0 and h["compute/episodes"] == 12
+  assert h["episodes"] == 12 and h["updates"] == 0 and h["compute/episodes"] == 12
+  assert h["success"] == 1.0 and "advantage/zero_frac" not in h  # sampled; nothing trained

@@ -24,10 +24,11 @@ All rates are percentages (None when their denominator is empty):
 - evaluation_refused_rate: tasks whose saved state AppWorld's evaluation refused (forged by
   the agent's code, not replayable, or too slow to evaluate): failures of the agent.
 
-`batch_metrics` is the RL loop's per-step statistics of any episodes (AppWorld's or the
-synthetic task's; fractions, not percentages): reward and success overall and per chain
-position, steps, generated tokens, advantages. Training logs `task_metrics` of its AppWorld
-episodes beside them, under "rollout/": skill and chain metrics have that one definition.
+`sample_metrics` is the RL loop's per-step statistics of any episodes (AppWorld's or the
+synthetic task's; fractions, not percentages), of everything the step sampled: reward and
+success overall and per chain position, steps, generated tokens; `advantage_metrics` those
+of the episodes it trains on. Training logs `task_metrics` of its AppWorld episodes beside
+them, under "rollout/": skill and chain metrics have that one definition.
 
 `compute_counts` is what an RL step spent, so that runs of different methods can be matched
 on compute: episodes, and tokens read as context, generated and trained on.
@@ -157,11 +158,11 @@ def by_position(values: Sequence[Any], positions: Sequence[Any]) -> dict[int, li
   return dict(sorted(at.items()))
 
 
-def batch_metrics(episodes: Sequence[Any]) -> dict[str, float]:
+def sample_metrics(episodes: Sequence[Any]) -> dict[str, float]:
   """Per-step statistics of episodes, from whichever fields they carry: `episodes`;
   reward/mean|std, also per chain position (reward/pos<k>/...); success (the share of
   episodes that succeeded), also per position; steps/mean; generated_tokens/mean|total
-  (from the loss mask when not recorded); advantage/abs_mean and zero_frac."""
+  (from the loss mask when not recorded)."""
   out: dict[str, float] = {"episodes": float(len(episodes))}
   if not episodes:
     return out
@@ -184,9 +185,14 @@ def batch_metrics(episodes: Sequence[Any]) -> dict[str, float]:
     generated = [int(np.sum(np.asarray(field(e, "loss_mask")))) for e in episodes]
   out["generated_tokens/mean"] = float(np.mean(generated))
   out["generated_tokens/total"] = float(np.sum(generated))
-  adv = get("advantage")
-  if all(a is not None for a in adv):
-    adv = np.asarray(adv, np.float64)
-    out["advantage/abs_mean"] = float(np.abs(adv).mean())
-    out["advantage/zero_frac"] = float(np.mean(adv == 0))
   return out
+
+
+def advantage_metrics(episodes: Sequence[Any]) -> dict[str, float]:
+  """advantage/abs_mean and zero_frac of the episodes (of the update), when they carry one."""
+  adv = [field(e, "advantage") for e in episodes]
+  if not adv or any(a is None for a in adv):
+    return {}
+  adv = np.asarray(adv, np.float64)
+  return {"advantage/abs_mean": float(np.abs(adv).mean()),
+          "advantage/zero_frac": float(np.mean(adv == 0))}

@@ -7,7 +7,8 @@ the learning test:
       samples the step's chains and runs them with the current policy. `seed` is a pure
       function of (loop seed, step): a resumed run samples the same data with the same RNG.
       A rollout that samples more than it returns (dynamic sampling) puts the `compute/`
-      counts of everything it sampled in its metrics; otherwise the loop counts `episodes`.
+      counts and `rl.metrics.sample_metrics` of everything it sampled in its metrics;
+      otherwise the loop takes them of `episodes`.
   score(episodes) -> metrics | None
       rewards and advantages; sets `episode.advantage` (and usually `.reward`) in place.
   evaluate(step) -> metrics
@@ -17,7 +18,7 @@ the learning test:
       arrays stay on device, no host copy. Called after every update and after a restore.
 
 Episodes are duck-typed: the batch fields of `rl.batch` plus, for metrics
-(`rl.metrics.batch_metrics`), whichever of `reward`, `chain_position`, `success`,
+(`rl.metrics.sample_metrics`), whichever of `reward`, `chain_position`, `success`,
 `num_steps`, `generated_tokens` they carry (`rl.episode.EpisodeRecord` carries all).
 
 Strictly on-policy by default: one optimiser update per rollout batch; with
@@ -187,7 +188,8 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
   def run(step: int, seed: int):
     config = dataclasses.replace(rollout_config, seed=step_seed(rollout_config.seed, step),
                                  experiment_prefix=f"{rollout_config.experiment_prefix}_s{step}")
-    sampled, kept, constant_sets, draws, missing = [], [], 0, 0, num_chains
+    sampled, kept, draws, missing = [], [], 0, num_chains
+    constant_sets = env_failures = rewards_unknown = 0
     while draws <= rollout_config.max_redraws:
       rng = random.Random(seed if draws == 0 else step_seed(seed, draws))
       chains = rollout_lib.sample_chains(task_ids, rollout_config.effective_chain_length,
@@ -198,6 +200,8 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
       draws += 1
       sampled.extend(batch.flat())
       constant_sets += batch.advantage_stats.num_constant_groups
+      env_failures += batch.advantage_stats.num_env_failures
+      rewards_unknown += batch.advantage_stats.num_rewards_unknown
       kept.extend([r for rollout in group for r in rollout] for group in batch.records
                   if not filtering or any(r.advantage != 0 for rollout in group
                                           for r in rollout))
@@ -216,7 +220,10 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
     for p, at in metrics_lib.by_position(rewards, [e.chain_position for e in everyone]).items():
       values[f"rollout/reward/pos{p}"] = float(np.mean(at))
     values.update(compute_counts(sampled))
-    values["constant_groups"] = float(sum(multihost.allgather_objects(constant_sets)))
+    values.update(metrics_lib.sample_metrics(everyone))
+    for key, count in (("constant_groups", constant_sets), ("num_env_failures", env_failures),
+                       ("num_rewards_unknown", rewards_unknown)):
+      values[key] = float(sum(multihost.allgather_objects(count)))
     values["sampling/draws"] = float(draws)
     values["sampling/kept_chains"] = float(sum(multihost.allgather_objects(len(kept))))
     return episodes, values
@@ -254,7 +261,10 @@ def run_rl(trainer: Trainer, *, rollout: Rollout, config: RLLoopConfig = RLLoopC
       values.update(compute_counts(episodes))
     if score is not None:
       values.update(score(episodes) or {})
-    values.update(metrics_lib.batch_metrics(gather_episodes(episodes)))
+    everyone = gather_episodes(episodes)
+    if "episodes" not in values:
+      values.update(metrics_lib.sample_metrics(everyone))
+    values.update(metrics_lib.advantage_metrics(everyone))
     t2 = time.perf_counter()
     values.update(grpo_update(trainer, episodes, grpo_config, batch_config, seed=seed,
                               reference_params=reference_params))
