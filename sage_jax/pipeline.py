@@ -42,6 +42,7 @@ DIR/config.json, and an invalid config fails before anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -78,8 +79,24 @@ from sage_jax.train.state import abstract_like
 from sage_jax.train.metrics import MetricsConfig
 from sage_jax.weights import loader
 
+# The sections of a run's config that decide what an evaluation measures: a report made under
+# others is made again.
+EVALUATION_SECTIONS = ("eval", "agent", "retrieval")
 SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate",
                 "later_skill_usage_rate")
+
+
+def reusable(report: dict | None, config: dict, weights_from: dict | None) -> bool:
+  """Whether an evaluation report stands for evaluating the weights of checkpoint
+  `weights_from` (None: the starting weights) under `config`: the same checkpoint of the
+  run, wherever the run is now, under the same `EVALUATION_SECTIONS`."""
+  if report is None:
+    return False
+  stage_step = lambda c: c and (c["stage"], c["step"])
+  settings = lambda c: json.loads(json.dumps({k: c.get(k) for k in EVALUATION_SECTIONS},
+                                             default=str))
+  return (stage_step(report.get("checkpoint")) == stage_step(weights_from)
+          and settings(report.get("config") or {}) == settings(config))
 
 
 def preempted_exit_code(stop_signal: int | None) -> int:
@@ -194,18 +211,17 @@ class Pipeline:
   def evaluate(self, name: str, training_scenarios: bool = False) -> dict:
     """Dev evaluation of the current params, or with `training_scenarios` one on the
     scenarios RL trains on; kept in <workdir>/<name>/ and reused while the params are the
-    checkpoint it evaluated."""
+    checkpoint it evaluated under the same evaluation settings (a rerun may change them)."""
     out = self.workdir / name
     split, scenarios = ((self.run.pipeline.train_split, self.run.pipeline.train_scenarios)
                         if training_scenarios else (self.run.eval.split,
                                                     self.run.eval.max_scenarios))
+    # The run's config with its derived seeds, as config.json holds it.
+    config = {**self.config_dict,
+              "eval": {**self.config_dict["eval"], "data": self.root, "experiment": name,
+                       "split": split, "max_scenarios": scenarios}}
     report = storage.read_json(out / f"eval_{split}.json")
-    stage_step = lambda c: c and (c["stage"], c["step"])  # the same run, wherever it is now
-    if report is None or stage_step(report.get("checkpoint")) != stage_step(self.weights_from):
-      # The run's config with its derived seeds, as config.json holds it.
-      config = {**self.config_dict,
-                "eval": {**self.config_dict["eval"], "data": self.root, "experiment": name,
-                         "split": split, "max_scenarios": scenarios}}
+    if not reusable(report, config, self.weights_from):
       report = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
                                engine=self.engine, tokenizer=self.tokenizer,
                                checkpoint=self.weights_from)

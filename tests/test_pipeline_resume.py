@@ -89,3 +89,22 @@ def test_more_sft_steps_continue_sft_until_rl_has_trained_from_it(tmp_path, demo
                                         r"step 3, and config.sft.total_steps=4 would change"):
     pipeline.Pipeline(c, str(workdir))
   assert steps("sft/checkpoints") == [2, 3]
+
+
+def test_an_evaluation_is_reused_only_for_its_checkpoint_and_settings():
+  """A rerun may change the evaluation settings (eval.*, the agent, retrieval): a report
+  made under others is not the evaluation asked for."""
+  config = {"eval": {"split": "dev", "max_scenarios": 2, "temperature": 0.0},
+            "agent": {"max_steps": 6}, "retrieval": {"strategy": "same_scenario"},
+            "rl": {"total_steps": 2}}
+  step = {"run": "gs://b/run", "stage": "rl", "step": 2}
+  report = {"config": json.loads(json.dumps(config)), "checkpoint": step}
+  assert pipeline.reusable(report, config, {**step, "run": "/mnt/run"})  # the run moved
+  assert pipeline.reusable(report, {**config, "rl": {"total_steps": 4}}, step)
+  assert not pipeline.reusable(report, config, {**step, "step": 3})
+  assert not pipeline.reusable(report, config, None)
+  assert not pipeline.reusable(None, config, step)
+  for section, change in (("eval", {"max_scenarios": 0}), ("eval", {"temperature": 0.7}),
+                          ("agent", {"max_steps": 8}), ("retrieval", {"strategy": "query_ngram"})):
+    changed = {**config, section: {**config[section], **change}}
+    assert not pipeline.reusable(report, changed, step), (section, change)
