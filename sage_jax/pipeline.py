@@ -391,9 +391,14 @@ def summary_table(summary: dict) -> str:
   rows = ["| metric | " + " | ".join(title for _, title in columns) + " |",
           "|---" * (len(columns) + 1) + "|"]
   for key in SUMMARY_KEYS:
-    cell = lambda m: "-" if m is None or m.get(key) is None else f"{m[key]:.3g}"
+    cell = lambda m: "-" if m is None or m.get(key) is None else _number(m[key])
     rows.append(f"| {key} | " + " | ".join(cell(summary.get(c)) for c, _ in columns) + " |")
   return "\n".join(rows)
+
+
+def _number(x: float) -> str:
+  """Three significant digits, but whole numbers from 100 on (tokens, not 1.48e+03)."""
+  return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 def run(config: Any, workdir: str) -> dict:

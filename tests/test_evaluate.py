@@ -79,7 +79,11 @@ def test_metrics_table():
   assert m["overall"]["p_success_given_use"] == 0.0
   assert m["overall"]["no_code_rate"] == 25.0
   assert m["by_difficulty"]["2"]["sgc"] == 100.0
-  assert "| difficulty 1 | 2 | 50.0 | 0.0 |" in metrics.markdown_table(m)
+  table = metrics.markdown_table(m)
+  assert "| difficulty 1 | 2 | 50.0 | 0.0 |" in table
+  # Every row has as many cells as the header: no "|" inside a cell.
+  rows = [line for line in table.splitlines() if line.startswith("|")]
+  assert len({line.count("|") for line in rows}) == 1, rows
 
 
 def test_appworld_rounding_is_not_a_disagreement():

@@ -108,3 +108,10 @@ def test_an_evaluation_is_reused_only_for_its_checkpoint_and_settings():
                           ("agent", {"max_steps": 8}), ("retrieval", {"strategy": "query_ngram"})):
     changed = {**config, section: {**config[section], **change}}
     assert not pipeline.reusable(report, changed, step), (section, change)
+
+
+def test_the_summary_table_writes_token_counts_whole():
+  table = pipeline.summary_table({"before": {"tgc": 33.333, "avg_generated_tokens": 1475.3},
+                                  "after": {"tgc": 100.0, "avg_generated_tokens": 13613.2}})
+  assert "| tgc | 33.3 | 100 |" in table
+  assert "| avg_generated_tokens | 1475 | 13613 |" in table  # not 1.48e+03

@@ -37,7 +37,7 @@ _COLUMNS = (("tasks", "num_tasks", "{:d}"), ("TGC", "tgc", "{:.1f}"), ("SGC", "s
             ("steps", "avg_steps", "{:.2f}"), ("gen. tokens", "avg_generated_tokens", "{:.0f}"),
             ("skill use %", "skill_usage_rate", "{:.1f}"),
             ("success skill use %", "success_skill_usage_rate", "{:.1f}"),
-            ("P(success | use) %", "p_success_given_use", "{:.1f}"),
+            ("P(success given use) %", "p_success_given_use", "{:.1f}"),  # no "|" in a cell
             ("no-code %", "no_code_rate", "{:.1f}"))
 
 
