@@ -21,14 +21,22 @@ from sage_jax import storage
 
 METRICS_FILE = "metrics.jsonl"
 
-# Panel title -> substrings; a metric goes to the first panel whose substring it contains.
-PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward per chain position", ("reward",)),
-    ("task / scenario success", ("tgc", "sgc", "success")),
-    ("interaction steps", ("steps",)),
-    ("generated tokens", ("tokens",)),
-    ("skill usage", ("skill",)),
-    ("loss", ("loss",)),
+# (title, substrings, headline candidates): a metric goes to the first panel whose substring
+# it contains, so that one panel holds one unit (percentages, fractions, counts, tokens per
+# episode or per step). A sweep compares runs on the first headline candidate they have: a
+# per-task quantity, comparable across chain lengths and methods.
+PANELS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("reward", ("reward",), ("rollout/reward", "reward/mean")),
+    ("skill usage (%)", ("skill_usage", "p_success_given_use", "w_use_rate", "w_gen_rate"),
+     ("dev/later_skill_usage_rate", "rollout/later_skill_usage_rate")),
+    ("skills saved (count)", ("skills_generated", "skills_updated"), ()),
+    ("task / scenario success (%)", ("tgc", "sgc", "chain_success"), ("dev/tgc", "rollout/tgc")),
+    ("success (fraction of episodes)", ("success",), ("success",)),
+    ("interaction steps per task", ("steps",), ("rollout/avg_steps", "steps/mean")),
+    ("generated tokens per task", ("avg_generated_tokens", "generated_tokens/mean"),
+     ("rollout/avg_generated_tokens", "generated_tokens/mean")),
+    ("tokens per step", ("tokens",), ("compute/generated_tokens",)),
+    ("loss", ("loss",), ("loss",)),
 )
 _EXCLUDE = ("tokens_per_s", "time")
 
@@ -63,15 +71,21 @@ def _series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
 
 
 def _panels(keys: Iterable[str]) -> dict[str, list[str]]:
-  panels: dict[str, list[str]] = {title: [] for title, _ in PANELS}
+  """Panel title -> its metrics, headline first."""
+  panels: dict[str, list[str]] = {title: [] for title, _, _ in PANELS}
   for key in sorted(keys):
     low = key.lower()
     if any(x in low for x in _EXCLUDE):
       continue
-    for title, needles in PANELS:
+    for title, needles, _ in PANELS:
       if any(n in low for n in needles):
         panels[title].append(key)
         break
+  for title, _, headlines in PANELS:
+    first = next((h for h in headlines if h in panels[title]), None)
+    if first is not None:
+      panels[title].remove(first)
+      panels[title].insert(0, first)
   return {t: ks for t, ks in panels.items() if ks}
 
 
@@ -135,7 +149,7 @@ def plot_sweep(sweep_root: str, out_path: str | None = None) -> str:
   panels = _panels(set().union(*per_run.values()))
   fig, axes = _grid(len(panels))
   for ax, title in zip(axes, panels):
-    key = panels[title][0]  # the panel's headline metric, compared across runs
+    key = panels[title][0]  # the panel's headline, compared across runs
     for run, series in per_run.items():
       if key in series:
         ax.plot(*series[key], label=run)

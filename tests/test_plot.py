@@ -16,10 +16,10 @@ def _write_run(path, steps, offset=0.0):
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, plot.METRICS_FILE), "w") as f:
     for s in range(steps):
-      f.write(json.dumps({"step": s, "reward/mean_pos1": offset + 0.1 * s,
-                          "reward/mean_pos2": offset + 0.05 * s, "batch/tgc": 0.1 * s,
-                          "steps/mean": 5 - 0.1 * s, "tokens/generated_mean": 100 + s,
-                          "skill/usage_rate": 0.02 * s, "loss": 1.0 / (s + 1),
+      f.write(json.dumps({"step": s, "reward/pos0/mean": offset + 0.1 * s,
+                          "reward/pos1/mean": offset + 0.05 * s, "rollout/tgc": 10.0 * s,
+                          "steps/mean": 5 - 0.1 * s, "generated_tokens/mean": 100 + s,
+                          "rollout/skill_usage_rate": 2.0 * s, "loss": 1.0 / (s + 1),
                           "time/update_s": 1.0}) + "\n")
     f.write('{"step": 99, "rew')  # a run killed mid-write leaves a partial line
 
@@ -32,8 +32,32 @@ def test_plot_run_writes_a_png_with_every_panel(tmp_path):
   assert image.shape[0] > 300 and image.shape[1] > 1000
   assert image.std() > 10  # not a blank canvas
   assert set(plot._panels(plot._series(plot.read_metrics(str(tmp_path / "run"))))) == {
-      "reward per chain position", "task / scenario success", "interaction steps",
-      "generated tokens", "skill usage", "loss"}
+      "reward", "task / scenario success (%)", "interaction steps per task",
+      "generated tokens per task", "skill usage (%)", "loss"}
+
+
+def test_a_panel_holds_one_unit_and_leads_with_a_per_task_headline():
+  """Percentages apart from fractions, counts from rates, tokens per task from tokens per
+  step; a sweep compares runs on a per-task quantity (a run of K=3 tasks per chain makes 3x
+  the tokens per step of K=1 at the same tokens per task)."""
+  keys = ["success", "success/pos0", "rollout/tgc", "rollout/chain_success", "dev/tgc",
+          "rollout/skills_generated", "rollout/later_skill_usage_rate",
+          "rollout/p_success_given_use", "rollout/success_skill_usage_rate",
+          "generated_tokens/mean", "generated_tokens/total", "compute/generated_tokens",
+          "rollout/avg_generated_tokens", "reward/mean", "rollout/reward"]
+  panels = plot._panels(keys)
+  assert panels["task / scenario success (%)"] == ["dev/tgc", "rollout/chain_success",
+                                                   "rollout/tgc"]
+  assert panels["success (fraction of episodes)"] == ["success", "success/pos0"]
+  assert panels["skill usage (%)"][0] == "rollout/later_skill_usage_rate"
+  assert set(panels["skill usage (%)"]) == {
+      "rollout/later_skill_usage_rate", "rollout/p_success_given_use",
+      "rollout/success_skill_usage_rate"}
+  assert panels["skills saved (count)"] == ["rollout/skills_generated"]
+  assert panels["generated tokens per task"] == ["rollout/avg_generated_tokens",
+                                                 "generated_tokens/mean"]
+  assert panels["tokens per step"] == ["compute/generated_tokens", "generated_tokens/total"]
+  assert panels["reward"][0] == "rollout/reward"
 
 
 def test_plot_run_command(tmp_path):
