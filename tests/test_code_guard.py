@@ -60,7 +60,14 @@ print("never called my_skill")
     "from appworld.common import utils\nutils.import_module_file('x.py')",
     "from appworld.common import utils\nobjects = utils.gc.get_objects()",
     "from appworld import requester\nrequester.requests.logging.handlers.pickle.loads(b'')",
-    # code run from text
+    # code run from text: string annotations, which pydantic evaluates as a class is made
+    "from appworld.apps.model_lib import PydanticModel\nclass M(PydanticModel):\n"
+    "    x: \"exec('t = 1')\"",
+    "def f(x: \"List['print(__import__(\\\"sys\\\").gettrace())']\"):\n    pass",
+    "from appworld.apps.model_lib import validate_arguments\n@validate_arguments\n"
+    "def f(x: 'eval(\"1\")') -> int:\n    return 1",
+    "from pydantic import create_model",
+    "import typing\nr = typing.ForwardRef('print(1)')",
     "import typing\ndef f(x: 'print(1)'):\n    pass\n\ntyping.get_type_hints(f)",
     "import functools\n@functools.singledispatch\ndef f(x):\n    pass",
     "import yaml\nyaml.unsafe_load('!!python/object/apply:print [1]')",
@@ -81,6 +88,8 @@ def test_interpreter_reaching_code_is_refused(code):
     "import re\nprint(re.compile('a+').findall('aab'))",
     "import yaml\nprint(yaml.safe_load('a: 1'), yaml.load('b: 2', Loader=yaml.SafeLoader))",
     "import typing\ndef f(x: typing.List[int]) -> typing.Optional[str]:\n    return None",
+    "def f(songs: 'list[Song]', n: 'int' = 3) -> 'Optional[Song]':\n    return None\n"
+    "x: 'not an expression ((' = 1",  # forward references, and a string that is not code
     # what AppWorld's own solutions and agents import of it
     "from appworld.collections.apis import ApiCollection\nfrom appworld.requester import "
     "Requester\nfrom appworld.common.datetime import VanillaDateTime as DateTime, pendulum\n"

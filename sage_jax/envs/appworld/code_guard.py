@@ -20,7 +20,9 @@ helpers of `appworld` that get attributes or modules by a name in a string (`get
 `import_module_file`, ...; its solutions and agents import its date and paging helpers),
 and `from ... import *`; and
 `getattr`/`setattr`/`delattr`/`hasattr` other than called with a literal name that passes
-the same rule. Ordinary task code (API calls, data handling, function definitions) never
+the same rule. A string annotation is code too (pydantic evaluates one where a class or a
+validated function is made; `typing` where hints are read): the expression it holds is
+checked by the same rules. Ordinary task code (API calls, data handling, function definitions) never
 needs any of them. A static check raises the bar rather than closing every door: the
 packages AppWorld imports hold deserialisers and name resolvers of their own, and those
 found by walking the attributes that allowed imports reach are refused above.
@@ -46,8 +48,11 @@ FORBIDDEN_ATTRIBUTES = frozenset({
     "builtins", "bltns", "types", "CodeType", "FunctionType", "gc", "inspect", "importlib",
     "pkgutil", "zipimport", "marshal", "copyreg", "unittest", "subprocess", "threading",
     "asyncio", "pickle", "dill",
-    # objects made from names in strings (logging's configuration, pydantic, pydoc)
+    # objects made from names in strings (logging's configuration, pydantic, pydoc), and
+    # types from strings evaluated later (forward references)
     "dictConfig", "fileConfig", "resolve_name", "locate", "ImportString", "import_string",
+    "ForwardRef", "evaluate_forwardref", "update_forward_refs", "model_rebuild",
+    "create_model",
     # attribute access by a name chosen at run time
     "attrgetter", "methodcaller", "get_field",
     # code run from text: string annotations (evaluated by these), YAML's Python tags
@@ -72,6 +77,32 @@ def _attribute_refusal(name: str) -> str | None:
   return None
 
 
+def _annotations(node: ast.AST) -> list[ast.expr]:
+  """The annotations `node` holds: a function's return and arguments', an annotated name's."""
+  if isinstance(node, ast.AnnAssign):
+    return [node.annotation]
+  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+    args = node.args
+    found = [a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                    args.vararg, args.kwarg) if a is not None and a.annotation]
+    return found + ([node.returns] if getattr(node, "returns", None) else [])
+  return []
+
+
+def _annotation_refusal(annotation: ast.expr) -> str | None:
+  """Why a string inside `annotation` may not be evaluated (with the strings inside it, which
+  are annotations in turn: `List["Song"]`), or None."""
+  for part in ast.walk(annotation):
+    if isinstance(part, ast.Constant) and isinstance(part.value, str):
+      try:
+        expression = ast.parse(part.value.strip(), mode="eval")
+      except (SyntaxError, ValueError, RecursionError):
+        continue  # not an expression: evaluating it fails before anything runs
+      if why := _refusal(expression) or _annotation_refusal(expression.body):
+        return f"a string annotation ({part.value[:60]!r}): {why}"
+  return None
+
+
 def refusal(code: str) -> str | None:
   """Why `code` may not run, or None. Code that does not parse is left to AppWorld, which
   reports the syntax error."""
@@ -79,9 +110,16 @@ def refusal(code: str) -> str | None:
     tree = ast.parse(code)
   except (SyntaxError, ValueError):
     return None
+  return _refusal(tree)
+
+
+def _refusal(tree: ast.AST) -> str | None:
   calls_by_name = {id(n.func): n for n in ast.walk(tree)
                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
   for node in ast.walk(tree):
+    for annotation in _annotations(node):
+      if why := _annotation_refusal(annotation):
+        return why
     if isinstance(node, ast.Name):
       if node.id in FORBIDDEN_NAMES:
         return f"{node.id!r} is not allowed (it reaches the interpreter's internals)"
