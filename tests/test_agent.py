@@ -230,6 +230,25 @@ def test_a_comprehension_variable_does_not_rebind_the_constant_of_its_name():
   assert skills.module_scope_bindings(statement) == {"n", "last"}
 
 
+def test_a_line_break_inside_a_string_does_not_shift_the_saved_source():
+  """Python breaks lines at \\n and \\r only: a \\u2028 or \\f in a string literal is text."""
+  for sep in ("\u2028", "\x0c", "\x85"):
+    saved = _saved([f"SEP = ' {sep} '\ndef first(): return 1\ndef second(): return 2\n"])
+    assert saved["first"].source == "def first(): return 1", sep
+    assert saved["second"].source == "def second(): return 2", sep
+
+
+def test_a_constant_a_default_value_reads_is_carried():
+  """`page_size=page_size`: inside the function the name is its parameter; the `def` reads
+  the task's constant, which travels with the skill so that the `def` runs elsewhere."""
+  saved = _saved(["page_size = 3\ndef first_n(items, page_size=page_size):\n"
+                  "    return items[:page_size]\n"])
+  assert saved["first_n"].constants == ("page_size = 3",)
+  namespace = {}
+  exec(saved["first_n"].code, namespace)  # noqa: S102
+  assert namespace["first_n"]([1, 2, 3, 4]) == [1, 2, 3]
+
+
 def test_skills_whose_constants_clash_each_read_their_own_once_installed():
   lib = SkillLibrary()
   for task, (name, value) in enumerate([("first", 3), ("second", 5), ("third", 3)]):

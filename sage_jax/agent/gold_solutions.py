@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from sage_jax.agent.policy import PolicyTurn, TaskContext, TurnRequest
-from sage_jax.agent.skills import module_scope_bindings
+from sage_jax.agent.skills import module_scope_bindings, source_lines
 from sage_jax.tokenizer import Tokenizer
 
 
@@ -64,7 +64,7 @@ def default_docstring(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
 def with_docstrings(source: str) -> str:
   """`source` with a docstring added to every top-level function that has none."""
   tree = ast.parse(source)
-  lines = source.splitlines()
+  lines = source_lines(source, keepends=False)
   # Insert bottom-up so earlier line numbers stay valid.
   for node in reversed(tree.body):
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(node):
@@ -83,7 +83,7 @@ def with_docstrings(source: str) -> str:
 def split_solution(source: str) -> tuple[list[str], str, list[str]]:
   """(top-level function sources, the remaining statements, the function names)."""
   tree = ast.parse(source)
-  lines = source.splitlines()
+  lines = source_lines(source, keepends=False)
   functions, names, rest = [], [], []
   for node in tree.body:
     start = (node.decorator_list[0].lineno if getattr(node, "decorator_list", None)

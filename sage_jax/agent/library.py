@@ -14,7 +14,7 @@ import copy
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from sage_jax.agent.skills import FunctionInfo, top_level_bindings
+from sage_jax.agent.skills import FunctionInfo, source_lines, top_level_bindings
 
 
 @dataclasses.dataclass
@@ -148,7 +148,7 @@ def _without_future_imports(code: str) -> str:
   tree = ast.parse(code)
   drop = {row for node in tree.body if isinstance(node, ast.ImportFrom)
           and node.module == "__future__" for row in range(node.lineno - 1, node.end_lineno)}
-  return "".join(line for row, line in enumerate(code.splitlines(keepends=True))
+  return "".join(line for row, line in enumerate(source_lines(code))
                  if row not in drop)
 
 

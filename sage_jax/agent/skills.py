@@ -41,6 +41,7 @@ import ast
 import builtins
 import dataclasses
 import io
+import re
 import tokenize
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -260,6 +261,13 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
   return f"{prefix}{node.name}({args})"
 
 
+def source_lines(code: str, keepends: bool = True) -> list[str]:
+  """`code`'s lines as Python numbers them: split at \\n, \\r\\n and \\r only (str.splitlines
+  also splits at \\f, \\x85, \\u2028 and others, which agent code may hold in its strings)."""
+  lines = re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", code)
+  return lines if keepends else [line.rstrip("\r\n") for line in lines]
+
+
 def _definition_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
   """The definition's source, decorators included, at column 0: one nested in an `if` or a
   `try` is dedented, except the lines inside its string literals, which keep their text."""
@@ -275,9 +283,10 @@ def _definition_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFuncti
       return ast.unparse(node)
     source = "".join(
         line if row in inside else line[min(width, len(line) - len(line.lstrip(" \t"))):]
-        for row, line in enumerate(source.splitlines(keepends=True), 1))
+        for row, line in enumerate(source_lines(source), 1))
   try:
-    whole = [type(n) for n in ast.parse(source).body] == [type(node)]
+    body = ast.parse(source).body
+    whole = len(body) == 1 and type(body[0]) is type(node) and body[0].name == node.name
   except (SyntaxError, ValueError):
     whole = False
   return source if whole else ast.unparse(node)
@@ -292,7 +301,7 @@ def analyze(code: str) -> CodeAnalysis:
     return CodeAnalysis(False, f"{type(e).__name__}: {e}", (), frozenset(), ())
   imports = tuple(ast.get_source_segment(code, n) or ast.unparse(n) for n in tree.body
                   if isinstance(n, (ast.Import, ast.ImportFrom)))
-  lines = code.splitlines(keepends=True)
+  lines = source_lines(code)
   functions = []
   for node, _ in _module_scope(tree.body):
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -409,11 +418,12 @@ class SkillTracker:
     return analysis
 
   def _carrying(self, f: FunctionInfo) -> FunctionInfo:
-    """`f` with what it reads of the task's imports and literal constants, as bound by the
-    end of the block observed last (where it ran): earlier blocks' imports join those of its
-    own block."""
+    """`f` with what it (and its `def`: default values, decorators) reads of the task's
+    imports and literal constants, as bound by the end of the block observed last (where it
+    ran): earlier blocks' imports join those of its own block."""
     imports, constants = list(f.imports), []
-    for _, binding in sorted((self._bindings[n] for n in f.reads if n in self._bindings),
+    reads = f.reads | f.definition_reads  # `def f(n=PAGE)`: PAGE is a local name inside f
+    for _, binding in sorted((self._bindings[n] for n in reads if n in self._bindings),
                              key=lambda item: item[0]):
       if binding.kind == "import" and binding.source not in imports:
         imports.append(binding.source)
