@@ -261,6 +261,28 @@ def test_skills_whose_constants_clash_each_read_their_own_once_installed():
   assert [namespace[n]() for n in ("first", "second", "third")] == [3, 5, 3]
 
 
+def test_skills_that_import_a_name_differently_each_read_their_own_once_installed():
+  """`import datetime` in one, `from datetime import datetime` in the next: the later one's
+  import is renamed, so neither sees the other's; the same import twice stays one."""
+  lib = SkillLibrary()
+  lib.save(_saved(["import datetime\ndef days_between(a, b):\n    return (datetime.date."
+                   "fromisoformat(b) - datetime.date.fromisoformat(a)).days\n"]),
+           scenario="s", task_id="s_1", instruction="")
+  lib.save(_saved(["from datetime import datetime\ndef year_of(text):\n"
+                   "    return datetime.fromisoformat(text).year\n"]),
+           scenario="s", task_id="s_2", instruction="")
+  lib.save(_saved(["import datetime\ndef today():\n    return datetime.date(2024, 1, 2)\n"]),
+           scenario="s", task_id="s_3", instruction="")
+  code_ = install_code(lib.skills("s"))
+  assert "from datetime import datetime as datetime__year_of" in code_
+  assert code_.count("import datetime\n") == 2  # days_between's and today's: the same
+  namespace = {}
+  exec(code_, namespace)  # noqa: S102
+  assert namespace["days_between"]("2024-01-01", "2024-01-31") == 30
+  assert namespace["year_of"]("2024-05-06") == 2024
+  assert namespace["today"]().day == 2
+
+
 # --- library and retrieval -------------------------------------------------------------------
 
 def _skill(name, scenario, instruction, doc="", calls=(), task=None):

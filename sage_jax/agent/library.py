@@ -124,9 +124,25 @@ def _same_code(a: str, b: str) -> bool:
     return a == b
 
 
-def _constants(code: str) -> dict[str, str]:
-  """The literal constants `code` binds at top level: name -> its statement."""
-  return {name: b.source for name, b in top_level_bindings(code) if b.kind == "constant"}
+def _carried(code: str) -> dict[str, tuple]:
+  """The names `code`'s imports and literal constants bind at top level: name -> what it
+  binds ("import", module) or ("from", module, name) for an import, ("constant", its
+  statement) for a constant."""
+  out = {}
+  for name, binding in top_level_bindings(code):
+    if binding.kind == "constant":
+      out[name] = ("constant", binding.source)
+    elif binding.kind == "import":
+      statement = ast.parse(binding.source.strip()).body[0]
+      for alias in statement.names:
+        if (alias.asname or alias.name.split(".")[0]) != name:
+          continue
+        if isinstance(statement, ast.Import):
+          if alias.asname or "." not in alias.name:  # else it binds a name no alias renames
+            out[name] = ("import", alias.name)
+        else:
+          out[name] = ("from", "." * statement.level + (statement.module or ""), alias.name)
+  return out
 
 
 class _Rename(ast.NodeTransformer):
@@ -139,6 +155,14 @@ class _Rename(ast.NodeTransformer):
 
   def visit_Global(self, node: ast.Global) -> ast.Global:  # noqa: N802 - ast's name
     node.names = [self.names.get(n, n) for n in node.names]
+    return node
+
+  def visit_alias(self, node: ast.alias) -> ast.alias:
+    """An import's name: `import datetime` -> `import datetime as datetime__f` (`_carried`
+    leaves out a dotted `import a.b`, which binds `a` and cannot be renamed so)."""
+    bound = node.asname or node.name
+    if bound in self.names:
+      node.asname = self.names[bound]
     return node
 
 
@@ -157,21 +181,23 @@ def install_code(skills: Iterable[Skill]) -> str | None:
 
   Each skill's code carries its imports and the literal constants it reads. Skills of the
   same name (from different scenarios) keep the first one given. All share one namespace:
-  where a skill's constant would rebind one that an earlier skill set to another value,
-  that skill's copy is renamed (`LIMIT` -> `LIMIT__<skill>`), so each reads its own.
+  where a skill's import or constant would rebind a name that an earlier skill bound to
+  something else (`import datetime` there, `from datetime import datetime` here; `LIMIT = 3`
+  there, `LIMIT = 5` here), that skill's copy is renamed (`LIMIT` -> `LIMIT__<skill>`), so
+  each reads its own.
   """
-  bodies, names, constants = [], set(), {}
+  bodies, names, bound = [], set(), {}
   for skill in skills:
     if skill.name in names:
       continue
     names.add(skill.name)
     code = _without_future_imports(skill.code).rstrip()
-    own = _constants(code)
-    clashes = {n: f"{n}__{skill.name}" for n, source in own.items()
-               if constants.get(n, source) != source}
+    own = _carried(code)
+    clashes = {n: f"{n}__{skill.name}" for n, meaning in own.items()
+               if bound.get(n, meaning) != meaning}
     if clashes:
       code = ast.unparse(_Rename(clashes).visit(ast.parse(code)))
-      own = _constants(code)
-    constants.update(own)
+      own = _carried(code)
+    bound.update(own)
     bodies.append(code)
   return "\n\n\n".join(bodies) + "\n" if bodies else None
