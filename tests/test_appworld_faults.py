@@ -41,6 +41,8 @@ FAULTS = {
                   "MemoryError"),
   "os_exit": ("import os\nos._exit(1)", "os._exit"),
   "exception": ("raise ValueError('agent bug')", "ValueError: agent bug"),
+  # Text UTF-8 cannot hold failed AppWorld's log of the block (and every later one).
+  "lone_surrogate": ("print('name:', chr(0xD800))", "name: ?"),
   "abort": ("import os\nos.abort()", "ended its own process (killed by SIGABRT)"),
   "c_level_hang": (C_LEVEL_HANG, STOPPED),
   "disguised_alarm_off": (DISGUISED_ALARM_OFF, STOPPED),

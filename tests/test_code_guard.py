@@ -67,6 +67,11 @@ print("never called my_skill")
     "from appworld.apps.model_lib import validate_arguments\n@validate_arguments\n"
     "def f(x: 'eval(\"1\")') -> int:\n    return 1",
     "from pydantic import create_model",
+    # AppWorld's own objects changed under it (its bookkeeping of every later block fails)
+    "requester.request_tracker = None",
+    "del apis.spotify",
+    "apis.supervisor.complete_task = print",
+    "setattr(requester, 'request_tracker', None)",
     "import typing\nr = typing.ForwardRef('print(1)')",
     "import typing\ndef f(x: 'print(1)'):\n    pass\n\ntyping.get_type_hints(f)",
     "import functools\n@functools.singledispatch\ndef f(x):\n    pass",
@@ -82,6 +87,7 @@ def test_interpreter_reaching_code_is_refused(code):
     "class Song:\n    def __init__(self, title):\n        super().__init__()\n"
     "        self.title = title\n\n\nprint(Song.__name__, Song('x').title)",
     "login = getattr(apis.spotify, 'login')\nok = hasattr(apis, 'venmo')",
+    "songs = apis.spotify.show_songs(page_index=0)\nsongs[0]['title'] = 'x'",
     "import collections\nP = collections.namedtuple('P', 'a b')\nprint(P(1, 2)._asdict())",
     "def f(x):\n    '''Doc.'''\n    return x\n\n\nprint(f.__doc__)",
     "import datetime, json, re\nprint(json.dumps({'t': datetime.date.today().isoformat()}))",

@@ -22,7 +22,10 @@ and `from ... import *`; and
 `getattr`/`setattr`/`delattr`/`hasattr` other than called with a literal name that passes
 the same rule. A string annotation is code too (pydantic evaluates one where a class or a
 validated function is made; `typing` where hints are read): the expression it holds is
-checked by the same rules. Ordinary task code (API calls, data handling, function definitions) never
+checked by the same rules. AppWorld's own objects (`apis`, `requester`) are not changed:
+no attribute of theirs is set or deleted (`requester.request_tracker = None` broke every
+later block's bookkeeping, which would count as the environment's failure, not the
+agent's). Ordinary task code (API calls, data handling, function definitions) never
 needs any of them. A static check raises the bar rather than closing every door: the
 packages AppWorld imports hold deserialisers and name resolvers of their own, and those
 found by walking the attributes that allowed imports reach are refused above.
@@ -68,6 +71,10 @@ FORBIDDEN_ATTRIBUTES = frozenset({
     "import_tests_module", "ensure_package_installed", "analyze_lru_cache_usage",
     "get_api_name_to_test_names"})
 FORBIDDEN_MODULES = frozenset({"builtins", "unittest"})
+# The names under which AppWorld hands agent code its objects.
+ENVIRONMENT_OBJECTS = frozenset({"apis", "requester"})
+_CHANGED_ENVIRONMENT = (f"AppWorld's objects ({', '.join(sorted(ENVIRONMENT_OBJECTS))}) are not "
+                        "to be changed: call their APIs instead")
 ATTRIBUTE_FUNCTIONS = frozenset({"getattr", "setattr", "delattr", "hasattr"})
 
 
@@ -75,6 +82,13 @@ def _attribute_refusal(name: str) -> str | None:
   if name in FORBIDDEN_ATTRIBUTES or (name.startswith("_") and name not in ALLOWED_PRIVATE):
     return f"the attribute {name!r} is not allowed (it reaches the interpreter's internals)"
   return None
+
+
+def _root_name(node: ast.expr) -> str | None:
+  """`a` of `a.b[0].c`."""
+  while isinstance(node, (ast.Attribute, ast.Subscript)):
+    node = node.value
+  return node.id if isinstance(node, ast.Name) else None
 
 
 def _annotations(node: ast.AST) -> list[ast.expr]:
@@ -131,9 +145,15 @@ def _refusal(tree: ast.AST) -> str | None:
                   "written out as a string")
         if why := _attribute_refusal(name.value):
           return why
+        if (node.id in ("setattr", "delattr") and call.args
+            and _root_name(call.args[0]) in ENVIRONMENT_OBJECTS):
+          return _CHANGED_ENVIRONMENT
     elif isinstance(node, ast.Attribute):
       if why := _attribute_refusal(node.attr):
         return why
+      if (isinstance(node.ctx, (ast.Store, ast.Del))
+          and _root_name(node.value) in ENVIRONMENT_OBJECTS):
+        return _CHANGED_ENVIRONMENT
     elif isinstance(node, ast.MatchClass):
       for name in node.kwd_attrs:
         if why := _attribute_refusal(name):

@@ -117,7 +117,20 @@ class Session:
     why = code_guard.refusal(code) if self.settings["code_guard"] else None
     if why is not None:
       return f"{FAILED_PREFIX} Traceback:\n{why}"
-    return self.world.execute(code)
+    try:
+      return self.world.execute(code)
+    except UnicodeEncodeError as e:
+      if not _raised_in(e, ("save_logs",)):
+        raise
+      # The block ran and its state was saved; its log could not be written: text that
+      # UTF-8 cannot hold (a lone surrogate the code printed). The log and the observation
+      # take a replacement, and the episode goes on (else every later log fails too).
+      entry = self.world.environment_io[-1]
+      for key in ("input", "output"):
+        entry[key] = entry[key].encode("utf-8", "replace").decode("utf-8")
+      self.world.save_logs()
+      self.world.requester.reset_request_count()
+      return entry["output"]
 
   def install(self, library_code: str) -> dict:
     """Runs a skill library like agent code (same guards, timeout and logs), not as a step."""
@@ -150,6 +163,16 @@ class Session:
         answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
       _end_if_forked_from(own_pid)  # a fork of agent code must not answer for the episode
       channel.send_bytes(json.dumps(answer).encode())
+
+
+def _raised_in(error: BaseException, functions: tuple[str, ...]) -> bool:
+  """Whether one of `functions` is on `error`'s traceback."""
+  tb = error.__traceback__
+  while tb is not None:
+    if tb.tb_frame.f_code.co_name in functions:
+      return True
+    tb = tb.tb_next
+  return False
 
 
 def _end_if_forked_from(pid: int) -> None:
