@@ -80,28 +80,39 @@ def test_peft_export_of_a_model_without_adapters_is_refused(tmp_path):
   assert not (tmp_path / "adapter").exists()
 
 
-def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
-  """A LoRA run's checkpoint through `sage_jax.export`: the merged model and the adapter."""
-  from sage_jax import export, run_checkpoint, run_config  # noqa: PLC0415
-  from sage_jax.weights import loader  # noqa: PLC0415
+def _lora_run(run_dir, step, **model):
+  """A LoRA run's workdir (config.json, a checkpoint at `step`) of a model whose adapters are
+  random (B starts at zero); returns its trainer and resolved config."""
+  from sage_jax import run_config  # noqa: PLC0415
   from sage_jax.rl import grpo  # noqa: PLC0415
   from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: PLC0415
   from sage_jax.train.step import Trainer  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
 
   config = run_config.defaults()
-  config.model.update(preset="tiny", lora_rank=4, lora_alpha=8.0)
+  config.model.update(lora_rank=4, lora_alpha=8.0, **model)
   run = run_config.resolve(config)
-  model = loader.build_model(run.model)
+  built = loader.build_model(run.model)
   rng = np.random.default_rng(2)
-  for path, var in nnx.to_flat_state(nnx.state(model, lora.LoraParam)):
+  for path, var in nnx.to_flat_state(nnx.state(built, lora.LoraParam)):
     var.set_value(jnp.asarray(rng.normal(size=var.shape) * 0.05, jnp.float32))
-  trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()), run.optimizer)
-  with open(tmp_path / "config.json", "w") as f:
+  trainer = Trainer(built, grpo.make_loss_fn(grpo.GRPOConfig()), run.optimizer)
+  run_dir.mkdir(exist_ok=True)
+  with open(run_dir / "config.json", "w") as f:
     json.dump(run_config.with_seeds(config, run), f)
-  checkpointer = Checkpointer(CheckpointConfig(directory=str(tmp_path / "checkpoints"),
+  checkpointer = Checkpointer(CheckpointConfig(directory=str(run_dir / "checkpoints"),
                                                async_save=False))
-  checkpointer.save(3, trainer.state)
+  checkpointer.save(step, trainer.state)
   checkpointer.close()
+  return trainer, run
+
+
+def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
+  """A LoRA run's checkpoint through `sage_jax.export`: the merged model and the adapter."""
+  from sage_jax import export, run_checkpoint  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
+
+  trainer, run = _lora_run(tmp_path, 3, preset="tiny")
   export.export(str(tmp_path), str(tmp_path / "hf"))
   ours = _logits(trainer.model())
   np.testing.assert_allclose(hf_logits(_load(str(tmp_path / "hf")), TOKENS), ours, atol=1e-4)
@@ -121,30 +132,11 @@ def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
 def test_a_run_from_a_checkpoint_exports_without_reading_its_base_weights(tmp_path):
   """The checkpoint holds every weight (the frozen base too): restoring it needs the base's
   config.json, not its weights, which a 32B run would otherwise read whole to learn shapes."""
-  from sage_jax import export, run_config  # noqa: PLC0415
-  from sage_jax.rl import grpo  # noqa: PLC0415
-  from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: PLC0415
-  from sage_jax.train.step import Trainer  # noqa: PLC0415
-  from sage_jax.weights import loader  # noqa: PLC0415
+  from sage_jax import export  # noqa: PLC0415
 
   tiny_hf_model(str(tmp_path / "base"), tied=False)
-  config = run_config.defaults()
-  config.model.update(spec=str(tmp_path / "base"), preset="", lora_rank=4, lora_alpha=8.0)
-  run = run_config.resolve(config)
-  model = loader.build_model(run.model)
-  for path, var in nnx.to_flat_state(nnx.state(model, lora.LoraParam)):
-    var.set_value(jnp.asarray(np.random.default_rng(4).normal(size=var.shape) * 0.05,
-                              jnp.float32))
-  trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()), run.optimizer)
-  run_dir = tmp_path / "run"
-  run_dir.mkdir()
-  with open(run_dir / "config.json", "w") as f:
-    json.dump(run_config.with_seeds(config, run), f)
-  checkpointer = Checkpointer(CheckpointConfig(directory=str(run_dir / "checkpoints"),
-                                               async_save=False))
-  checkpointer.save(2, trainer.state)
-  checkpointer.close()
+  trainer, _ = _lora_run(tmp_path / "run", 2, spec=str(tmp_path / "base"), preset="")
   (tmp_path / "base" / "model.safetensors").unlink()  # only its config.json stays
-  export.export(str(run_dir), str(tmp_path / "hf"))
+  export.export(str(tmp_path / "run"), str(tmp_path / "hf"))
   np.testing.assert_allclose(hf_logits(_load(str(tmp_path / "hf")), TOKENS),
                              _logits(trainer.model()), atol=1e-4)
