@@ -25,8 +25,8 @@ A run that is interrupted resumes where it stopped: finished stages are skipped 
 loops continue from their latest checkpoint. A SIGTERM (a preemption) stops the run after the
 step in progress, with a checkpoint of it: no later stage, evaluation or export runs, and the
 command exits with status 143 (what an unhandled SIGTERM gives) so that a scheduler or retry
-loop runs it again. An evaluation done before is redone when the weights it scored have
-changed since (a rerun with more steps evaluates the new last step). A rerun may change how
+loop runs it again. An evaluation done before is redone when the weights it scored or its
+settings have changed since (a rerun with more steps evaluates the new last step). A rerun may change how
 long and how the run goes (steps, layout, evaluation; `run_config.RESUMABLE_KEYS`), not the
 experiment its checkpoints belong to: that fails, naming the keys changed. More SFT steps
 continue a finished SFT stage, until RL has trained from its result. A workdir that holds a
