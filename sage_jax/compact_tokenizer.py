@@ -53,15 +53,18 @@ def compact_spec(full: dict, used_ids: Iterable[int]) -> dict:
                     "merges": [[a, b] for a, b in merges if a + b in keep]}}
 
 
-def write_compact_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike,
+def write_compact_tokenizer(out_dir: str | os.PathLike, *, texts: Iterable[str] = (),
+                            ids: Iterable[int] = (),
                             source: str | os.PathLike | None = None) -> epath.Path:
-  """Writes the tokenizer of `source` (default Qwen2.5) cut down to what `texts` use into
-  `out_dir` (local or remote); returns the directory."""
+  """Writes the tokenizer of `source` (default Qwen2.5) cut down to the tokens `ids` (of the
+  full tokenizer) and what `texts` encode to into `out_dir` (local or remote); returns the
+  directory. Give the ids of the corpus as the model reads it: text encoded in other pieces
+  (a whole conversation where each turn is encoded apart) can use other tokens."""
   source = pathlib.Path(source or qwen_tokenizer.ensure_qwen25_tokenizer_dir())
   text = (source / "tokenizer.json").read_text(encoding="utf-8")
   full = json.loads(text)
   encoder = tokenizers.Tokenizer.from_str(text)
-  used: set[int] = set()
+  used: set[int] = set(ids)
   for text in texts:
     used.update(encoder.encode(text, add_special_tokens=False).ids)
   spec = compact_spec(full, used)

@@ -232,9 +232,8 @@ class Pipeline:
     out = compact_tokenizer.run_tokenizer_dir(self.workdir, "compact")
     corpus = self.expert_trajectories()  # every process: it may gather
     if multihost.is_lead() and not (out / "tokenizer.json").exists():
-      examples = sft_data.load_examples(corpus, self.tokenizer)
-      compact_tokenizer.write_compact_tokenizer(
-          (self.tokenizer.decode(e.tokens) for e in examples), out)
+      examples = sft_data.load_examples(corpus, self.tokenizer)  # each turn encoded apart
+      compact_tokenizer.write_compact_tokenizer(out, ids=(t for e in examples for t in e.tokens))
     multihost.sync_barrier("compact_tokenizer")
     return os.fspath(out)
 

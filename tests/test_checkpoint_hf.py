@@ -302,8 +302,8 @@ def test_compact_vocabulary_exports_its_own_token_ids(tmp_path):
   from sage_jax.tokenizer import Tokenizer  # noqa: PLC0415
   from sage_jax.weights import loader  # noqa: PLC0415
 
-  tok_dir = str(compact_tokenizer.write_compact_tokenizer(["def f(x): return x"],
-                                                          tmp_path / "tokenizer"))
+  tok_dir = str(compact_tokenizer.write_compact_tokenizer(tmp_path / "tokenizer",
+                                                          texts=["def f(x): return x"]))
   tok = Tokenizer(tok_dir)
   model = loader.build_model(loader.ModelSpec(preset="tiny", vocabulary="compact"),
                              vocab_size=tok.vocab_size)

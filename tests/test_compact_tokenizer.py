@@ -29,7 +29,7 @@ def compact_dir(tmp_path_factory):
   out = tmp_path_factory.mktemp("compact")
   texts = [f"<|im_start|>{role}\n{text}<|im_end|>\n"
            for role, text in zip(("system", "user", "assistant"), CORPUS)]
-  return write_compact_tokenizer(texts, out)
+  return write_compact_tokenizer(out, texts=texts)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +76,21 @@ def test_loads_in_transformers_with_the_chat_template(compact_dir, compact):
   conversation.add_user(CORPUS[1])
   assert hf(ids, add_special_tokens=False)["input_ids"] == conversation.start_assistant()
   assert hf.eos_token_id == compact.eos_id and hf.pad_token_id == compact.pad_id
+
+
+def test_sft_examples_tokenize_exactly_as_qwen25_from_their_own_ids(full, tmp_path):
+  """Built from the ids the SFT data reads (each turn encoded apart, as the pipeline builds
+  it): replies that open with whitespace keep Qwen2.5's pieces, which a vocabulary built from
+  whole conversations (where the header's newline joins the reply's) can miss."""
+  from sage_jax.sft import data as sft_data  # noqa: PLC0415
+
+  trajectories = [sft_data.Trajectory(f"t{i}", (
+      {"role": "system", "content": "You solve tasks."}, {"role": "user", "content": "Go."},
+      {"role": "assistant", "content": reply})) for i, reply in enumerate(
+          ["\n\n\n\n\n\nY", "\n  \n  Z", "  x = 1\n"])]
+  ids = [t for trajectory in trajectories for t in sft_data.tokenize(trajectory, full).tokens]
+  compact = Tokenizer(write_compact_tokenizer(tmp_path / "compact", ids=ids))
+  for trajectory in trajectories:
+    pieces = lambda tok: [tok.id_to_token(int(i))
+                          for i in sft_data.tokenize(trajectory, tok).tokens]
+    assert pieces(compact) == pieces(full), trajectory.id
