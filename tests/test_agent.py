@@ -451,6 +451,11 @@ def test_system_prompt_lists_skills_and_baseline_has_no_library():
   assert "# Skills" not in prompts.system_prompt(None)
   short = prompts.skill_listing(LIB, max_chars=60)
   assert "more skills not shown" in short
+  # An async skill is listed as Python writes one.
+  (listed,) = skills.analyze('async def fetch(x):\n    """Fetch x."""\n    return x\n').functions
+  fetch = dataclasses.replace(_skill("fetch", "s", ""), signature=listed.signature,
+                              docstring="Fetch x.")
+  assert 'async def fetch(x):\n    """Fetch x."""' in prompts.skill_listing([fetch], 1000)
 
 
 GOLD = code('''

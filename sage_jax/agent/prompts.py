@@ -64,7 +64,9 @@ def skill_listing(skills: Sequence[Skill], max_chars: int) -> str:
       body = '    """' + body + ('\n    """\n' if len(lines) > 1 else '"""\n')
     else:
       body = "    ...\n"
-    part = f"def {skill.signature}:\n{body}"
+    head = skill.signature  # "name(args)", or "async name(args)"
+    head = f"async def {head[6:]}" if head.startswith("async ") else f"def {head}"
+    part = f"{head}:\n{body}"
     if used + len(part) > max_chars and parts:
       parts.append(f"# ... {len(skills) - len(parts)} more skills not shown\n")
       break
