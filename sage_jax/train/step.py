@@ -158,7 +158,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       new_params, opt_state = keep(new_params, params), keep(opt_state, state.opt_state)
       total_tokens = jnp.sum(batch.loss_mask)
       metrics = {"loss": loss, "grad_norm": grad_norm,
-                 "learning_rate": schedule(applied_updates(state.opt_state)),
+                 # The rate this update applied: the schedule at the count before it.
+                 "learning_rate": schedule(applied_updates(opt_state) - finite.astype(jnp.int32)),
                  "loss_tokens": total_tokens, "nonfinite_skipped": 1.0 - finite.astype(_F32),
                  **_reduce_stats(stats, total_tokens)}
       rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[1])
