@@ -129,7 +129,7 @@ class Pipeline:
           "would mix with the new run's. Use a new --workdir, or remove that one")
     if recorded is not None:
       run_config.check_resume(recorded, self.config_dict, f"{workdir}/config.json")
-    self.sft_finished_at = self._check_saved_stages(workdir)
+    self.sft_pending = self._check_saved_stages(workdir)
     _write_json(self.workdir / "config.json", self.config_dict)
     p = self.run.pipeline
     self.root = appworld.resolve_root(p.data)
@@ -177,29 +177,31 @@ class Pipeline:
     finally:
       reader.close()
 
-  def _check_saved_stages(self, workdir: str) -> int | None:
-    """The step at which the workdir's SFT stage finished (None: it has not), after refusing
-    a rerun whose SFT stage would change the model that RL already trained from (SFT added to
-    a run whose RL started without it, or sft.total_steps changed since). More SFT steps
-    before RL has started continue SFT."""
+  def _check_saved_stages(self, workdir: str) -> bool:
+    """Whether the SFT stage has steps to run: it has not finished, or it finished short of
+    an `sft.total_steps` raised since (an epoch-counted SFT, total_steps 0, has its own end).
+    Refuses a rerun whose SFT stage would change the model that RL already trained from (SFT
+    added to a run whose RL started without it, or total_steps changed since)."""
     sft, rl = self.saved_steps("sft"), self.saved_steps("rl")
     finished = sft[-1] if sft and storage.read_json(self.sft_marker) is not None else None
     if "sft" not in self.run.pipeline.stages:
-      return finished
-    total, keep = self.run.sft.total_steps, "; keep it, or use a new --workdir"
+      return False
     if rl and finished is None:
       raise run_config.ConfigError(
           f"--workdir {workdir} holds RL checkpoints (steps {rl}) of a run that did not start "
           f"from SFT: the SFT stage cannot come before them now; use a new --workdir")
-    if finished is not None and finished > total:
+    total, keep = self.run.sft.total_steps, "; keep it, or use a new --workdir"
+    if finished is None or not total or finished == total:
+      return finished is None
+    if finished > total:
       raise run_config.ConfigError(
           f"--workdir {workdir}: its SFT stage finished at step {finished}, past "
           f"config.sft.total_steps={total}{keep}")
-    if rl and finished != total:
+    if rl:
       raise run_config.ConfigError(
           f"--workdir {workdir}: RL trained (steps {rl}) from the SFT result of step "
           f"{finished}, and config.sft.total_steps={total} would change that model{keep}")
-    return finished
+    return True
 
   @property
   def sft_marker(self):
@@ -414,7 +416,7 @@ def run(config: Any, workdir: str) -> dict:
       if p.eval_train:
         summary["train_before"] = pipe.evaluate("eval_before", training_scenarios=True)
     # SFT runs when it has not finished, or to continue to more steps than it finished at.
-    if "sft" in p.stages and pipe.sft_finished_at != pipe.run.sft.total_steps:
+    if pipe.sft_pending:
       result = pipe.sft()
       if result.preempted:
         return {**summary, "preempted": "sft", "stop_signal": result.stop_signal}

@@ -89,6 +89,14 @@ def test_more_sft_steps_continue_sft_until_rl_has_trained_from_it(tmp_path, demo
                                         r"step 3, and config.sft.total_steps=4 would change"):
     pipeline.Pipeline(c, str(workdir))
   assert steps("sft/checkpoints") == [2, 3]
+  # Counted in epochs (total_steps 0, as the real-model presets do), the SFT stage ends where
+  # it ended: the run resumes.
+  c.sft.total_steps = 0
+  pipe = pipeline.Pipeline(c, str(workdir))
+  try:
+    assert not pipe.sft_pending
+  finally:
+    pipe.close()
 
 
 def test_an_evaluation_is_reused_only_for_its_checkpoint_and_settings():
