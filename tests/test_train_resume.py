@@ -16,6 +16,7 @@ from sage_jax.rl import batch as B
 from sage_jax.rl import grpo
 from sage_jax.sampler import Engine, EngineConfig
 from sage_jax.train import checkpoint as ckpt
+from sage_jax.train import loop
 from sage_jax.train import rl_loop
 from sage_jax.train.metrics import MetricsConfig, read_jsonl
 from sage_jax.train.optimizer import OptimizerConfig
@@ -202,3 +203,25 @@ def test_damaged_newest_step_falls_back_to_newest_intact(tmp_path, straight_with
   assert (directory / ckpt.DAMAGED_DIR / "6").is_dir()  # moved aside, not deleted
   for a, b in zip(jax.tree.leaves(trainer_a.state), jax.tree.leaves(trainer_b.state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_signal_during_a_step_saves_before_the_evaluation_due(tmp_path):
+  """A scheduler's grace period may not cover a dev evaluation: the step that sees the
+  signal saves its checkpoint and stops, its evaluation left out."""
+  evaluated = []
+  config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), save_every=100,
+                                 async_save=False)
+
+  def one_step(step, _):
+    if step == 1:  # during the second step, whose end an evaluation is due at
+      signal.raise_signal(signal.SIGTERM)
+    return {"loss": 1.0}
+
+  trainer = rl_loop.grpo_trainer(init_model(get_preset("tiny").replace(vocab_size=VOCAB)),
+                                 GRPO, OPTIM)
+  result = loop.run_steps(trainer, one_step, total_steps=4, eval_every=2,
+                          evaluate=lambda step: evaluated.append(step) or {"tgc": 1.0},
+                          checkpointer=ckpt.Checkpointer(config),
+                          metrics=MetricsConfig(log_dir="", progress=False))
+  assert (result.end_step, result.preempted, result.stop_signal) == (2, True, signal.SIGTERM)
+  assert evaluated == [] and ckpt.Checkpointer(config).all_steps() == [2]

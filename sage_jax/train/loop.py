@@ -100,8 +100,12 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
                           "(parameters and optimiser state unchanged)", step)
         values["time/step_s"] = time.perf_counter() - t0
         values.update(memory_metrics())
+        # Every process stops at the same step, whichever one was signalled; a stopped run
+        # saves before anything else (a scheduler's grace period may not cover an evaluation).
+        preempted = multihost.any_process(guard.requested) or (
+            checkpointer is not None and checkpointer.reached_preemption(step))
         dev = {}
-        if evaluate is not None and eval_every and step % eval_every == 0:
+        if evaluate is not None and eval_every and step % eval_every == 0 and not preempted:
           t1 = time.perf_counter()
           # The evaluation's numbers: rates with an empty denominator are None, breakdowns nest.
           dev = {f"dev/{k}": float(v) for k, v in evaluate(step).items()
@@ -113,9 +117,7 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         history.append(values)
         if on_step is not None:
           on_step(step, values)
-        # Every process stops at the same step, whichever one was signalled.
-        preempted = multihost.any_process(guard.requested) or (
-            checkpointer is not None and checkpointer.reached_preemption(step))
+        preempted = preempted or multihost.any_process(guard.requested)
         if checkpointer is not None and (checkpointer.should_save(step) or dev or preempted
                                          or step == total_steps):
           checkpointer.save(step, trainer.state,
