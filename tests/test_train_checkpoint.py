@@ -50,6 +50,23 @@ def test_keep_last_and_best_and_config(tmp_path, trainer):
   saver.close()
 
 
+def test_the_best_checkpoint_survives_a_restart(tmp_path, trainer):
+  """A resumed run (a new Checkpointer over the same directory) still knows which kept step
+  was best on dev, and keeps it."""
+  config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), keep_last=2, keep_best=1,
+                                 best_metric="dev/tgc", save_every=1, async_save=False)
+  dev = {2: 0.9, 4: 0.1}
+  for steps in ((1, 2, 3), (4, 5, 6)):  # a restart between them
+    saver = ckpt.Checkpointer(config)
+    for step in steps:
+      metrics = {"dev/tgc": dev[step]} if step in dev else None
+      saver.save(step, trainer.state, meta={"step": step}, metrics=metrics)
+    saver.close()
+  saver = ckpt.Checkpointer(config)
+  assert saver.all_steps() == [2, 5, 6] and saver.best_step() == 2
+  saver.close()
+
+
 def test_half_written_checkpoint_is_ignored_and_cleaned(tmp_path, trainer):
   directory = tmp_path / "ck"
   saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), async_save=False))

@@ -173,10 +173,14 @@ class Checkpointer:
       policies.append(cm.BestN(get_metric_fn=lambda m: m[metric], n=config.keep_best,
                                reverse=config.best_mode == "min",
                                keep_checkpoints_without_metrics=False))
+    # With best_fn orbax also stores each step's metrics beside it, which it reads back when
+    # the run restarts: without them the best step had none then, and BestN let it go.
+    best = {"best_fn": lambda m: m[config.best_metric],
+            "best_mode": config.best_mode} if config.keep_best else {}
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=config.async_save,
         preservation_policy=cm.AnyPreservationPolicy(policies),
-        cleanup_tmp_directories=True, create=True)
+        cleanup_tmp_directories=True, create=True, **best)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "meta"))
 
