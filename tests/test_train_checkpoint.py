@@ -231,12 +231,17 @@ def test_when_no_step_reads_nothing_is_moved(tmp_path, trainer, capfd):
   for step in (1, 2):
     saver.save(step, trainer.state, meta={"step": step})
   saver.close()
-  # A run whose config no longer fits its checkpoints: every step fails, none is damaged.
+  # A run whose config no longer fits its checkpoints, and a storage outage: the newest step's
+  # files are all there as written, so its read error is raised and nothing is moved aside.
   other = Trainer(init_model(CFG.replace(hidden_size=32), seed=0),
                   grpo.make_loss_fn(grpo.GRPOConfig()), OptimizerConfig(learning_rate=1e-3))
   saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory)))
-  with pytest.raises(ckpt.CheckpointError, match="no step reads.*checkpoint step 2.*step 1"):
+  with pytest.raises(ckpt.CheckpointError, match="checkpoint step 2 cannot be read"):
     saver.restore_newest_intact(other.abstract_state())
+  outage = OSError("503 Service Unavailable")
+  saver._manager.restore = lambda *args, **kwargs: (_ for _ in ()).throw(outage)  # noqa: SLF001
+  with pytest.raises(ckpt.CheckpointError, match="checkpoint step 2 cannot be read.*503"):
+    saver.restore_newest_intact(trainer.abstract_state())
   assert saver.all_steps() == [1, 2] and not (directory / ckpt.DAMAGED_DIR).exists()
   saver.close()
   gc.collect()  # orbax's abandoned reads report themselves when collected: not a word

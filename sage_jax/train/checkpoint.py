@@ -157,6 +157,7 @@ class Checkpointer:
       raise ValueError("CheckpointConfig.directory is empty")
     self.config = config
     self.directory = storage.path(config.directory)
+    self._unrecorded: set[int] = set()  # steps saved here whose files.json is not written
     if config.read_only:
       if run_config is not None:
         raise ValueError("a read-only Checkpointer writes no run config")
@@ -209,13 +210,16 @@ class Checkpointer:
     return self.directory / str(step)
 
   def _record_files(self) -> None:
-    """Writes files.json into every finalised step that lacks one (process 0 only)."""
+    """Writes files.json into every finalised step this Checkpointer saved (process 0 only):
+    a step found without one was written elsewhere, and what its files are now may not be
+    what was written."""
     if jax.process_index() != 0 or self.config.read_only:
       return
-    for step in self._manager.all_steps():
+    for step in sorted(self._unrecorded & set(self._manager.all_steps())):
       root = self.step_directory(step)
-      if root.is_dir() and not (root / FILES_RECORD).exists():
+      if root.is_dir():
         storage.write_json(root / FILES_RECORD, storage.file_sizes(root), sort_keys=True)
+      self._unrecorded.discard(step)
 
   def check_step(self, step: int) -> None:
     """Raises CheckpointError naming the first file of `step` that is missing or whose size
@@ -262,6 +266,7 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                      meta=ocp.args.JsonSave(meta)),
                        metrics=ranked, force=True)
+    self._unrecorded.add(step)
     return True
 
   def read_meta(self, step: int) -> dict:
@@ -309,14 +314,17 @@ class Checkpointer:
 
   def restore_newest_intact(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
     """Restores the newest step that reads; the damaged newer ones are then moved to
-    damaged/<step> and the fallback is logged in one line. None when there is no checkpoint;
-    CheckpointError, with nothing moved, when no step reads (e.g. a config that no longer
-    fits the checkpoints)."""
+    damaged/<step> and the fallback is logged in one line. A step whose files are all there
+    as they were written (its files.json says so) is not damaged: its read error (a storage
+    outage, a config that no longer fits) is raised, with nothing moved. None when there is
+    no checkpoint; CheckpointError, with nothing moved, when no step reads."""
     damaged: list[CheckpointError] = []
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
         state, meta = self.restore(abstract_state, step)
       except CheckpointError as e:
+        if self._recorded_intact(step):
+          raise
         damaged.append(e)
         continue
       if damaged:
@@ -327,6 +335,16 @@ class Checkpointer:
       raise CheckpointError(damaged[-1].step, str(self.directory),
                             "no step reads: " + "; ".join(map(str, damaged)))
     return None
+
+  def _recorded_intact(self, step: int) -> bool:
+    """Whether `step` has a files.json and every file it lists is there at its size."""
+    if not (self.step_directory(step) / FILES_RECORD).exists():
+      return False
+    try:
+      self.check_step(step)
+    except CheckpointError:
+      return False
+    return True
 
   def _move_aside(self, step: int) -> str:
     aside = self.directory / DAMAGED_DIR / str(step)
