@@ -204,6 +204,11 @@ def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):
   assert (purge.step, purge.session_log.status) == (3, purge.session_log.START)
   assert step3.step == 3 and [(v.tag, v.simple_value) for v in step3.summary.value] == [
       ("loss", 30.0), ("ratio_max", float("inf"))]
+  # Started over from step 0 (killed before its first checkpoint): every earlier step goes.
+  metrics_lib.MetricsWriter(config, total_steps=5).close()
+  (third,) = set(os.listdir(tmp_path / "tb")) - set(files)
+  purge = _tensorboard_events(tmp_path / "tb" / third)[1]
+  assert (purge.step, purge.session_log.status) == (1, purge.session_log.START)
 
 
 def _tensorboard_events(path):

@@ -104,8 +104,13 @@ class MetricsWriter:
                                                      start_step)))
         self._jsonl = open(path, "a")
       if config.tensorboard:
-        self._tb = tensorboard.ScalarWriter(os.path.join(self._mirror.local, "tb"),
-                                            purge_step=start_step + 1 if start_step else None)
+        # Steps after start_step are redone: TensorBoard drops their earlier events (also a
+        # run's that started over from step 0, killed before its first checkpoint).
+        earlier = (self._mirror.target / "tb").exists() and any(
+            (self._mirror.target / "tb").iterdir())
+        self._tb = tensorboard.ScalarWriter(
+            os.path.join(self._mirror.local, "tb"),
+            purge_step=start_step + 1 if start_step or earlier else None)
     if config.progress and lead:
       from tqdm import tqdm
       self._bar = tqdm(total=total_steps, initial=start_step, desc=description,
