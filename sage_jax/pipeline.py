@@ -26,9 +26,10 @@ loops continue from their latest checkpoint. A SIGTERM (a preemption) stops the 
 step in progress, with a checkpoint of it: no later stage, evaluation or export runs, and the
 command exits with status 143 (what an unhandled SIGTERM gives) so that a scheduler or retry
 loop runs it again. An evaluation done before is redone when the weights it scored or its
-settings have changed since (a rerun with more steps evaluates the new last step). A rerun may change how
-long and how the run goes (steps, layout, evaluation; `run_config.RESUMABLE_KEYS`), not the
-experiment its checkpoints belong to: that fails, naming the keys changed. More SFT steps
+settings have changed since (a rerun with more steps evaluates the new last step). A rerun
+may change how long and how the run goes (steps, layout, evaluation;
+`run_config.RESUMABLE_KEYS`), not the experiment its checkpoints belong to: that fails,
+naming the keys changed. More SFT steps
 continue a finished SFT stage, until RL has trained from its result. A workdir that holds a
 run refuses `checkpoint.resume=False` (a new run there would mix with the old one's files).
 
