@@ -253,10 +253,10 @@ class Pipeline:
           policy_at = lambda t: rollout.SamplerPolicy(
               self.driver, dataclasses.replace(self.run.agent, temperature=t))
           trajectories, stats = sft_expert.self_distilled_trajectories(
-              policy_at, expert_cfg, self.tokenizer, pool=self.pool, agent=self.run.agent)
-        else:  # the prompts, limits and observations SFT trains on are the run's agent's
-          trajectories, stats = sft_expert.gold_trajectories(
-              expert_cfg, self.tokenizer, pool=self.pool, agent=self.run.agent)
+              policy_at, expert_cfg, self.tokenizer, pool=self.pool)
+        else:
+          trajectories, stats = sft_expert.gold_trajectories(expert_cfg, self.tokenizer,
+                                                             pool=self.pool)
         logging.info("expert trajectories: %d kept of %d tasks", stats.kept, stats.tasks)
         for extra, failed in (("rewrites", stats.rewrites_failed),
                               ("firsts", stats.firsts_failed)):

@@ -39,7 +39,7 @@ def demo_expert_file(mini_root, tmp_path_factory) -> str:
       run = run_config.resolve(sage_configs.get_config("demo"))
       config = dataclasses.replace(run.expert, appworld_root=mini_root,
                                    outputs_root=str(shared / "demo_expert_outputs"))
-      trajectories, _ = expert.gold_trajectories(config, Tokenizer(), agent=run.agent)
+      trajectories, _ = expert.gold_trajectories(config, Tokenizer())
       sft_data.write_jsonl(f"{path}.partial", trajectories)
       os.replace(f"{path}.partial", path)
   return str(path)

@@ -82,16 +82,6 @@ def _extra_trajectories(gold, mini_root, tok, pool, suffix, **option):
   return [(t, plain[expert.task_id_of(t)]) for t in extra]
 
 
-def test_the_expert_plays_as_the_runs_agent(gold, mini_root, tok, pool):
-  """The run's agent settings (its turn budget here) bound the expert's plays too: what SFT
-  trains on is what the agent can do under them."""
-  from sage_jax.agent.config import AgentConfig  # noqa: PLC0415
-
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",))
-  cut, stats = expert.gold_trajectories(config, tok, pool, agent=AgentConfig(max_turn_tokens=8))
-  assert cut == [] and stats.failed and stats.tasks == len(gold[0])
-
-
 def test_rewrites_add_a_second_trajectory_that_writes_the_skill_the_library_has(
     gold, mini_root, tok, pool):
   for t, reused in _extra_trajectories(gold, mini_root, tok, pool, expert.REWRITE_SUFFIX,

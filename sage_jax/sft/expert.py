@@ -171,21 +171,18 @@ def _chains(task_ids: Iterable[str]) -> list[rollout.Chain]:
 
 def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
          config: ExpertConfig, source: str, pool: appworld.EnvPool | None = None,
-         seed: int = 0, agent: AgentConfig = AgentConfig()
-         ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
+         seed: int = 0) -> tuple[list[data_lib.Trajectory], ExpertStats]:
   """Runs `policy` on the chains (one library per chain) in the real engine (`pool`, or a
-  pool started for the call) as the agent `agent` (the run's: its prompts, limits and
-  observations are what SFT then trains on; `config.use_library` decides the library),
-  sampling seeds from `seed`; returns the successful trajectories that `config.selection`
-  keeps, in chain order. With several processes, each plays its share of the chains and
-  every process returns them all."""
+  pool started for the call), sampling seeds from `seed`; returns the successful
+  trajectories that `config.selection` keeps, in chain order. With several processes, each
+  plays its share of the chains and every process returns them all."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   if pool is None:
     pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
                                          outputs_root=config.outputs_root, keep_outputs=False)
     with appworld.EnvPool(pool_config) as started:
-      return play(policy, chains, tokenizer, config, source, started, seed, agent)
-  agent = dataclasses.replace(agent, use_library=config.use_library)
+      return play(policy, chains, tokenizer, config, source, started, seed)
+  agent = AgentConfig(use_library=config.use_library)
   ctx = rollout.RolloutContext(policy, pool, tokenizer, agent, Retriever(), root)
   rollout_config = rollout.RolloutConfig(group_size=1,
                                          chain_length=max(len(c.task_ids) for c in chains),
@@ -219,21 +216,20 @@ def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
 
 
 def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
-                      pool: appworld.EnvPool | None = None, agent: AgentConfig = AgentConfig()
+                      pool: appworld.EnvPool | None = None
                       ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
-  """The split's gold solutions in the skill format, executed as `agent`; successes only."""
+  """The split's gold solutions in the skill format, executed; successes only."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
   chains = _chains(t for split in config.splits for t in appworld.read_split(root, split))
-  out, stats = play(ScriptedPolicy(root, tokenizer), chains, tokenizer, config, "gold", pool,
-                    agent=agent)
+  out, stats = play(ScriptedPolicy(root, tokenizer), chains, tokenizer, config, "gold", pool)
   if not config.use_library:
     return out, stats
   later = [t for chain in chains for t in chain.task_ids[1:]]
   if config.rewrites:
     again = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_rewrite")
     rewritten, rewrite_stats = play(ScriptedPolicy(root, tokenizer, rewrite=True), chains,
-                                    tokenizer, again, "gold_rewrite", pool, agent=agent)
+                                    tokenizer, again, "gold_rewrite", pool)
     out += [dataclasses.replace(t, id=f"{t.id}{REWRITE_SUFFIX}") for t in rewritten
             if t.metadata["chain_position"] > 0]
     stats.rewrites_failed = _failed(rewrite_stats, later)
@@ -241,7 +237,7 @@ def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
     alone = [rollout.Chain(appworld.scenario_id(t), (t,)) for t in later]
     again = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_first")
     played, first_stats = play(ScriptedPolicy(root, tokenizer), alone, tokenizer, again,
-                               "gold_first", pool, agent=agent)
+                               "gold_first", pool)
     out += [dataclasses.replace(t, id=f"{t.id}{FIRST_SUFFIX}") for t in played]
     stats.firsts_failed = _failed(first_stats, later)
   stats.kept = len(out)
@@ -255,8 +251,7 @@ def _failed(stats: ExpertStats, task_ids: Sequence[str]) -> list[str]:
 
 
 def self_distilled_trajectories(policy_at: Callable[[float], Any], config: ExpertConfig,
-                                tokenizer: Tokenizer, pool: appworld.EnvPool | None = None,
-                                agent: AgentConfig = AgentConfig()
+                                tokenizer: Tokenizer, pool: appworld.EnvPool | None = None
                                 ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
   """Rejection sampling from the starting policy (`policy_at(temperature)`): the split's
   scenarios are played at each of `config.temperatures` in turn, each scenario until a play
@@ -271,8 +266,7 @@ def self_distilled_trajectories(policy_at: Callable[[float], Any], config: Exper
       break
     attempt = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_t{i}")
     kept, stats = play(policy_at(temperature), _chains(remaining), tokenizer, attempt,
-                       f"self@{temperature:g}", pool, step_seed(config.seed, i),
-                       dataclasses.replace(agent, temperature=temperature))
+                       f"self@{temperature:g}", pool, step_seed(config.seed, i))
     for field in dataclasses.fields(ExpertStats):
       setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
     accepted = {appworld.scenario_id(task_id_of(t)) for t in kept}
