@@ -372,6 +372,8 @@ def test_hundred_episodes_with_random_faults_give_hundred_records(pool, mini_roo
       plan.append((task_id, FAULTS[rng.choice(sorted(FAULTS))][0]))
     else:
       plan.append((task_id, gold_solution(mini_root, task_id)))
+  if not any(code == "kill_workers" for _, code in plan):  # at least one, whatever the draws
+    plan[rng.randrange(len(plan))] = (task_ids[0], "kill_workers")
   before = len(pool.results)
 
   async def one(i, task_id, code):
