@@ -92,14 +92,15 @@ def main(argv):
     raise app.UsageError("--spot asks for spot capacity of a queued resource: it needs "
                          "--create --queued")
   try:  # the entry point's command first: nothing starts when it is wrong
-    common.entry_command(FLAGS.config, FLAGS.workdir, common.parse_overrides(FLAGS.override),
-                         FLAGS.module, entry_flags=common.parse_entry_flags(FLAGS.flag))
+    overrides = common.parse_overrides(FLAGS.override)
+    entry_flags = common.parse_entry_flags(FLAGS.flag)
+    common.entry_command(FLAGS.config, FLAGS.workdir, overrides, FLAGS.module,
+                         entry_flags=entry_flags)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   commands = build(project=FLAGS.project, zone=FLAGS.zone, tpu=FLAGS.tpu,
                    config=FLAGS.config, workdir=FLAGS.workdir,
-                   overrides=common.parse_overrides(FLAGS.override), module=FLAGS.module,
-                   entry_flags=common.parse_entry_flags(FLAGS.flag),
+                   overrides=overrides, module=FLAGS.module, entry_flags=entry_flags,
                    create=FLAGS.create, accelerator_type=FLAGS.accelerator_type,
                    runtime_version=FLAGS.runtime_version, remote_dir=FLAGS.remote_dir,
                    jax_tpu=FLAGS.jax_tpu_requirement, queued=FLAGS.queued,

@@ -169,15 +169,14 @@ class Checkpointer:
     if run_config is not None and jax.process_index() == 0:
       storage.write_json(self.directory / CONFIG_FILE, to_jsonable(run_config), sort_keys=True)
     policies = [cm.LatestN(n=config.keep_last)]
+    metric = lambda m: m[config.best_metric]
     if config.keep_best:
-      metric = config.best_metric
-      policies.append(cm.BestN(get_metric_fn=lambda m: m[metric], n=config.keep_best,
+      policies.append(cm.BestN(get_metric_fn=metric, n=config.keep_best,
                                reverse=config.best_mode == "min",
                                keep_checkpoints_without_metrics=False))
     # With best_fn orbax also stores each step's metrics beside it, which it reads back when
     # the run restarts: without them the best step had none then, and BestN let it go.
-    best = {"best_fn": lambda m: m[config.best_metric],
-            "best_mode": config.best_mode} if config.keep_best else {}
+    best = {"best_fn": metric, "best_mode": config.best_mode} if config.keep_best else {}
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=config.async_save,
         preservation_policy=cm.AnyPreservationPolicy(policies),

@@ -158,11 +158,12 @@ def architecture(spec: ModelSpec) -> Qwen2Config:
   return get_preset(spec.preset) if spec.preset else checkpoint_architecture(spec.spec)
 
 
-def check_architecture(spec: ModelSpec) -> None:
-  """With both spec and preset: fails unless spec's checkpoint has the preset's shapes."""
+def check_architecture(spec: ModelSpec, have: Qwen2Config) -> None:
+  """With both spec and preset: fails unless `have`, spec's checkpoint's config, has the
+  preset's shapes."""
   if not (spec.spec and spec.preset):
     return
-  have, want = checkpoint_architecture(spec.spec), get_preset(spec.preset)
+  want = get_preset(spec.preset)
   differ = [f"{k}={getattr(have, k)} (the preset's: {getattr(want, k)})"
             for k in ARCHITECTURE_FIELDS if getattr(have, k) != getattr(want, k)]
   if differ:
@@ -196,7 +197,7 @@ def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
   `vocab_size`: the size of a compact vocabulary (required with `vocabulary="compact"`)."""
   cfg = model_config(spec, vocab_size)
   if spec.spec:
-    check_architecture(spec)  # before a load that can take minutes
+    check_architecture(spec, cfg)  # before a load that can take minutes
     model = _load_weights(spec.spec, cfg, mesh, rules)
   elif mesh is None:
     model = init_model(cfg, seed=spec.seed)
