@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from typing import Mapping, Sequence
+
+from sage_jax import config_file
 
 # Each entry point, and which of the launchers' common flags it reads: export reads the run's
 # own config (saved beside its checkpoints), generate neither a config nor a workdir; their
@@ -41,6 +44,16 @@ def entry_command(config: str | None, workdir: str | None,
   for key, value in dict(overrides).items():
     argv.append(f"--config.{key}={format_value(value)}")
   return argv
+
+
+def check_config(config: str | None) -> None:
+  """Exits with `config_file`'s one line when `config` (`configs/<file>.py:<preset>`) does
+  not load: before anything starts, rather than in the entry point on every host."""
+  if config:
+    try:
+      config_file.load(config)
+    except config_file.ConfigFileError as e:
+      sys.exit(str(e))
 
 
 def format_value(value: object) -> str:

@@ -22,7 +22,6 @@ a key the sweep's arms set is refused there (it would undo the sweep).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import os
 import re
@@ -33,6 +32,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import common, local, tpu_pod  # noqa: E402
+from sage_jax import config_file  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHERS = ("local", "slurm", "multinode", "tpu_pod")
@@ -62,17 +62,14 @@ def split_spec(spec: str) -> list[str]:
 
 
 def load_sweep(spec: str) -> dict:
-  """`path[:arg[:arg...]]` -> the sweep its `get_sweep(*args)` returns."""
+  """`path[:arg[:arg...]]` -> the sweep its `get_sweep(*args)` returns; a file that cannot
+  be loaded raises `config_file.ConfigFileError`, one line naming it."""
   path, *args = split_spec(spec)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"sweep file {path!r} does not exist")
-  module_spec = importlib.util.spec_from_file_location("sweep_definition", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  sweep = module.get_sweep(*args)
+  sweep = config_file.call(spec, config_file.load_module(path, "sweep file"), "get_sweep",
+                           *args)
   for key in ("config", "axes"):
     if key not in sweep:
-      raise ValueError(f"{path}: get_sweep() must return a dict with {key!r}")
+      raise config_file.ConfigFileError(f"{path}: get_sweep() must return a dict with {key!r}")
   return sweep
 
 
@@ -134,7 +131,10 @@ def commands_for(run: Run, launcher: str, *, project=None, zone=None,
 
 def main(argv):
   del argv
-  sweep = load_sweep(FLAGS.sweep)
+  try:
+    sweep = load_sweep(FLAGS.sweep)
+  except config_file.ConfigFileError as e:
+    sys.exit(str(e))
   if FLAGS["module"].present:
     if "module" in sweep and sweep["module"] != FLAGS.module:
       raise app.UsageError(f"--module={FLAGS.module}: {FLAGS.sweep} runs {sweep['module']}")
@@ -143,6 +143,8 @@ def main(argv):
   if FLAGS.launcher == "tpu_pod" and len(runs) > 1 and "{name}" not in (FLAGS.tpu or ""):
     raise app.UsageError(f"--tpu={FLAGS.tpu}: {len(runs)} runs would share one slice; put "
                          "{name} in it (e.g. --tpu=sage-{name}) for a slice per run")
+  for config in dict.fromkeys(run.config for run in runs):  # before any run starts
+    common.check_config(config)
   for run in runs:
     commands = commands_for(run, FLAGS.launcher, project=FLAGS.project, zone=FLAGS.zone,
                             tpu=FLAGS.tpu)

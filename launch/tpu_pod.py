@@ -98,6 +98,7 @@ def main(argv):
                          entry_flags=entry_flags)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  common.check_config(FLAGS.config)
   commands = build(project=FLAGS.project, zone=FLAGS.zone, tpu=FLAGS.tpu,
                    config=FLAGS.config, workdir=FLAGS.workdir,
                    overrides=overrides, module=FLAGS.module, entry_flags=entry_flags,

@@ -23,9 +23,8 @@ import sys
 import jax
 from absl import app, flags
 from flax import nnx
-from ml_collections import config_flags
 
-from sage_jax import multihost, run_checkpoint, run_config
+from sage_jax import config_file, multihost, run_checkpoint, run_config
 from sage_jax.eval import metrics as metrics_lib
 from sage_jax.eval.runner import evaluate
 
@@ -107,7 +106,7 @@ def main(argv) -> None:
 
 def define_flags() -> None:
   """The entry point's flags (defined only when run, so importing this module defines none)."""
-  config_flags.DEFINE_config_file("config", None, "Evaluation config file.")
+  config_file.define_flag("config", "Evaluation config file (configs/eval.py:<preset>).")
   flags.DEFINE_string("workdir", None, "Directory for the reports.")
   flags.DEFINE_string("run", None, "A training run's workdir: evaluate its checkpoint.")
   flags.DEFINE_integer("step", None, "With --run: the checkpoint step (default: the latest).")

@@ -4,8 +4,16 @@ r"""Completes one prompt with the sampler engine and prints the completion.
       --prompt="Write a Python function that reverses a string." --max_new_tokens=64 \
       --temperature=0
 
---model takes an HF checkpoint directory, a .gguf file, or the bundled model's name. With
---chat (default) the prompt is a user message in Qwen's ChatML; --nochat completes raw text.
+--model takes an HF checkpoint directory (a training run's export among them), a .gguf file,
+or the bundled model's name. With --chat (default) the prompt is a user message in Qwen's
+ChatML; --nochat completes raw text.
+
+An HF directory's generation_config.json gives the sampling defaults, as it does for
+transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p and
+top_k (transformers' 1.0, 1.0 and 50 for those it leaves out), and its max_new_tokens; a flag
+given on the command line wins. Generation stops at every one of its eos_token_id (else at
+`<|im_end|>` and `<|endoftext|>`). A log line says where each setting came from; settings the
+sampler does not apply (repetition_penalty, min_p, beams...) are named in a warning.
 """
 
 from __future__ import annotations
@@ -13,25 +21,71 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 from absl import app, flags, logging
 
 from sage_jax import multihost
 from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.model.config import read_checkpoint_json
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
 from sage_jax.weights import loader
 
-_MODEL = flags.DEFINE_string("model", None, "HF directory, .gguf file or bundled model name.")
-_PROMPT = flags.DEFINE_string("prompt", None, "The prompt text.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Most tokens to generate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_CHAT = flags.DEFINE_bool("chat", True, "Wrap the prompt as a ChatML user message.")
-_SYSTEM = flags.DEFINE_string(
-    "system", "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
-    "System message in chat mode.")
+
+# The flags a checkpoint's generation_config.json gives defaults for.
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "max_new_tokens")
+# What transformers samples with when do_sample is set and the file leaves a setting out, and
+# the sampler's value for a setting the file turns off (null).
+TRANSFORMERS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+SAMPLING_OFF = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+# generation_config.json settings the sampler has no counterpart for, at the values where they
+# change nothing.
+NOT_APPLIED = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "min_p": None,
+               "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1,
+               "penalty_alpha": None, "no_repeat_ngram_size": 0, "min_length": 0,
+               "min_new_tokens": None, "max_length": None, "bad_words_ids": None,
+               "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+               "guidance_scale": None}
+
+
+def generation_config(model_path: str) -> tuple[str | None, dict[str, Any]]:
+  """(path, contents) of the checkpoint's generation_config.json; (None, {}) when it has none
+  (a .gguf file, a directory without one)."""
+  path = os.path.join(model_path, "generation_config.json")
+  if not os.path.isfile(path):
+    return None, {}
+  return path, read_checkpoint_json(path)
+
+
+def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+  """Flag name -> the value transformers' `generate` takes from `generation` (a
+  generation_config.json), for the flags it decides: greedy (temperature 0) when do_sample
+  is false; the sampling settings when it is true; its max_new_tokens."""
+  defaults: dict[str, Any] = {}
+  if "do_sample" in generation and not generation["do_sample"]:
+    defaults["temperature"] = 0.0
+  elif generation.get("do_sample"):
+    for name, default in TRANSFORMERS_SAMPLING.items():
+      value = generation.get(name, default)
+      defaults[name] = SAMPLING_OFF[name] if value is None else type(default)(value)
+  if generation.get("max_new_tokens") is not None:
+    defaults["max_new_tokens"] = int(generation["max_new_tokens"])
+  return defaults
+
+
+def not_applied(generation: dict[str, Any]) -> dict[str, Any]:
+  """The settings of `generation` that would change transformers' sampling but not ours."""
+  return {name: generation[name] for name, neutral in NOT_APPLIED.items()
+          if name in generation and generation[name] != neutral}
+
+
+def eos_ids(generation: dict[str, Any], tok: tokenizer_lib.Tokenizer) -> list[int]:
+  """The ids generation stops at: every eos_token_id of `generation` (one id or a list), else
+  Qwen's turn and text ends."""
+  ids = generation.get("eos_token_id")
+  if ids is None:
+    return [tok.eos_id, tok.pad_id]
+  return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
 
 
 def _next_pow2(n: int) -> int:
@@ -46,24 +100,52 @@ def prompt_ids(tok: tokenizer_lib.Tokenizer, prompt: str, chat: bool, system: st
   return conversation.start_assistant()
 
 
+def sampling_settings(generation_path: str | None, generation: dict[str, Any],
+                      tok: tokenizer_lib.Tokenizer) -> tuple[SamplingParams, list[int]]:
+  """The request's sampling and eos ids: each flag given on the command line, else the
+  checkpoint's generation_config.json, else the flag's default; logged with where each
+  came from."""
+  from_file = generation_defaults(generation)
+  values, origins = {}, {}
+  for name in SAMPLING_FLAGS:
+    if flags.FLAGS[name].present or name not in from_file:
+      values[name] = flags.FLAGS[name].value
+      origins[name] = "the command line" if flags.FLAGS[name].present else "generate's defaults"
+    else:
+      values[name], origins[name] = from_file[name], generation_path
+  stop = eos_ids(generation, tok)
+  origins["eos_token_id"] = generation_path if "eos_token_id" in generation else "the tokenizer"
+  by_origin: dict[str, list[str]] = {}
+  for name, value in {**values, "eos_token_id": stop}.items():
+    by_origin.setdefault(origins[name], []).append(f"{name}={value}")
+  logging.info("Sampling settings: %s", "; ".join(
+      f"{', '.join(settings)} from {origin}" for origin, settings in by_origin.items()))
+  ignored = not_applied(generation)
+  if ignored:
+    logging.warning("%s sets %s, which this sampler does not apply: ignored", generation_path,
+                    ", ".join(f"{k}={v}" for k, v in ignored.items()))
+  return SamplingParams(**values), stop
+
+
 def main(argv: list[str]) -> None:
   del argv
+  FLAGS = flags.FLAGS
   multihost.initialize()  # several processes: each generates on its own devices
-  path = loader.resolve(_MODEL.value)
+  path = loader.resolve(FLAGS.model)
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
   tok = tokenizer_lib.Tokenizer(tok_dir)
-  ids = prompt_ids(tok, _PROMPT.value, _CHAT.value, _SYSTEM.value)
+  sampling, stop = sampling_settings(*generation_config(path), tok)
+  ids = prompt_ids(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
   model = loader.load_model(path)
   # One prefill chunk and one attention window sized to this request: two compilations.
-  max_len = min(_next_pow2(len(ids) + _MAX_NEW.value), model.config.max_position_embeddings)
+  max_len = min(_next_pow2(len(ids) + sampling.max_new_tokens),
+                model.config.max_position_embeddings)
   config = EngineConfig(num_slots=1, max_len=max_len, min_attend=max_len,
                         prefill_buckets=(min(_next_pow2(len(ids)), 512, max_len),),
-                        max_top_k=max(_TOP_K.value, 1))
-  engine = Engine(model, config, eos_ids=(tok.eos_id, tok.pad_id), detokenize=tok.decode)
-  sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
-                            top_k=_TOP_K.value, max_new_tokens=_MAX_NEW.value)
+                        max_top_k=max(sampling.top_k, 1))
+  engine = Engine(model, config, eos_ids=stop, detokenize=tok.decode)
   start = time.perf_counter()
-  (result,) = engine.generate([ids], sampling, seeds=[_SEED.value])
+  (result,) = engine.generate([ids], sampling, seeds=[FLAGS.seed])
   elapsed = time.perf_counter() - start
   multihost.finish()
   tokens = result.tokens
@@ -76,6 +158,22 @@ def main(argv: list[str]) -> None:
                len(ids), len(result.tokens), elapsed, result.finish_reason)
 
 
+def define_flags() -> None:
+  """The entry point's flags (defined only when run, so importing this module defines none).
+  The sampling flags' defaults apply where the checkpoint's generation_config.json sets none."""
+  flags.DEFINE_string("model", None, "HF directory, .gguf file or bundled model name.",
+                      required=True)
+  flags.DEFINE_string("prompt", None, "The prompt text.", required=True)
+  flags.DEFINE_integer("max_new_tokens", 128, "Most tokens to generate.")
+  flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
+  flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
+  flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  flags.DEFINE_bool("chat", True, "Wrap the prompt as a ChatML user message.")
+  flags.DEFINE_string("system", "You are Qwen, created by Alibaba Cloud. You are a helpful "
+                      "assistant.", "System message in chat mode.")
+
+
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["model", "prompt"])
+  define_flags()
   app.run(main)

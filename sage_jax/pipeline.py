@@ -54,14 +54,13 @@ from typing import Any
 
 from absl import app, flags
 from absl import logging as absl_logging
-from ml_collections import config_flags
 
 import jax
 import numpy as np
 from flax import nnx
 
-from sage_jax import (compact_tokenizer, export, multihost, plot, run_checkpoint, run_config,
-                      storage)
+from sage_jax import (compact_tokenizer, config_file, export, multihost, plot, run_checkpoint,
+                      run_config, storage)
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
 from sage_jax.envs import appworld
@@ -488,8 +487,7 @@ def main(argv) -> None:
 
 def define_flags() -> None:
   """The entry point's flags (defined only when run, so importing this module defines none)."""
-  config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<preset>",
-                                  lock_config=True)
+  config_file.define_flag("config", "configs/<file>.py:<preset>")
   flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, exports): a local "
                       "path or a URL such as gs://bucket/run.")
   flags.mark_flags_as_required(["config", "workdir"])

@@ -17,9 +17,11 @@ import zlib
 from typing import Any
 
 import ml_collections
-from absl import flags
+from absl import app
 
+from sage_jax import config_file
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
+from sage_jax.agent.retrieval import EMBEDDING_STRATEGIES
 from sage_jax.configurable import ConfigError, build
 from sage_jax.envs.appworld.config import EnvPoolConfig
 from sage_jax.eval.runner import EvalConfig
@@ -383,11 +385,15 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, for `app.run(main, flags_parser=parse_flags)`: a `--config.<path>`
-  override that names no section or key of the config file exits with one line naming it,
-  instead of ml_collections' bare KeyError."""
+  """absl's flag parsing with usage (a bad flag value exits with absl's message), for
+  `app.run(main, flags_parser=parse_flags)`: a config file that does not load
+  (`config_file.define_flag`), or a `--config.<path>` override that names no section or key
+  of it, exits with one line naming it, instead of ml_collections' traceback or bare
+  KeyError."""
   try:
-    return flags.FLAGS(argv)
+    return app.parse_flags_with_usage(argv)
+  except config_file.ConfigFileError as e:
+    sys.exit(str(e))
   except (KeyError, AttributeError) as e:
     message = e  # ml_collections wraps the KeyError in an AttributeError for keys
     while isinstance(message, BaseException):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from launch import common, sweep, tpu_pod
+from sage_jax import config_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEPS = os.path.join(REPO, "configs", "sweeps")
@@ -327,9 +328,9 @@ def test_retrieval_sweep_evaluates_one_trained_run(tmp_path):
                 "--launcher=slurm", "--dry_run"])
   assert slurm.count("SAGE_JAX_MODULE=sage_jax.evaluate") == 4
   assert f"--run={run} --step=2 --config=configs/eval.py:run --workdir=r/query_ngram" in slurm
-  with pytest.raises(ValueError, match="no checkpoint to evaluate"):
+  with pytest.raises(config_file.ConfigFileError, match="no checkpoint to evaluate"):
     sweep.load_sweep(f"configs/sweeps/retrieval.py:{tmp_path / 'untrained'}")
-  with pytest.raises(ValueError, match="evaluates a trained run"):
+  with pytest.raises(config_file.ConfigFileError, match="evaluates a trained run"):
     sweep.load_sweep("configs/sweeps/retrieval.py")
   wrong = subprocess.run([sys.executable, "launch/sweep.py", "--module=sage_jax.train",
                           f"--sweep=configs/sweeps/retrieval.py:{run}", "--workdir_root=r",

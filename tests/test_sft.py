@@ -3,6 +3,7 @@ the tfds builder (array_record, no TensorFlow), and SFT driving the loss near ze
 
 import json
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -100,10 +101,16 @@ def test_tokenisation_matches_the_rollout_conversation(jsonl, tokenizer, tmp_pat
     sft_data.load_examples(jsonl, tokenizer, max_len=50)
 
 
-def test_tfds_builder_without_tensorflow(jsonl, tokenizer, tmp_path):
+def test_tfds_builder_without_tensorflow(jsonl, tokenizer, tmp_path, monkeypatch):
+  """Builds and reads with no TensorFlow, leaving no temporary directory behind (TFDS made
+  an empty /tmp/tmp*tfds for each dataset it prepared)."""
   from sage_jax.sft import tfds_builder
+  temp = tmp_path / "temp"
+  temp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
   tfds_builder.prepare(str(jsonl.parent), str(tmp_path / "tfds"))
   examples = tfds_builder.load_examples(str(tmp_path / "tfds"))
+  assert not list(temp.iterdir())
   want = {t.id: sft_data.tokenize(t, tokenizer) for t in sft_data.read_jsonl(jsonl)}
   assert sorted(e.id for e in examples) == sorted(want)
   for e in examples:

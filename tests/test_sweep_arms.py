@@ -11,10 +11,9 @@ import os
 
 import pytest
 from absl import flags
-from ml_collections import config_flags
 
 from launch import sweep
-from sage_jax import run_config
+from sage_jax import config_file, run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEPS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "sweeps",
@@ -26,8 +25,7 @@ STAGES = ("configs/sage.py", "configs/grpo.py")
 def _resolve_command(argv: list[str]) -> run_config.RunConfig:
   """The RunConfig `python -m sage_jax.train <argv>` runs (its flags, parsed in process)."""
   values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "", flag_values=values,
-                                  sys_argv=["train", *argv])
+  config_file.define_flag("config", "", flag_values=values, sys_argv=["train", *argv])
   flags.DEFINE_string("workdir", None, "", flag_values=values)
   values(["train", *argv])
   return run_config.resolve(values.config)

@@ -32,6 +32,16 @@ from sage_jax.sft import data as data_lib
 from sage_jax.tokenizer import Tokenizer
 
 
+class LocalDatasetInfo(tfds.core.DatasetInfo):
+  """The info of a dataset built here, never one of TFDS's catalog. A builder of a directory
+  not yet prepared looks for the catalog's pre-computed info in its bucket (gs://tfds-data),
+  first making a temporary directory for the files (/tmp/tmp*tfds); with the lookup off
+  (TFDS's default) it returns at once and leaves that directory behind, empty."""
+
+  def initialize_from_bucket(self) -> None:
+    pass
+
+
 class ExpertTrajectories(tfds.core.GeneratorBasedBuilder):
   """Expert multi-turn trajectories in the skill-library format, tokenised for SFT."""
 
@@ -52,7 +62,7 @@ class ExpertTrajectories(tfds.core.GeneratorBasedBuilder):
     return epath.Path(inspect.getfile(cls))
 
   def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
+    return LocalDatasetInfo(
         builder=self,
         description="Expert trajectories for SAGE's SFT stage, tokenised with Qwen2.5 ChatML.",
         features=tfds.features.FeaturesDict({

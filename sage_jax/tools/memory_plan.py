@@ -33,7 +33,7 @@ from jax.sharding import AbstractMesh
 
 from sage_jax import sharding as shd
 from sage_jax.model import lora
-from sage_jax.model.config import Qwen2Config, get_preset
+from sage_jax.model.config import PRESETS, Qwen2Config, get_preset
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.train.state import split_trainable
 
@@ -277,16 +277,15 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from ml_collections import config_flags
+  from sage_jax import config_file, run_config  # noqa: PLC0415 - run_config plans with this
 
-  flags.DEFINE_string("preset", "qwen2.5-0.5b", "Model preset name (without --config).")
+  flags.DEFINE_enum("preset", "qwen2.5-0.5b", sorted(PRESETS),
+                    "Model preset (without --config).")
   flags.DEFINE_string("mesh", "1,8,1", "Mesh shape data,fsdp,tensor (without --config).")
   flags.DEFINE_string("param_dtype", "float32", "Parameter (master) dtype (without --config).")
   flags.DEFINE_string("mu_dtype", None, "AdamW first-moment dtype (default: params').")
-  config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<preset>: plan the run.")
+  config_file.define_flag("config", "configs/<file>.py:<preset>: plan the run.")
   flags.DEFINE_integer("hosts", 1, "Hosts of the run (with --config).")
   flags.DEFINE_integer("devices_per_host", 1, "Accelerators per host (with --config).")
   flags.DEFINE_float("device_memory_gib", None, "Memory of one accelerator (with --config).")
-  from sage_jax import run_config  # noqa: PLC0415 - run_config plans with this module
-
   app.run(main, flags_parser=run_config.parse_flags)

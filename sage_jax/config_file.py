@@ -1,0 +1,106 @@
+"""Loads `configs/<file>.py[:<arg>]` (what `get_config(arg)` returns), with one clear line
+when it cannot: a missing file, a syntax error (with its line), an argument such as a preset
+the file does not know (its own message, which lists the ones it does), or any other error
+raised in the file (with the line that raised it).
+
+ml_collections' config flag prints a traceback for each of these, and reports a missing file
+only when the config is first read; `define_flag` gives the entry points the same flag,
+loading through `load` instead, and `run_config.parse_flags` exits with the line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import traceback
+import types
+from typing import Any, Callable
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+
+class ConfigFileError(Exception):
+  """A config (or sweep) file that cannot be loaded; the message is one line naming it. Not
+  a ValueError, which absl's flag parsing would wrap into a message of its own."""
+
+
+def load_module(path: str, what: str = "config file") -> types.ModuleType:
+  """The Python file at `path`, executed as a module of its own."""
+  if not os.path.isfile(path):
+    directory = os.path.dirname(path) or "."
+    there = (sorted(f for f in os.listdir(directory) if f.endswith(".py"))
+             if os.path.isdir(directory) else [])
+    raise ConfigFileError(f"{path}: no such {what}"
+                          + (f" ({directory}/ has {', '.join(there)})" if there else ""))
+  module_spec = importlib.util.spec_from_file_location(
+      os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+  except SyntaxError as e:  # the file's, or that of a file it imports
+    raise ConfigFileError(f"{e.filename}:{e.lineno}: syntax error in {what} {path}: "
+                          f"{e.msg}") from None
+  except Exception as e:  # noqa: BLE001 - whatever the file raises is the file's error
+    raise ConfigFileError(f"{_raised_at(e, path)}: {what} {path} failed to load: "
+                          f"{type(e).__name__}: {e}") from None
+  return module
+
+
+def call(spec: str, module: types.ModuleType, name: str, *args: Any) -> Any:
+  """`module.name(*args)`; a ValueError (the file's own check of its arguments: an unknown
+  preset) or any other error becomes one line naming `spec`."""
+  function: Callable | None = getattr(module, name, None)
+  if not callable(function):
+    raise ConfigFileError(f"{module.__file__}: defines no {name}()")
+  try:
+    return function(*args)
+  except ValueError as e:
+    raise ConfigFileError(f"{spec}: {e}") from None
+  except Exception as e:  # noqa: BLE001
+    raise ConfigFileError(f"{_raised_at(e, module.__file__)}: {name}() of {spec} failed: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def load(spec: str) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of the file `spec` (`path[:arg]`) names; everything after the first
+  colon is the one argument, as ml_collections passes it."""
+  path, colon, arg = spec.partition(":")
+  config = call(spec, load_module(path), "get_config", *((arg,) if colon else ()))
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigFileError(f"{spec}: get_config() returned {type(config).__name__}, not a "
+                          "ConfigDict")
+  return config
+
+
+def _raised_at(error: BaseException, path: str) -> str:
+  """`file:line` of the innermost line the error passed through in `path`'s directory (the
+  file itself, or a config it imports), or `path` when none did: the line to look at."""
+  directory = os.path.dirname(os.path.abspath(path))
+  frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+            if os.path.dirname(os.path.abspath(frame.filename)) == directory]
+  return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else path
+
+
+class _Parser(flags.ArgumentParser):
+  """Parses `--config=path[:arg]` into the locked ConfigDict `load` returns."""
+
+  def parse(self, argument: str) -> ml_collections.ConfigDict:
+    config = load(argument)
+    config.lock()
+    return config
+
+  def flag_type(self) -> str:
+    return "config object"
+
+
+def define_flag(name: str, help_string: str, flag_values: flags.FlagValues = flags.FLAGS,
+                sys_argv: list[str] | None = None) -> flags.FlagHolder:
+  """ml_collections' config file flag (`--<name>=path[:arg]` and its `--<name>.<key>=value`
+  overrides, found in `sys_argv`, default sys.argv), loading through `load`: a file that
+  cannot be loaded fails the parse with `ConfigFileError`'s line."""
+  holder = config_flags.DEFINE_config_file(name, None, help_string, flag_values=flag_values,
+                                           sys_argv=sys_argv)
+  flag_values[name].parser = _Parser()
+  return holder
