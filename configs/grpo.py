@@ -14,8 +14,7 @@ def get_config(preset: str = "demo"):
   c = sage.get_config(preset)
   c.grpo.single_task = True
   c.grpo.chain_length = 1
-  c.agent.use_library = False
+  c.agent.use_library = False  # the SFT data is played as this agent too: no library
   c.retrieval.strategy = "none"
   c.reward.variant = "outcome"
-  c.expert.use_library = False
   return c

@@ -240,22 +240,30 @@ class Pipeline:
     return os.fspath(out)
 
   def expert_trajectories(self) -> str:
-    """The SFT data file: the configured one, or made from the gold solutions (or the
-    starting policy) of the train split on first use."""
+    """The SFT data file: the configured one, or made on first use from the gold solutions
+    (or the starting policy) of `expert.splits`, played as the run's agent with its skill
+    retrieval."""
     path = self.run.pipeline.expert_trajectories
     if not path:
       path = os.fspath(self.workdir / "expert_trajectories.jsonl")
       if not storage.path(path).exists():
         expert_cfg = dataclasses.replace(self.run.expert, appworld_root=self.root,
                                          outputs_root=self.pool.outputs_root)
+        # Played as the run's agent, its skills retrieved as RL retrieves them: SFT trains on
+        # the prompts RL shows. A "policy" embedding embeds with the starting weights (no
+        # engine exists yet while a compact vocabulary is cut to this data; run_config
+        # refuses that combination).
+        retrieval = self.run.retrieval
+        retriever = Retriever(retrieval, make_embedder(
+            retrieval, engine=getattr(self, "engine", None), tokenizer=self.tokenizer))
         if expert_cfg.source == "self":  # self-distillation from the starting policy
-          policy_at = lambda t: rollout.SamplerPolicy(
-              self.driver, dataclasses.replace(self.run.agent, temperature=t))
           trajectories, stats = sft_expert.self_distilled_trajectories(
-              policy_at, expert_cfg, self.tokenizer, pool=self.pool)
+              lambda agent: rollout.SamplerPolicy(self.driver, agent), expert_cfg,
+              self.tokenizer, pool=self.pool, agent=self.run.agent, retriever=retriever)
         else:
-          trajectories, stats = sft_expert.gold_trajectories(expert_cfg, self.tokenizer,
-                                                             pool=self.pool)
+          trajectories, stats = sft_expert.gold_trajectories(
+              expert_cfg, self.tokenizer, pool=self.pool, agent=self.run.agent,
+              retriever=retriever)
         logging.info("expert trajectories: %d kept of %d tasks", stats.kept, stats.tasks)
         for extra, failed in (("rewrites", stats.rewrites_failed),
                               ("firsts", stats.firsts_failed)):

@@ -355,6 +355,14 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
     raise ConfigError("config.model.vocabulary: 'compact' is cut to the SFT corpus, which "
                       "expert.source='self' samples from the model itself; use the gold "
                       "trajectories or the full vocabulary")
+  if (run.model.vocabulary == "compact" and not pipeline.expert_trajectories
+      and run.retrieval.strategy in EMBEDDING_STRATEGIES
+      and run.retrieval.embedding_model == "policy"):
+    raise ConfigError("config.retrieval.embedding_model: 'policy' embeds with the policy model, "
+                      "and the expert plays that make the SFT data retrieve skills with it, "
+                      "but a 'compact' vocabulary builds that model from the SFT data; use "
+                      "'minilm' or 'hashing', the full vocabulary, or "
+                      "pipeline.expert_trajectories")
   if rollout.single_task and rollout.chain_length != 1:
     raise ConfigError(f"config.grpo.chain_length: {rollout.chain_length} with "
                       "grpo.single_task=True, whose rollouts are single tasks (K = 1, the "

@@ -26,6 +26,7 @@ def demo_expert_file(mini_root, tmp_path_factory) -> str:
   `pipeline.expert_trajectories` instead of playing the split again (~30 s a run)."""
   from configs import sage as sage_configs  # noqa: PLC0415
   from sage_jax import run_config  # noqa: PLC0415
+  from sage_jax.agent.retrieval import Retriever  # noqa: PLC0415
   from sage_jax.sft import data as sft_data  # noqa: PLC0415
   from sage_jax.sft import expert  # noqa: PLC0415
   from sage_jax.tokenizer import Tokenizer  # noqa: PLC0415
@@ -39,7 +40,8 @@ def demo_expert_file(mini_root, tmp_path_factory) -> str:
       run = run_config.resolve(sage_configs.get_config("demo"))
       config = dataclasses.replace(run.expert, appworld_root=mini_root,
                                    outputs_root=str(shared / "demo_expert_outputs"))
-      trajectories, _ = expert.gold_trajectories(config, Tokenizer())
+      trajectories, _ = expert.gold_trajectories(config, Tokenizer(), agent=run.agent,
+                                                 retriever=Retriever(run.retrieval))
       sft_data.write_jsonl(f"{path}.partial", trajectories)
       os.replace(f"{path}.partial", path)
   return str(path)

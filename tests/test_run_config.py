@@ -97,10 +97,22 @@ def _with(overrides, devices=1):
                                     r"devices of a host"),
     ({"sampler_mesh.param_dtype": "fp8"}, 1, r"config.sampler_mesh: .*param_dtype='fp8'"),
     ({"agent.temperature": 0.0}, 1, r"config.agent.temperature: 0.0 samples greedily; RL"),
+    ({"retrieval.strategy": "skill_embedding", "retrieval.embedding_model": "policy"}, 1,
+     r"config.retrieval.embedding_model: 'policy' embeds with the policy model, and the expert "
+     r"plays that make the SFT data retrieve skills with it, but a 'compact' vocabulary"),
 ])
 def test_bad_configs_name_the_key(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):
     _with(overrides, devices)
+
+
+def test_policy_embeddings_retrieve_for_the_expert_when_the_model_exists_first():
+  """Skills retrieved by the policy's embeddings resolve where the model exists before the SFT
+  data is made (the full vocabulary) or the data is given (a compact vocabulary is cut to it)."""
+  policy = {"retrieval.strategy": "skill_embedding", "retrieval.embedding_model": "policy"}
+  assert _with({**policy, "model.vocabulary": "full"}).retrieval.embedding_model == "policy"
+  _with({**policy, "pipeline.expert_trajectories": "expert.jsonl"})
+  _with({**policy, "retrieval.embedding_model": "hashing"})
 
 
 def test_the_trainer_trains_the_policy_the_rollouts_sample():
@@ -270,10 +282,13 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
   older = json.loads(json.dumps(recorded))
   del older["grpo"]["ratio_level"]
   run_config.check_resume(older, recorded, "run/config.json")
-  # Each of these changes what the run trains on, sees or samples with.
+  # Each of these changes what the run trains on, sees or samples with (the agent's prompt and
+  # the skills retrieval shows, also in the SFT data made once per workdir).
   for key, value in (("pipeline.data", "/data/appworld"), ("pipeline.stages", ("rl",)),
                      ("engine.max_len", 1024), ("pool.max_output_chars", 100),
-                     ("sampler_mesh.param_dtype", "bfloat16"), ("trainer.seed", 3)):
+                     ("sampler_mesh.param_dtype", "bfloat16"), ("trainer.seed", 3),
+                     ("agent.max_observation_chars", 100), ("agent.use_library", False),
+                     ("retrieval.strategy", "query_ngram")):
     changed = _config("sage", "demo")
     section, field = key.split(".")
     changed[section][field] = value

@@ -1,6 +1,8 @@
 """The expert-trajectory command: mini-world gold solutions in the skill format, executed by
-the real AppWorld engine, successes kept; trajectories from elsewhere replayed the same way."""
+the real AppWorld engine, successes kept; trajectories from elsewhere replayed the same way.
+The plays show the prompts of the run's agent and retrieval, as its RL rollouts do."""
 
+import asyncio
 import dataclasses
 import json
 import subprocess
@@ -9,7 +11,12 @@ import sys
 import numpy as np
 import pytest
 
+from sage_jax.agent import prompts
+from sage_jax.agent.config import AgentConfig, RetrievalConfig
+from sage_jax.agent.gold_solutions import expert_turns_for_task
+from sage_jax.agent.retrieval import Retriever
 from sage_jax.envs import appworld
+from sage_jax.rl import rollout
 from sage_jax.sft import data as sft_data
 from sage_jax.sft import expert
 from sage_jax.tokenizer import Tokenizer
@@ -60,6 +67,40 @@ def test_gold_solutions_become_skill_format_trajectories(gold, mini_root, tok):
     trained = tok.decode(example.tokens[example.loss_mask == 1].tolist())
     assert trained == "".join(m["content"] + "<|im_end|>" for m in t.messages
                               if m["role"] == "assistant")
+
+
+def _rl_messages(policy, task_ids, agent, retriever, mini_root, tok, pool, prefix):
+  """Each task's conversation in an RL rollout of its scenario's chain (of `task_ids`) by
+  `policy`, as the run's `agent` with its `retriever`."""
+  chains = rollout.scenario_chains(sorted(task_ids))
+  ctx = rollout.RolloutContext(policy, pool, tok, agent, retriever, mini_root)
+  config = rollout.RolloutConfig(group_size=1, chain_length=max(len(c.task_ids) for c in chains),
+                                 experiment_prefix=prefix)
+  batch = asyncio.run(rollout.run_groups(ctx, chains, config))
+  return {r.task_id: tuple(sft_data.messages_from_ids(r.tokens.tolist(), r.turns, tok))
+          for r in batch.flat()}
+
+
+def test_gold_plays_show_the_runs_prompt_with_room_for_the_gold_turns(gold, mini_root, tok,
+                                                                        pool):
+  """Gold plays show the prompts the run's RL rollouts show: its agent's, with the skills its
+  retrieval picks (none here, so every task writes its skill); its short turns (48 tokens) and
+  episodes (700), fewer than a first task's gold turn and conversation, leave them whole."""
+  agent = AgentConfig(max_turn_tokens=48, max_episode_tokens=700)
+  retriever = Retriever(RetrievalConfig(strategy="none"))
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",),
+                               experiment_prefix="run_agent")
+  trajectories, stats = expert.gold_trajectories(config, tok, pool, agent=agent,
+                                                 retriever=retriever)
+  assert [t.id for t in trajectories] == [t.id for t in gold[0]] and not stats.failed
+  for t in trajectories:
+    assert t.metadata["visible_skills"] == [] and t.metadata["skills"]["generated"]
+  assert max(len(tok.encode(t.messages[2]["content"])) for t in trajectories) > 48
+  assert max(len(sft_data.tokenize(t, tok).tokens) for t in trajectories) > 700
+  rl = _rl_messages(expert.ScriptedPolicy(mini_root, tok), [t.id for t in trajectories], agent,
+                    retriever, mini_root, tok, pool, "rl_run_agent")
+  for t in trajectories:
+    assert t.messages[:2] == rl[t.id][:2]
 
 
 def _extra_trajectories(gold, mini_root, tok, pool, suffix, **option):
@@ -181,8 +222,8 @@ def test_self_distillation_rejection_samples_over_temperatures(mini_root, tok, p
   scripted = ScriptedPolicy(mini_root, tok)
 
   class Sampled:
-    def __init__(self, temperature):
-      self.temperature = temperature
+    def __init__(self, agent):
+      self.temperature = agent.temperature
 
     def session(self, context):
       if self.temperature < 0.5 and context.task_id == broken_task:
@@ -211,8 +252,8 @@ def test_a_repeated_temperature_is_a_new_try(mini_root, tok, pool):
   seeds = {}  # task id -> the sampling seed of each of its plays
 
   class FailsFirstPlays:
-    def __init__(self, temperature):
-      del temperature
+    def __init__(self, agent):
+      del agent
 
     def session(self, context):
       seeds.setdefault(context.task_id, []).append(context.seed)
@@ -232,6 +273,71 @@ def test_a_repeated_temperature_is_a_new_try(mini_root, tok, pool):
   expert.self_distilled_trajectories(FailsFirstPlays, dataclasses.replace(config, seed=1), tok,
                                      pool=pool)
   assert all(seeds[task][1] != first[task] for task in first)
+
+
+PRINT_LONG = "```python\nprint('x' * 200)\n```"
+
+
+def test_self_distillation_samples_as_the_runs_agent(mini_root, tok, pool):
+  """The starting policy plays as the run's agent at each try's temperature: with its sampling
+  settings, its step, turn and episode budgets (a scenario that takes a third turn fails under
+  max_steps=2), and its execution outputs cut as its RL rollouts cut them."""
+  agent = AgentConfig(max_steps=2, max_turn_tokens=320, max_episode_tokens=4000,
+                      max_observation_chars=40, stop_strings=("<stop>",), top_p=0.9, top_k=5)
+  dev = appworld.read_split(mini_root, "dev")
+  slow = appworld.scenario_id(dev[0])
+  agents, requests = [], []
+
+  class Recorded(expert.TextTurnsSession):
+    async def generate(self, request):
+      requests.append(request)
+      return await super().generate(request)
+
+  class PrintsFirst:
+    """Prints a long output, then plays the gold turns (after a second print in `slow`)."""
+
+    def __init__(self, agent):
+      agents.append(agent)
+
+    def session(self, context):
+      turns = expert_turns_for_task(mini_root, context.task_id,
+                                    {s.name: s.code for s in context.skills})
+      return Recorded([PRINT_LONG] * (2 if context.scenario == slow else 1) + turns, tok)
+
+  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
+                               temperatures=(0.3,), experiment_prefix="self_agent")
+  kept, stats = expert.self_distilled_trajectories(PrintsFirst, config, tok, pool, agent=agent)
+  sampled = dataclasses.replace(agent, temperature=0.3)
+  assert agents == [sampled]
+  assert {r.max_context for r in requests} == {agent.max_episode_tokens}
+  assert max(r.max_new_tokens for r in requests) <= agent.max_turn_tokens
+  assert max(r.turn_index for r in requests) == agent.max_steps - 1
+  assert sorted(stats.failed) == sorted(t for t in dev if appworld.scenario_id(t) == slow)
+  assert sorted(t.id for t in kept) == sorted(t for t in dev if appworld.scenario_id(t) != slow)
+  rl = _rl_messages(PrintsFirst(sampled), [t.id for t in kept], sampled, Retriever(), mini_root,
+                    tok, pool, "rl_self_agent")
+  for t in kept:
+    assert t.messages == rl[t.id]
+    assert t.messages[3]["role"] == "tool" and "more characters cut" in t.messages[3]["content"]
+
+
+def test_a_runs_sft_data_is_played_as_its_agent(mini_root, tmp_path):
+  """A run's agent alone decides the format of the SFT data its pipeline makes (no library
+  here: the plain code agent's), and its short turns leave the gold turns whole."""
+  from configs import sage as sage_configs  # noqa: PLC0415
+  from sage_jax import pipeline  # noqa: PLC0415
+
+  c = sage_configs.get_config("demo")
+  c.agent.update(use_library=False, max_turn_tokens=48)
+  c.retrieval.strategy = "none"
+  c.expert.update(splits=("dev",), rewrites=False)
+  c.pool.num_workers = 2
+  c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
+  workdir = tmp_path / "run"
+  pipeline.Pipeline(c, str(workdir)).close()  # a compact vocabulary is cut to the SFT data
+  trajectories = sft_data.read_jsonl(workdir / "expert_trajectories.jsonl")
+  assert sorted(t.id for t in trajectories) == sorted(appworld.read_split(mini_root, "dev"))
+  assert {t.messages[0]["content"] for t in trajectories} == {prompts.system_prompt(None)}
 
 
 def test_command_line_plays_the_gold_solutions_of_a_split(mini_root, tmp_path):

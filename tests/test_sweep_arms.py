@@ -85,7 +85,7 @@ def test_the_check_catches_arms_that_are_not_their_stage(monkeypatch):
   monkeypatch.chdir(REPO)
   baseline_from_sage = {"grpo.single_task": True, "grpo.chain_length": 1,
                         "agent.use_library": False, "retrieval.strategy": "none",
-                        "reward.variant": "outcome", "expert.use_library": False}
+                        "reward.variant": "outcome"}
   runs = sweep.expand({"config": "configs/sage.py:demo", "axes": [{
       "grpo": baseline_from_sage, "other_preset": {"config": "configs/grpo.py:qwen2.5-7b"},
       "sft": {"config": "configs/sft.py:demo"}}]}, "runs")

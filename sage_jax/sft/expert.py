@@ -20,6 +20,16 @@ come from the starting policy itself, rejection-sampled over temperatures: every
 played at `temperatures[0]`; the scenarios that yield no selected trajectory are played
 again at the next temperature, and so on (`self_distilled_trajectories`).
 
+Every play runs as the agent it is given, the skills each task sees picked by the retriever
+it is given; a run gives its own `agent` and `retrieval` (`Pipeline.expert_trajectories`),
+so the prompt SFT trains on is the one RL and evaluation show: the same format
+(`agent.use_library`), skills, and cuts of the listing and of execution outputs. Scripted
+plays (gold, replayed) keep budgets of at least `AgentConfig`'s defaults (`scripted_agent`):
+their turns are fixed, and a run's short turns would cut them to failures, leaving no SFT
+data. Self-distillation samples as the run's agent, budgets, stop strings, top_p and top_k
+included, at each try's temperature. The command plays as the default agent (`--use_library`
+aside) with the default retrieval (the skills of the task's scenario).
+
 Selection (`ExpertConfig.selection`): "scenario" (default, the paper's rule) keeps a
 scenario's trajectories only when its first `scenario_tasks` (2) tasks succeeded, so that
 every kept chain shows a skill written and then reused; "task" keeps every successful task.
@@ -64,27 +74,29 @@ SOURCES = ("gold", "self")
 class ExpertConfig:
   """appworld_root: the data root (None: the mini world, built on first use). splits: task
   splits whose gold solutions are played. num_workers: AppWorld worker processes.
-  use_library: the Skill Library Agent (False: the plain code agent). outputs_root: where
-  AppWorld writes episode outputs (None: a temporary directory). experiment_prefix: AppWorld
-  experiment names. selection: "scenario" (keep a scenario's successful tasks when its first
-  `scenario_tasks` tasks succeeded; the paper's rule) or "task" (every successful task).
-  source: "gold" (the gold solutions, scripted) or "self" (self-distillation: the starting
-  policy, rejection-sampled over `temperatures`, in order). rewrites: with gold, also keep
-  for every task after a chain's first one a second trajectory, in which the expert writes
-  the skill again although the library shown to it has it (id `<task id>:rewrite`): an
-  SFT policy that reuses skills only about half the time, the choice RL's skill reward
-  (and, through chains, its outcome) is about. firsts: with gold, also keep for every task
-  after a chain's first one a trajectory of it played first, with an empty library, so
-  writing the skill (id `<task id>:first`): RL's random chains (`rollout.chain_order`
-  "random") put any task of a scenario first, and a policy that saw a later task only calling
-  its skill calls it there too, undefined. seed: self-distillation's sampling seed (derived
-  from the run's seed); each temperature's plays draw their own seeds from it, so a
-  temperature listed twice is a second, different try."""
+  outputs_root: where AppWorld writes episode outputs (None: a temporary directory).
+  experiment_prefix: AppWorld experiment names. selection: "scenario" (keep a scenario's
+  successful tasks when its first `scenario_tasks` tasks succeeded; the paper's rule) or
+  "task" (every successful task). source: "gold" (the gold solutions, scripted) or "self"
+  (self-distillation: the starting policy, rejection-sampled over `temperatures`, in order).
+  rewrites: with gold, also keep for every task after a chain's first one a second
+  trajectory, in which the expert writes the skill again although the library shown to it has
+  it (id `<task id>:rewrite`): an SFT policy that reuses skills only about half the time, the
+  choice RL's skill reward (and, through chains, its outcome) is about. firsts: with gold,
+  also keep for every task after a chain's first one a trajectory of it played first, with an
+  empty library, so writing the skill (id `<task id>:first`): RL's random chains
+  (`rollout.chain_order` "random") put any task of a scenario first, and a policy that saw a
+  later task only calling its skill calls it there too, undefined. seed: self-distillation's
+  sampling seed (derived from the run's seed); each temperature's plays draw their own seeds
+  from it, so a temperature listed twice is a second, different try.
+
+  The agent the expert plays as is not set here: it is the run's `agent` section (whose
+  `use_library` decides the format of the SFT data as it does RL's), given to the functions
+  below with the run's retriever."""
 
   appworld_root: str | None = None
   splits: tuple[str, ...] = ("train",)
   num_workers: int = 2
-  use_library: bool = True
   outputs_root: str | None = None
   experiment_prefix: str = "expert"
   selection: str = "scenario"
@@ -169,21 +181,38 @@ def _chains(task_ids: Iterable[str]) -> list[rollout.Chain]:
   return rollout.scenario_chains(sorted(set(task_ids)))
 
 
+# The budgets a scripted play gets at least: those of AgentConfig's defaults.
+SCRIPTED_BUDGETS = ("max_steps", "max_turn_tokens", "max_episode_tokens")
+
+
+def scripted_agent(agent: AgentConfig) -> AgentConfig:
+  """The agent a scripted play (gold or replayed turns) runs as: `agent`, whose prompt SFT
+  trains on, with budgets of at least the defaults. Fixed turns are not sampled under a
+  budget: cut by a run's short turns (48 tokens in the tests), the gold plays would fail."""
+  defaults = AgentConfig()
+  return dataclasses.replace(agent, **{key: max(getattr(agent, key), getattr(defaults, key))
+                                       for key in SCRIPTED_BUDGETS})
+
+
 def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
          config: ExpertConfig, source: str, pool: appworld.EnvPool | None = None,
-         seed: int = 0) -> tuple[list[data_lib.Trajectory], ExpertStats]:
-  """Runs `policy` on the chains (one library per chain) in the real engine (`pool`, or a
+         seed: int = 0, agent: AgentConfig = AgentConfig(),
+         retriever: Retriever | None = None) -> tuple[list[data_lib.Trajectory], ExpertStats]:
+  """Runs `policy` as `agent` on the chains (one library per chain, the skills each task sees
+  picked by `retriever`, by default those of its scenario) in the real engine (`pool`, or a
   pool started for the call), sampling seeds from `seed`; returns the successful
-  trajectories that `config.selection` keeps, in chain order. With several processes, each
-  plays its share of the chains and every process returns them all."""
+  trajectories that `config.selection` keeps, in chain order. Given the run's agent and
+  retriever, the trajectories hold the prompts and observations its rollouts hold. With
+  several processes, each plays its share of the chains and every process returns them
+  all."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   if pool is None:
     pool_config = appworld.EnvPoolConfig(num_workers=config.num_workers, appworld_root=root,
                                          outputs_root=config.outputs_root, keep_outputs=False)
     with appworld.EnvPool(pool_config) as started:
-      return play(policy, chains, tokenizer, config, source, started, seed)
-  agent = AgentConfig(use_library=config.use_library)
-  ctx = rollout.RolloutContext(policy, pool, tokenizer, agent, Retriever(), root)
+      return play(policy, chains, tokenizer, config, source, started, seed, agent, retriever)
+  ctx = rollout.RolloutContext(policy, pool, tokenizer, agent,
+                               Retriever() if retriever is None else retriever, root)
   rollout_config = rollout.RolloutConfig(group_size=1,
                                          chain_length=max(len(c.task_ids) for c in chains),
                                          experiment_prefix=config.experiment_prefix,
@@ -216,20 +245,25 @@ def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
 
 
 def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
-                      pool: appworld.EnvPool | None = None
+                      pool: appworld.EnvPool | None = None, agent: AgentConfig = AgentConfig(),
+                      retriever: Retriever | None = None
                       ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
-  """The split's gold solutions in the skill format, executed; successes only."""
+  """The split's gold solutions, executed as `scripted_agent(agent)` (in the skill format
+  when `agent.use_library`), skills picked by `retriever`; successes only."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
   chains = _chains(t for split in config.splits for t in appworld.read_split(root, split))
-  out, stats = play(ScriptedPolicy(root, tokenizer), chains, tokenizer, config, "gold", pool)
-  if not config.use_library:
+  scripted = scripted_agent(agent)
+  out, stats = play(ScriptedPolicy(root, tokenizer), chains, tokenizer, config, "gold", pool,
+                    agent=scripted, retriever=retriever)
+  if not agent.use_library:
     return out, stats
   later = [t for chain in chains for t in chain.task_ids[1:]]
   if config.rewrites:
     again = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_rewrite")
     rewritten, rewrite_stats = play(ScriptedPolicy(root, tokenizer, rewrite=True), chains,
-                                    tokenizer, again, "gold_rewrite", pool)
+                                    tokenizer, again, "gold_rewrite", pool, agent=scripted,
+                                    retriever=retriever)
     out += [dataclasses.replace(t, id=f"{t.id}{REWRITE_SUFFIX}") for t in rewritten
             if t.metadata["chain_position"] > 0]
     stats.rewrites_failed = _failed(rewrite_stats, later)
@@ -237,7 +271,7 @@ def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
     alone = [rollout.Chain(appworld.scenario_id(t), (t,)) for t in later]
     again = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_first")
     played, first_stats = play(ScriptedPolicy(root, tokenizer), alone, tokenizer, again,
-                               "gold_first", pool)
+                               "gold_first", pool, agent=scripted, retriever=retriever)
     out += [dataclasses.replace(t, id=f"{t.id}{FIRST_SUFFIX}") for t in played]
     stats.firsts_failed = _failed(first_stats, later)
   stats.kept = len(out)
@@ -250,13 +284,16 @@ def _failed(stats: ExpertStats, task_ids: Sequence[str]) -> list[str]:
   return [t for t in task_ids if t in lost]
 
 
-def self_distilled_trajectories(policy_at: Callable[[float], Any], config: ExpertConfig,
-                                tokenizer: Tokenizer, pool: appworld.EnvPool | None = None
+def self_distilled_trajectories(policy_at: Callable[[AgentConfig], Any], config: ExpertConfig,
+                                tokenizer: Tokenizer, pool: appworld.EnvPool | None = None,
+                                agent: AgentConfig = AgentConfig(),
+                                retriever: Retriever | None = None
                                 ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
-  """Rejection sampling from the starting policy (`policy_at(temperature)`): the split's
-  scenarios are played at each of `config.temperatures` in turn, each scenario until a play
-  of it yields selected trajectories, which are kept (source "self@<temperature>"). The
-  stats count every play."""
+  """Rejection sampling from the starting policy (`policy_at(agent)`: it sampling as
+  `agent`): the split's scenarios are played at each of `config.temperatures` in turn, as
+  `agent` at that temperature (its budgets, stop strings, top_p and top_k are the run's),
+  each scenario until a play of it yields selected trajectories, which are kept (source
+  "self@<temperature>"). The stats count every play."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
   remaining = [t for split in config.splits for t in appworld.read_split(root, split)]
@@ -265,8 +302,10 @@ def self_distilled_trajectories(policy_at: Callable[[float], Any], config: Exper
     if not remaining:
       break
     attempt = dataclasses.replace(config, experiment_prefix=f"{config.experiment_prefix}_t{i}")
-    kept, stats = play(policy_at(temperature), _chains(remaining), tokenizer, attempt,
-                       f"self@{temperature:g}", pool, step_seed(config.seed, i))
+    sampled = dataclasses.replace(agent, temperature=temperature)
+    kept, stats = play(policy_at(sampled), _chains(remaining), tokenizer, attempt,
+                       f"self@{temperature:g}", pool, step_seed(config.seed, i), sampled,
+                       retriever)
     for field in dataclasses.fields(ExpertStats):
       setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
     accepted = {appworld.scenario_id(task_id_of(t)) for t in kept}
@@ -277,16 +316,20 @@ def self_distilled_trajectories(policy_at: Callable[[float], Any], config: Exper
 
 def replayed_trajectories(trajectories: Sequence[data_lib.Trajectory], config: ExpertConfig,
                           tokenizer: Tokenizer, source: str = "input",
-                          pool: appworld.EnvPool | None = None
+                          pool: appworld.EnvPool | None = None,
+                          agent: AgentConfig = AgentConfig(),
+                          retriever: Retriever | None = None
                           ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
-  """Trajectories collected elsewhere, replayed against the engine; successes only."""
+  """Trajectories collected elsewhere, replayed against the engine as
+  `scripted_agent(agent)`, skills picked by `retriever`; successes only."""
   turns: dict[str, list[str]] = {}
   for t in trajectories:
     tid = task_id_of(t)
     if tid in turns:
       raise data_lib.FormatError(f"two input trajectories for task {tid!r}")
     turns[tid] = [m["content"] for m in t.messages if m["role"] == "assistant"]
-  return play(ReplayPolicy(turns, tokenizer), _chains(turns), tokenizer, config, source, pool)
+  return play(ReplayPolicy(turns, tokenizer), _chains(turns), tokenizer, config, source, pool,
+              agent=scripted_agent(agent), retriever=retriever)
 
 
 def _define_flags() -> None:
@@ -299,7 +342,8 @@ def _define_flags() -> None:
   flags.DEFINE_bool("verify", True, "Replay --input trajectories against the engine (else "
                     "only validate and copy them).")
   flags.DEFINE_integer("num_workers", 2, "AppWorld worker processes.")
-  flags.DEFINE_bool("use_library", True, "Skill Library Agent (else the plain code agent).")
+  flags.DEFINE_bool("use_library", True, "Skill Library Agent (else the plain code agent); "
+                    "the other agent and retrieval settings are the defaults.")
   flags.DEFINE_enum("selection", "scenario", list(SELECTIONS),
                     "scenario: keep a scenario when its first two tasks succeeded (the "
                     "paper's rule); task: keep every successful task.")
@@ -316,18 +360,20 @@ def main(argv) -> None:
   logging.getLogger("httpx").setLevel(logging.WARNING)
   tokenizer = Tokenizer()
   config = ExpertConfig(appworld_root=f.appworld_root, splits=tuple(f.splits),
-                        num_workers=f.num_workers, use_library=f.use_library,
-                        selection=f.selection, rewrites=f.rewrites, firsts=f.firsts)
+                        num_workers=f.num_workers, selection=f.selection, rewrites=f.rewrites,
+                        firsts=f.firsts)
+  agent = AgentConfig(use_library=f.use_library)
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
   if f.gold:
-    trajectories, stats = gold_trajectories(config, tokenizer)
+    trajectories, stats = gold_trajectories(config, tokenizer, agent=agent)
     kept += trajectories
     report["gold"] = dataclasses.asdict(stats)
   for path in f.input:
     given = data_lib.read_jsonl(path)
     if f.verify:
-      trajectories, stats = replayed_trajectories(given, config, tokenizer, source=path)
+      trajectories, stats = replayed_trajectories(given, config, tokenizer, source=path,
+                                                  agent=agent)
       report[path] = dataclasses.asdict(stats)
     else:
       for t in given:
