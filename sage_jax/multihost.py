@@ -7,9 +7,10 @@ AppWorld timing never make processes wait for each other; the cross-process step
 (0) at startup, connecting the device groups (`initialize`, `connect`), (1) the weight sync
 after an update (`WeightSync`), (2) the global train batch (`make_global`, with the layout
 agreed through `allgather`), (3) gathers of episode metrics and evaluation records
-(`allgather_objects`), (4) the stop decision after each step (`any_process`), and (5) at the
-end, leaving the run together (`finish`). Each is a collective: every process calls it, in the
-same order.
+(`allgather_objects`), (4) the stop decision after each step (`any_process`), (5) at a
+resume, the checkpoint step and whether a damaged one is moved aside (`from_lead`), and (6) at
+the end, leaving the run together (`finish`). Each is a collective: every process calls it, in
+the same order.
 
 With one process every function here is the identity or a local device-to-device copy, so
 single-host runs pay nothing.
@@ -28,7 +29,7 @@ import math
 import os
 import pickle
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +175,13 @@ def allgather_objects(value: Any) -> list[Any]:
   padded[:data.size] = data
   gathered = allgather(padded)
   return [pickle.loads(gathered[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
+
+
+def from_lead(compute: Callable[[], Any]) -> Any:
+  """`compute()`, run on process 0 alone, returned on every process: a decision that all must
+  take alike (which checkpoint step to resume from). A collective, so also a barrier: no
+  process returns before process 0 has computed it."""
+  return allgather_objects(compute() if is_lead() else None)[0]
 
 
 def connect(mesh: Mesh) -> None:

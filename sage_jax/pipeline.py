@@ -30,7 +30,10 @@ settings have changed since (a rerun with more steps evaluates the new last step
 may change how long and how the run goes (steps, layout, evaluation;
 `run_config.RESUMABLE_KEYS`), not the experiment its checkpoints belong to: that fails,
 naming the keys changed. More SFT steps
-continue a finished SFT stage, until RL has trained from its result. A workdir that holds a
+continue a finished SFT stage, until RL has trained from its result. Once RL has saved, a
+resumed run reads SFT's last checkpoint only as KL's reference (grpo.kl_coef > 0) or for an
+evaluation or export of SFT's result not made yet: without KL, SFT's checkpoints may be
+removed to free disk. A workdir that holds a
 run refuses `checkpoint.resume=False` (a new run there would mix with the old one's files).
 
   python -m sage_jax.pipeline --config=configs/sage.py:<preset> --workdir=DIR
@@ -161,6 +164,8 @@ class Pipeline:
     self.eval_policy = rollout.SamplerPolicy(self.driver, self.run.eval.agent(self.run.agent))
     # The checkpoint (stage, step) whose weights the model holds; None: the starting weights.
     self.weights_from: dict | None = None
+    # Whether those are SFT's adopted params, not read yet (`read_sft_result`).
+    self.sft_result_unread = False
 
   def close(self) -> None:
     self.driver.close()
@@ -182,10 +187,9 @@ class Pipeline:
     an `sft.total_steps` raised since (an epoch-counted SFT, total_steps 0, has its own end).
     Refuses a rerun whose SFT stage would change the model that RL already trained from (SFT
     added to a run whose RL started without it, or total_steps changed since)."""
-    sft, rl = self.saved_steps("sft"), self.saved_steps("rl")
-    finished = sft[-1] if sft and storage.read_json(self.sft_marker) is not None else None
     if "sft" not in self.run.pipeline.stages:
       return False
+    rl, finished = self.saved_steps("rl"), self.sft_result_step()
     if rl and finished is None:
       raise run_config.ConfigError(
           f"--workdir {workdir} holds RL checkpoints (steps {rl}) of a run that did not start "
@@ -205,8 +209,25 @@ class Pipeline:
 
   @property
   def sft_marker(self):
-    """Written when the SFT stage has finished."""
+    """Written when the SFT stage has finished, with the step it finished at."""
     return self.workdir / "sft" / "done.json"
+
+  def sft_result_step(self) -> int | None:
+    """The step the finished SFT stage ended at (None while it has not finished): as its
+    marker records it, since its checkpoints may have been removed to free disk once RL had
+    saved; its last checkpoint for a marker that does not record it."""
+    marker = storage.read_json(self.sft_marker)
+    if marker is None:
+      return None
+    if "step" in marker:
+      return marker["step"]
+    sft = self.saved_steps("sft")
+    if not sft:
+      raise FileNotFoundError(
+          f"{self.sft_marker} records that SFT finished, not at which step, and its "
+          f"checkpoints ({self.workdir / run_checkpoint.STAGE_DIRS['sft']}) are gone: put "
+          "them back, or use a new --workdir")
+    return sft[-1]
 
   # --- Stages -------------------------------------------------------------------------------
 
@@ -224,6 +245,7 @@ class Pipeline:
                        "split": split, "max_scenarios": scenarios}}
     report = storage.read_json(out / f"eval_{split}.json")
     if not reusable(report, config, self.weights_from):
+      self.read_sft_result(f"the model that {name} evaluates")
       report = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
                                engine=self.engine, tokenizer=self.tokenizer,
                                checkpoint=self.weights_from)
@@ -313,25 +335,42 @@ class Pipeline:
     return result
 
   def adopt_sft_result(self) -> None:
-    """Makes the finished SFT stage's last params the model's (a run resumed after SFT).
-    Only the params are read: SFT's optimiser state, twice the params under Adam, stays on
-    disk."""
-    checkpointer = self._sft_checkpointer()
+    """Takes the finished SFT stage's result as the model (a run resumed after SFT), its
+    params read when first used (`read_sft_result`): a resumed RL stage restores its own
+    checkpoint over them, so it reads none (minutes for a large model) unless KL's reference
+    is SFT's result, and runs on when SFT's checkpoints were removed to free disk."""
+    self._trained("sft", self.sft_result_step())
+    self.sft_result_unread = True
+
+  def read_sft_result(self, use: str) -> None:
+    """Reads the adopted SFT params into the model and the sampler, unless they are there;
+    `use` names what needs them, for the error when they are gone. Only the params are read:
+    SFT's optimiser state, twice the params under Adam, stays on disk."""
+    if not self.sft_result_unread:
+      return
+    step = self.weights_from["step"]
+    directory = self.workdir / run_checkpoint.STAGE_DIRS["sft"]
+    if step not in self.saved_steps("sft"):
+      raise FileNotFoundError(
+          f"{directory}: this run needs SFT's result (step {step}) as {use}, and that "
+          "checkpoint is gone (RL's checkpoints hold only the params RL trains). Put it back, "
+          "or use a new --workdir")
+    reader = Checkpointer(CheckpointConfig(directory=os.fspath(directory), read_only=True))
     try:
-      step = checkpointer.latest_step()
-      params = checkpointer.restore_params(abstract_like(nnx.state(self.model)), step)
+      params = reader.restore_params(abstract_like(nnx.state(self.model)), step)
     finally:
-      checkpointer.close()
+      reader.close()
     nnx.update(self.model, params)
     self.sync_sampler(params)
-    self._trained("sft", step)
+    self.sft_result_unread = False
 
   def _trained(self, stage: str, step: int) -> None:
     """Records that the model holds `stage`'s checkpoint `step` (step 0: nothing trained)."""
     if step:
       self.weights_from = {"run": os.fspath(self.workdir), "stage": stage, "step": step}
+      self.sft_result_unread = False
 
-  def _sft_checkpointer(self, run_config: Any = None) -> Checkpointer:
+  def _sft_checkpointer(self, run_config: Any) -> Checkpointer:
     """SFT's checkpoints, <workdir>/sft/checkpoints (the last ones: no dev metric ranks them),
     every `sft.save_every` steps."""
     directory = self.workdir / run_checkpoint.STAGE_DIRS["sft"]
@@ -342,6 +381,13 @@ class Pipeline:
 
   def rl(self) -> LoopResult:
     run = self.run
+    # KL's reference is the model RL starts from (the SFT result, also on a resumed run). A
+    # resumed RL stage without KL needs nothing of it: its own checkpoint is restored over
+    # the trainer's params.
+    if run.grpo.use_kl:
+      self.read_sft_result("KL's reference (grpo.kl_coef > 0)")
+    elif not self.saved_steps("rl"):
+      self.read_sft_result("the model RL starts from")
     trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
                                    mesh=self.mesh)
     task_ids = self.train_task_ids()
@@ -360,8 +406,7 @@ class Pipeline:
         run.checkpoint, directory=os.fspath(self.workdir / run_checkpoint.STAGE_DIRS["rl"]),
         keep_best=run.checkpoint.keep_best if run.rl.eval_every else 0),
         run_config=self.config_dict)
-    # KL's reference is the model RL starts from (the SFT result, also on a resumed run),
-    # frozen and sharded like the parameters; nothing is kept when KL is off.
+    # KL's reference, frozen and sharded like the parameters; nothing is kept when KL is off.
     reference = rl_loop.frozen_copy(trainer.params) if run.grpo.use_kl else None
     try:
       result = rl_loop.run_rl(
@@ -383,6 +428,7 @@ class Pipeline:
     self.engine.update_params(copy)
 
   def export(self) -> str:
+    self.read_sft_result("the model exported")
     out = os.fspath(self.workdir / "hf")
     export.write_model(self.model, out, compact_tokenizer.run_tokenizer_dir(
         self.workdir, self.run.model.vocabulary), base_model=self.run.model.spec)
@@ -428,8 +474,8 @@ def run(config: Any, workdir: str) -> dict:
       result = pipe.sft()
       if result.preempted:
         return {**summary, "preempted": "sft", "stop_signal": result.stop_signal}
-      _write_json(pipe.sft_marker, {"finished": time.time()})
-    elif "sft" in p.stages:  # resumed after SFT: its last params are the starting point
+      _write_json(pipe.sft_marker, {"finished": time.time(), "step": result.end_step})
+    elif "sft" in p.stages:  # resumed after SFT: its result is the starting point
       pipe.adopt_sft_result()
     if p.eval_train and "sft" in p.stages and "rl" in p.stages:  # what RL starts from
       summary["train_after_sft"] = pipe.evaluate("eval_after_sft", training_scenarios=True)

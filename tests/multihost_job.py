@@ -1,14 +1,14 @@
 """A small GRPO job that tests run as one or several JAX processes (launch/local.py).
 
   python tests/multihost_job.py --out=DIR [--steps=N] [--step_sleep_s=S] [--ckpt=DIR]
-      [--late_start_s=S]
+      [--save_every=N] [--slow_move_s=S] [--late_start_s=S]
 
 A tiny Qwen2 (vocabulary 256) on a global (fsdp) mesh over every process's devices; each step
 draws a fixed global batch of synthetic episodes from (seed, step), every process packs its
 own share (at step 1 process 0 holds all of it), and the GRPO update runs on the global batch; then the weights are synced into
-each process's sampling copy. Process 0 writes DIR/result.json (the loop's steps, the loss
-per step) and DIR/params.npz (the final parameters, gathered); every process writes
-DIR/copy_<i>.json, the fingerprint of its sampling copy after each step.
+each process's sampling copy. Process 0 writes DIR/result.json (the loop's steps, every
+process's start step, the loss per step) and DIR/params.npz (the final parameters, gathered);
+every process writes DIR/copy_<i>.json, the fingerprint of its sampling copy after each step.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _STEPS = flags.DEFINE_integer("steps", 1, "Loop steps.")
 _SLEEP = flags.DEFINE_float("step_sleep_s", 0.0, "Seconds each step sleeps (a slow rollout).")
 _CKPT = flags.DEFINE_string("ckpt", "", "Checkpoint directory (resumes from it).")
+_SAVE_EVERY = flags.DEFINE_integer("save_every", 1000, "Checkpoint every this many steps (and "
+                                   "at the last).")
+_SLOW_MOVE = flags.DEFINE_float("slow_move_s", 0.0,
+                                "Seconds process 0 takes to move a damaged checkpoint step "
+                                "aside (as a copy on an object store does).")
 _LATE = flags.DEFINE_float("late_start_s", 0.0,
                            "Seconds the last process waits before building its model (a host "
                            "whose setup is slower than the others').")
@@ -50,6 +55,23 @@ def episodes(step: int):
   return out
 
 
+def slow_move_aside(seconds: float) -> None:
+  """Renames into a checkpoint directory's damaged/ take `seconds` longer."""
+  from etils import epath  # noqa: PLC0415
+
+  from sage_jax.train import checkpoint  # noqa: PLC0415
+
+  local = type(epath.Path("/"))
+  rename = local.rename
+
+  def slow_rename(self, target):
+    if f"/{checkpoint.DAMAGED_DIR}/" in os.fspath(target):
+      time.sleep(seconds)
+    return rename(self, target)
+
+  local.rename = slow_rename
+
+
 def main(argv):
   del argv
   multihost.initialize()
@@ -69,6 +91,8 @@ def main(argv):
   from sage_jax.train.optimizer import OptimizerConfig  # noqa: PLC0415
 
   os.makedirs(_OUT.value, exist_ok=True)
+  if _SLOW_MOVE.value and multihost.is_lead():
+    slow_move_aside(_SLOW_MOVE.value)
   mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
   multihost.connect(mesh)
   if jax.process_index() == jax.process_count() - 1:
@@ -99,7 +123,8 @@ def main(argv):
     return rl_loop.grpo_update(trainer, mine, grpo.GRPOConfig(), batch_config)
 
   checkpointer = (checkpoint.Checkpointer(checkpoint.CheckpointConfig(
-      directory=_CKPT.value, save_every=1000, keep_last=5, keep_best=0, async_save=False))
+      directory=_CKPT.value, save_every=_SAVE_EVERY.value, keep_last=5, keep_best=0,
+      async_save=False))
       if _CKPT.value else None)
   result = run_steps(trainer, one_step, total_steps=_STEPS.value, sync_params=sync_params,
                      checkpointer=checkpointer,
@@ -107,6 +132,7 @@ def main(argv):
                                            tensorboard=False))
   if checkpointer is not None:
     checkpointer.close()
+  start_steps = multihost.allgather_objects(result.start_step)
   with open(os.path.join(_OUT.value, f"copy_{jax.process_index()}.json"), "w") as f:
     json.dump(fingerprints, f)
   flat = {"/".join(str(k) for k in path): np.asarray(
@@ -115,7 +141,8 @@ def main(argv):
   if multihost.is_lead():
     np.savez(os.path.join(_OUT.value, "params.npz"), **flat)
     with open(os.path.join(_OUT.value, "result.json"), "w") as f:
-      json.dump({"start_step": result.start_step, "end_step": result.end_step,
+      json.dump({"start_step": result.start_step, "start_steps": start_steps,
+                 "end_step": result.end_step,
                  "preempted": result.preempted,
                  "loss": [h.get("loss") for h in result.history],
                  "processes": jax.process_count(), "devices": jax.device_count()}, f)

@@ -8,6 +8,7 @@ demo pipeline test runs SFT, SAGE, checkpoints, dev evaluation and export as 2 p
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def _launch(num_processes, devices, out, *args, wait=True):
     return proc
   output, _ = proc.communicate(timeout=900)
   assert proc.returncode == 0, _failure(output)
-  return _result(out)
+  return {**_result(out), "output": output}
 
 
 def _result(out):
@@ -153,6 +154,53 @@ def test_a_signal_stops_every_process_after_one_step_and_resume_changes_process_
   resumed = _launch(*then, str(tmp_path / "then"), f"--steps={STEPS}", f"--ckpt={ckpt}")
   assert (resumed["start_step"], resumed["end_step"], resumed["preempted"]) == (
       stopped["end_step"], STEPS, False)
+  _assert_same_params(resumed["params"], one_process["params"])
+
+
+@pytest.fixture(scope="module")
+def two_saved_steps(tmp_path_factory):
+  """The checkpoint directory of a 2-process run that saved steps 1 and 2."""
+  out = tmp_path_factory.mktemp("saved")
+  _launch(2, 2, str(out / "run"), "--steps=2", "--save_every=1", f"--ckpt={out / 'ckpt'}")
+  return out / "ckpt"
+
+
+def _truncate_largest(files):
+  largest = max(files, key=lambda p: p.stat().st_size)
+  os.truncate(largest, largest.stat().st_size // 2)
+
+
+def _truncated_as_recorded(step_dir):
+  """A data file cut short: every process's check against files.json finds it. Returns
+  what process 0 reports."""
+  _truncate_largest(p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d")
+  return "(truncated)"
+
+
+def _unrecorded_and_read_by_process_1_only(step_dir):
+  """A data file of process 1's shards cut short, in a step without files.json (a process
+  killed before writing it): only process 1's read fails. Returns what process 0 reports."""
+  (step_dir / "files.json").unlink()
+  _truncate_largest(p for p in (step_dir / "state" / "ocdbt.process_1").rglob("*")
+                    if p.is_file() and p.parent.name == "d")
+  return "(read by process 1)"
+
+
+@pytest.mark.parametrize("damage", [_truncated_as_recorded, _unrecorded_and_read_by_process_1_only])
+def test_every_process_falls_back_from_a_damaged_step_to_the_same_step(
+    damage, two_saved_steps, one_process, tmp_path):
+  """Step 2 damaged: both processes resume from step 1, whichever of them failed to read
+  step 2, and list the steps again only once process 0 has moved it aside (slowly, as a copy
+  on an object store), so that both save the new step 2."""
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(two_saved_steps, ckpt)
+  reported = damage(ckpt / "2")
+  resumed = _launch(2, 2, str(tmp_path / "run"), f"--steps={STEPS}", "--save_every=1",
+                    f"--ckpt={ckpt}", "--slow_move_s=5")
+  assert f"{reported}; moved to {ckpt}/damaged/2; resuming from step 1" in resumed["output"]
+  assert (resumed["start_steps"], resumed["end_step"]) == ([1, 1], STEPS)
+  assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == list(range(1, STEPS + 1))
+  assert os.listdir(ckpt / "damaged") == ["2"]
   _assert_same_params(resumed["params"], one_process["params"])
 
 

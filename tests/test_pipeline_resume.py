@@ -6,6 +6,8 @@ RL's own for the whole run, which put the real 0.5B's SAGE stage over a 24 GB ma
 import gc
 import json
 import os
+import re
+import shutil
 import sys
 
 import jax
@@ -49,8 +51,10 @@ def test_resuming_after_sft_keeps_only_its_params(tmp_path, demo_expert_file):  
     leaves = lambda: jax.tree.leaves(nnx.state(pipe.model, nnx.Param))
     param_bytes = sum(x.nbytes for x in leaves())
     initial = np.asarray(leaves()[0])
+    pipe.adopt_sft_result()  # read when first used
+    assert np.array_equal(initial, np.asarray(leaves()[0]))
     before = _live_bytes()
-    pipe.adopt_sft_result()
+    pipe.read_sft_result("an evaluation")
     after = _live_bytes()
     # The model holds SFT's params now (and the sampler its copy of them) ...
     assert not np.array_equal(initial, np.asarray(leaves()[0]))
@@ -97,6 +101,53 @@ def test_more_sft_steps_continue_sft_until_rl_has_trained_from_it(tmp_path, demo
     assert not pipe.sft_pending
   finally:
     pipe.close()
+
+
+def _rl_resumed_without_sft_checkpoints(workdir, expert_file, kl_coef):
+  """A run whose RL stage saved step 1 after SFT, SFT's checkpoints then removed (to free
+  disk, as is common for a large model), and its config for 2 RL steps."""
+  c = sage_configs.get_config("demo")
+  c.pipeline.update(stages=("sft", "rl"), eval_before=False, eval_after=False, eval_train=False,
+                    export=False, plot=False, expert_trajectories=expert_file,
+                    chains_per_step=1, train_scenarios=1)
+  c.sft.total_steps = 1
+  c.grpo.update(group_size=2, kl_coef=kl_coef)
+  c.agent.update(max_turn_tokens=16)
+  c.rl.total_steps = 1
+  c.pool.num_workers = 2
+  c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
+  pipeline.run(c, str(workdir))
+  shutil.rmtree(workdir / "sft" / "checkpoints")
+  c.rl.total_steps = 2
+  return c
+
+
+def _rl_steps(workdir):
+  return sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+
+
+def test_a_resumed_rl_stage_without_kl_needs_no_sft_checkpoint(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """RL resumed from its own checkpoint with KL off uses nothing of SFT's params: they are
+  not read (minutes for a large model), and their removal does not stop the run."""
+  workdir = tmp_path / "run"
+  c = _rl_resumed_without_sft_checkpoints(workdir, demo_expert_file, kl_coef=0.0)
+  summary = pipeline.run(c, str(workdir))
+  assert "preempted" not in summary and _rl_steps(workdir) == [1, 2]
+  assert not (workdir / "sft" / "checkpoints").exists()
+
+
+def test_a_resumed_rl_stage_with_kl_names_the_missing_sft_checkpoint(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """KL's reference is SFT's result, which RL's checkpoints do not hold: the rerun fails,
+  naming the directory and the KL reference, before RL touches its checkpoints."""
+  workdir = tmp_path / "run"
+  c = _rl_resumed_without_sft_checkpoints(workdir, demo_expert_file, kl_coef=0.05)
+  logged = (workdir / "metrics.jsonl").read_text()
+  missing = re.escape(f"{workdir}/sft/checkpoints")
+  with pytest.raises(FileNotFoundError, match=rf"{missing}: .*step 1.*KL's reference"):
+    pipeline.run(c, str(workdir))
+  assert _rl_steps(workdir) == [1] and (workdir / "metrics.jsonl").read_text() == logged
 
 
 def test_an_evaluation_is_reused_only_for_its_checkpoint_and_settings():

@@ -8,10 +8,12 @@ import weakref
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 from sage_jax import sharding as shd
+from sage_jax import storage
 from sage_jax.model import get_preset, init_model
 from sage_jax.rl import grpo
 from sage_jax.train import checkpoint as ckpt
@@ -20,6 +22,7 @@ from sage_jax.train import metrics as metrics_lib
 from sage_jax.train import state as state_lib
 from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.step import Trainer
+from tests import fake_gcs
 
 CFG = get_preset("tiny").replace(vocab_size=64)
 
@@ -230,7 +233,7 @@ def _tensorboard_events(path):
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-def test_when_no_step_reads_nothing_is_moved(tmp_path, trainer, capfd):
+def test_when_no_step_reads_nothing_is_moved(tmp_path, trainer, capfd, monkeypatch):
   directory = tmp_path / "ck"
   saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), async_save=False))
   for step in (1, 2):
@@ -244,13 +247,36 @@ def test_when_no_step_reads_nothing_is_moved(tmp_path, trainer, capfd):
   with pytest.raises(ckpt.CheckpointError, match="checkpoint step 2 cannot be read"):
     saver.restore_newest_intact(other.abstract_state())
   outage = OSError("503 Service Unavailable")
-  saver._manager.restore = lambda *args, **kwargs: (_ for _ in ()).throw(outage)  # noqa: SLF001
+  monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore",
+                      lambda *args, **kwargs: (_ for _ in ()).throw(outage))
   with pytest.raises(ckpt.CheckpointError, match="checkpoint step 2 cannot be read.*503"):
     saver.restore_newest_intact(trainer.abstract_state())
   assert saver.all_steps() == [1, 2] and not (directory / ckpt.DAMAGED_DIR).exists()
   saver.close()
   gc.collect()  # orbax's abandoned reads report themselves when collected: not a word
   assert "never" not in capfd.readouterr().err
+
+
+def test_a_damaged_step_on_gcs_is_copied_aside_and_its_number_saved_again(gcs_url, trainer):
+  """An object store has no directories to rename: a damaged step is copied aside whole, then
+  leaves the listing, so that a new save of its number is not skipped."""
+  fake_gcs.create_bucket(gcs_url, "damaged-steps")
+  directory = storage.path("gs://damaged-steps/ck")
+  config = ckpt.CheckpointConfig(directory=os.fspath(directory), keep_best=0, async_save=False)
+  saver = ckpt.Checkpointer(config)
+  for step in (1, 2):
+    saver.save(step, trainer.state, meta={"step": step})
+  saver.close()
+  written = storage.file_sizes(directory / "2")
+  lost = next(name for name in written if "/d/" in name)
+  (directory / "2" / lost).unlink()
+  saver = ckpt.Checkpointer(config)
+  _, meta = saver.restore_newest_intact(trainer.abstract_state())
+  assert meta["step"] == 1 and saver.all_steps() == [1]
+  moved = storage.file_sizes(directory / ckpt.DAMAGED_DIR / "2")
+  assert moved == {name: size for name, size in written.items() if name != lost}
+  assert saver.save(2, trainer.state, meta={"step": 2})
+  saver.close()
 
 
 def test_resume_never_holds_two_train_states(tmp_path, trainer):

@@ -18,6 +18,12 @@ step that fails to read anyway is reported the same way. `restore_newest_intact`
 damaged step aside to `damaged/<step>` (never deletes it) and falls back to the newest step
 that reads.
 
+With several processes each reads its own part of a step, so a damaged file may fail one
+process's read and not another's: the processes agree after each read (a failure on any is a
+failure on all), take process 0's listing of the steps and its word on whether a step was
+written whole, and list the steps again only once process 0 has moved the damaged ones aside.
+Every process thus resumes from the same step, and later saves see the same steps.
+
 The directory may be local or remote (`gs://...`: orbax writes the arrays through
 tensorstore, the JSON files here go through `sage_jax.storage`). There a finished step is
 marked by orbax's commit file instead of a rename, and a damaged step is moved aside by copy.
@@ -43,7 +49,7 @@ from etils import epath
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
-from sage_jax import storage
+from sage_jax import multihost, storage
 from sage_jax.train.state import TrainState
 
 CONFIG_FILE = "config.json"
@@ -147,6 +153,17 @@ def _quiet_orbax_leftovers() -> None:
 
   hook.drops_orbax_leftovers = True
   sys.unraisablehook = hook
+
+
+def _read_item(handler: ocp.CheckpointHandler, directory: epath.Path,
+               args: ocp.args.CheckpointArgs) -> Any:
+  """One item of a step, read by this process alone. Not through orbax's Checkpointer, whose
+  restore ends in a barrier of every process: a process whose read failed would never reach
+  it, and the others would wait there, or pass it with a later read of another step."""
+  try:
+    return handler.restore(directory, args=args)
+  finally:
+    handler.close()
 
 
 class Checkpointer:
@@ -276,59 +293,73 @@ class Checkpointer:
               ) -> tuple[TrainState, dict]:
     """Restores checkpoint `step` (default the latest) into the shapes, dtypes and shardings
     of `abstract_state` (e.g. `Trainer.abstract_state()`); returns (state, meta)."""
-    step = self._readable_step(step)
-    restored = self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())))
-    return restored.state, dict(restored.meta)
+    step = self._known_step(step)
+    return self._read(step, lambda root: (
+        _read_item(ocp.StandardCheckpointHandler(), root / "state",
+                   ocp.args.StandardRestore(abstract_state)),
+        dict(_read_item(ocp.JsonCheckpointHandler(), root / "meta", ocp.args.JsonRestore()))))
 
   def restore_params(self, abstract_params: Any, step: int | None = None) -> Any:
     """Only the parameters of checkpoint `step` (default the latest), in the shapes, dtypes
     and shardings of `abstract_params`: the optimiser state is not read (a finished stage's
     model taken up by the next one)."""
-    step = self._readable_step(step)
+    step = self._known_step(step)
     item = {"params": abstract_params}
     args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
                                   restore_args=ocp.checkpoint_utils.construct_restore_args(item))
-    reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-    try:
-      return self._read(step, lambda: reader.restore(self.step_directory(step) / "state",
-                                                     args=args))["params"]
-    finally:
-      reader.close()
+    return self._read(step, lambda root: _read_item(ocp.PyTreeCheckpointHandler(),
+                                                    root / "state", args))["params"]
 
-  def _readable_step(self, step: int | None) -> int:
+  def _known_step(self, step: int | None) -> int:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    self.check_step(step)
     return step
 
-  def _read(self, step: int, read: Callable[[], Any]) -> Any:
+  def _read(self, step: int, read: Callable[[epath.Path], Any]) -> Any:
+    """`read(step directory)` after `check_step`, by every process; then the processes agree:
+    a problem on any one is raised on all (CheckpointError), so that they fall back to another
+    step, or fail, together."""
     _quiet_orbax_leftovers()
+    root, value, error = self.step_directory(step), None, None
     try:
-      return read()
+      self.check_step(step)
+      value = read(root)
+    except CheckpointError as e:
+      error = e
     except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
       first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      raise CheckpointError(step, str(self.step_directory(step)), first_line[:500]) from e
+      error = CheckpointError(step, str(root), first_line[:500])
+      error.__cause__ = e
+    problems = multihost.allgather_objects(None if error is None else (error.path, error.problem))
+    if error is not None:
+      raise error
+    for process, problem in enumerate(problems):
+      if problem is not None:
+        path, text = problem
+        raise CheckpointError(step, path, f"{text} (read by process {process})")
+    return value
 
   def restore_newest_intact(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
     """Restores the newest step that reads; the damaged newer ones are then moved to
     damaged/<step> and the fallback is logged in one line. A step whose files are all there
     as they were written (its files.json says so) is not damaged: its read error (a storage
     outage, a config that no longer fits) is raised, with nothing moved. None when there is
-    no checkpoint; CheckpointError, with nothing moved, when no step reads."""
+    no checkpoint; CheckpointError, with nothing moved, when no step reads. Every process
+    takes the same decisions (see the module doc)."""
     damaged: list[CheckpointError] = []
-    for step in sorted(self._manager.all_steps(), reverse=True):
+    for step in reversed(multihost.from_lead(self.all_steps)):
       try:
         state, meta = self.restore(abstract_state, step)
       except CheckpointError as e:
-        if self._recorded_intact(step):
+        if multihost.from_lead(lambda: self._recorded_intact(step)):
           raise
         damaged.append(e)
         continue
       if damaged:
-        moved = "; ".join(f"{e}; moved to {self._move_aside(e.step)}" for e in damaged)
-        logging.warning("%s; resuming from step %d instead.", moved, step)
+        moved = self._move_aside([e.step for e in damaged])
+        logging.warning("%s; resuming from step %d instead.", "; ".join(
+            f"{e}; moved to {aside}" for e, aside in zip(damaged, moved)), step)
       return state, meta
     if damaged:
       raise CheckpointError(damaged[-1].step, str(self.directory),
@@ -345,21 +376,28 @@ class Checkpointer:
       return False
     return True
 
-  def _move_aside(self, step: int) -> str:
-    aside = self.directory / DAMAGED_DIR / str(step)
-    if jax.process_index() == 0:
-      base, n = aside, 1
-      while aside.exists():  # that step was damaged before
-        aside, n = base.with_name(f"{step}.{n}"), n + 1
-      source = self.step_directory(step)
-      if storage.is_remote(aside):  # an object store has no directories to rename
-        storage.copy_tree(source, aside)
-        source.rmtree()
-      else:
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        source.rename(aside)
+  def _move_aside(self, steps: list[int]) -> list[str]:
+    """Moves `steps` to damaged/<step> (process 0), then every process lists the steps
+    again: not before the moves are done (`from_lead` waits for them), or a process would
+    still see a moved step, skip saving that step anew, and leave the others waiting in the
+    save. Returns where each step went."""
+    moved = multihost.from_lead(lambda: [str(self._move_step_aside(step)) for step in steps])
     self._manager.reload()
-    return str(aside)
+    return moved
+
+  def _move_step_aside(self, step: int) -> epath.Path:
+    aside = base = self.directory / DAMAGED_DIR / str(step)
+    n = 1
+    while aside.exists():  # that step was damaged before
+      aside, n = base.with_name(f"{step}.{n}"), n + 1
+    source = self.step_directory(step)
+    if storage.is_remote(aside):  # an object store has no directories to rename
+      storage.copy_tree(source, aside)
+      source.rmtree()
+    else:
+      aside.parent.mkdir(parents=True, exist_ok=True)
+      source.rename(aside)
+    return aside
 
   def wait(self) -> None:
     """Blocks until every started save is finalised."""
