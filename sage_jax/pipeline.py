@@ -59,7 +59,6 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 import jax
-import numpy as np
 from flax import nnx
 
 from sage_jax import (compact_tokenizer, config_file, export, multihost, plot, run_checkpoint,
@@ -79,7 +78,6 @@ from sage_jax.train import rl_loop
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.loop import LoopResult
 from sage_jax.train.state import abstract_like
-from sage_jax.train.metrics import MetricsConfig
 from sage_jax.weights import loader
 
 # The sections of a run's config that decide what an evaluation measures: a report made under
@@ -261,6 +259,13 @@ class Pipeline:
     multihost.sync_barrier("compact_tokenizer")
     return os.fspath(out)
 
+  def retriever(self) -> Retriever:
+    """The run's skill retrieval, for RL's rollouts and the expert plays. A "policy" embedding
+    embeds with the sampler's current weights; no sampler exists yet while a compact
+    vocabulary is cut to the SFT data, a combination run_config refuses."""
+    return Retriever(self.run.retrieval, make_embedder(
+        self.run.retrieval, engine=getattr(self, "engine", None), tokenizer=self.tokenizer))
+
   def expert_trajectories(self) -> str:
     """The SFT data file: the configured one, or made on first use from the gold solutions
     (or the starting policy) of `expert.splits`, played as the run's agent with its skill
@@ -272,12 +277,8 @@ class Pipeline:
         expert_cfg = dataclasses.replace(self.run.expert, appworld_root=self.root,
                                          outputs_root=self.pool.outputs_root)
         # Played as the run's agent, its skills retrieved as RL retrieves them: SFT trains on
-        # the prompts RL shows. A "policy" embedding embeds with the starting weights (no
-        # engine exists yet while a compact vocabulary is cut to this data; run_config
-        # refuses that combination).
-        retrieval = self.run.retrieval
-        retriever = Retriever(retrieval, make_embedder(
-            retrieval, engine=getattr(self, "engine", None), tokenizer=self.tokenizer))
+        # the prompts RL shows.
+        retriever = self.retriever()
         if expert_cfg.source == "self":  # self-distillation from the starting policy
           trajectories, stats = sft_expert.self_distilled_trajectories(
               lambda agent: rollout.SamplerPolicy(self.driver, agent), expert_cfg,
@@ -391,10 +392,8 @@ class Pipeline:
     trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
                                    mesh=self.mesh)
     task_ids = self.train_task_ids()
-    retriever = Retriever(run.retrieval, make_embedder(run.retrieval, engine=self.engine,
-                                                       tokenizer=self.tokenizer))
-    ctx = rollout.RolloutContext(self.policy, self.pool, self.tokenizer, run.agent, retriever,
-                                 self.root)
+    ctx = rollout.RolloutContext(self.policy, self.pool, self.tokenizer, run.agent,
+                                 self.retriever(), self.root)
     collect = rl_loop.appworld_rollout(ctx, task_ids, run.rollout, run.reward, run.advantage,
                                        num_chains=run.pipeline.chains_per_step)
 
