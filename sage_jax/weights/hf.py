@@ -2,7 +2,8 @@
 
 Import streams one tensor at a time from the safetensors files straight into its target
 sharding; export writes sharded safetensors with an index, config.json,
-generation_config.json and (optionally) the tokenizer files, loadable by
+generation_config.json and (optionally) the tokenizer files, the source checkpoint's own where
+they encode text as the model's tokenizer does, loadable by
 `transformers.AutoModelForCausalLM.from_pretrained`. An export replaces only a directory that
 is missing, empty or a previous export (`check_export_target`).
 
@@ -261,10 +262,6 @@ def _read_tensor(path: str, name: str) -> np.ndarray:
 # directory only if it holds this file, so it never deletes a run or a model it did not write.
 EXPORT_MARKER = "sage_jax_export.json"
 
-# The sampling defaults of a source checkpoint's generation_config.json that its export keeps
-# (transformers' `generate` and vLLM sample with them unless told otherwise).
-SAMPLING_DEFAULTS = ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
-
 
 class ExportError(ValueError):
   """An export that would delete files it did not write."""
@@ -338,13 +335,16 @@ def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
 
 
 def write_configs(out_dir: str, cfg: Qwen2Config, *, dtype: str,
-                  tokenizer_dir: str | None = None, source_dir: str | None = None) -> None:
+                  tokenizer_dir: str | os.PathLike | None = None,
+                  source_dir: str | None = None) -> None:
   """Writes config.json and generation_config.json into `out_dir`.
 
   Special token ids are those of the exported tokenizer (`tokenizer_dir`, else Qwen2.5's):
   `cfg` holds Qwen2.5 ids, which a compact vocabulary renumbers, so each is carried over by its
-  token. Generation stops at both turn ends the sampler stops on (`<|im_end|>` and
-  `<|endoftext|>`) and keeps the sampling defaults of `source_dir`'s generation_config.json.
+  token. generation_config.json keeps the values of `source_dir`'s (transformers' `generate`
+  and vLLM sample with them unless told otherwise), its token ids only when the exported
+  tokenizer is the source's (ids of another vocabulary would name other tokens), and stops at
+  both turn ends the sampler stops on (`<|im_end|>`, `<|endoftext|>`) besides the source's.
   """
   qwen = tokenizer_lib.Tokenizer()
   vocab = tokenizer_lib.Tokenizer(tokenizer_dir) if tokenizer_dir else qwen
@@ -354,13 +354,16 @@ def write_configs(out_dir: str, cfg: Qwen2Config, *, dtype: str,
     return new_id
 
   ids = {"bos_token_id": exported(cfg.bos_token_id), "eos_token_id": exported(cfg.eos_token_id)}
+  path = os.path.join(source_dir, "generation_config.json") if source_dir else ""
+  source = read_checkpoint_json(path) if os.path.isfile(path) else {}
+  if not (tokenizer_dir and source_dir
+          and os.path.realpath(tokenizer_dir) == os.path.realpath(source_dir)):
+    source = {k: v for k, v in source.items() if not k.endswith("_token_id")}
+  stop = source.get("eos_token_id", [])
   # pad only here: in config.json, transformers would freeze that embedding row (padding_idx).
-  generation = {**ids, "pad_token_id": vocab.pad_id, "eos_token_id": list(dict.fromkeys(
-      (vocab.im_end, vocab.endoftext, ids["eos_token_id"])))}
-  source = os.path.join(source_dir, "generation_config.json") if source_dir else ""
-  if os.path.isfile(source):
-    defaults = read_checkpoint_json(source)
-    generation.update({k: defaults[k] for k in SAMPLING_DEFAULTS if k in defaults})
+  generation = {**ids, "pad_token_id": vocab.pad_id, **source, "eos_token_id": list(dict.fromkeys(
+      (*(stop if isinstance(stop, list) else [stop]), vocab.im_end, vocab.endoftext,
+       ids["eos_token_id"])))}
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump({**cfg.to_hf(torch_dtype=dtype), **ids}, f, indent=2)
   with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
@@ -394,9 +397,10 @@ def write_hf(model: Qwen2, directory: str | None, *, dtype: str | None = None,
   processes that do not write); returns the safetensors file names.
 
   `dtype` defaults to the model's param_dtype; `source_dir`, the checkpoint the model was
-  loaded from, lends its sampling defaults (`write_configs`). Tensors are gathered one at a
-  time. LoRA adapters are merged into their kernels as those are written, so the files hold
-  the adapted model's full weights.
+  loaded from, lends its tokenizer (`export_tokenizer_dir`, in place of `tokenizer_dir`, the
+  one the model's ids are of) and its generation_config.json values (`write_configs`).
+  Tensors are gathered one at a time. LoRA adapters are merged into their kernels as those are
+  written, so the files hold the adapted model's full weights.
   """
   cfg = model.config
   dtype = dtype or cfg.param_dtype
@@ -426,10 +430,30 @@ def write_hf(model: Qwen2, directory: str | None, *, dtype: str | None = None,
   with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
               f, indent=2)
+  tokenizer_dir = tokenizer_dir and export_tokenizer_dir(tokenizer_dir, source_dir)
   write_configs(directory, cfg, dtype=dtype, tokenizer_dir=tokenizer_dir, source_dir=source_dir)
   if tokenizer_dir:
     tokenizer_lib.save_tokenizer(directory, tokenizer_dir)
   return [f for f, _ in plan]
+
+
+def export_tokenizer_dir(tokenizer_dir: str | os.PathLike,
+                         source_dir: str | None = None) -> str | os.PathLike:
+  """The tokenizer an export ships for a model trained on `tokenizer_dir`'s ids: the source
+  checkpoint's own where `source_dir` holds one that encodes text to those same ids, so the
+  export loads like the source (its chat template, special tokens, model_max_length); else
+  `tokenizer_dir`, with a warning naming what differs when the source's reads ids otherwise."""
+  if not source_dir or not all(os.path.isfile(os.path.join(source_dir, name))
+                               for name in tokenizer_lib.REQUIRED_FILES):
+    return tokenizer_dir
+  differences = tokenizer_lib.encoding_differences(source_dir, tokenizer_dir)
+  if not differences:
+    return source_dir
+  logging.warning("%s: its tokenizer encodes text to other token ids than the one the model "
+                  "was trained with, so the export ships that one (%s), with its own chat "
+                  "template and special tokens:\n  %s", source_dir, os.fspath(tokenizer_dir),
+                  "\n  ".join(differences))
+  return tokenizer_dir
 
 
 def _plan_shards(params: dict[str, nnx.Variable], itemsize: int,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+from typing import NamedTuple
 
 from flax import nnx
 from jax.sharding import Mesh
@@ -22,10 +24,34 @@ BUNDLED_0P5B = "qwen2.5-coder-0.5b-instruct"
 BUNDLED_0P5B_RELEASE = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 
-def release_name(spec: str) -> str:
-  """How others name the base model `spec`: PEFT's base_model_name_or_path, the model card
-  (the Hugging Face release for the bundled model, whose name only this project knows)."""
-  return BUNDLED_0P5B_RELEASE if spec == BUNDLED_0P5B else spec
+class Release(NamedTuple):
+  """A base model as others load it: PEFT's base_model_name_or_path and revision."""
+
+  name: str
+  revision: str | None = None
+
+  def __str__(self) -> str:
+    return f"{self.name} (revision {self.revision})" if self.revision else self.name
+
+
+# A Hugging Face cache snapshot: <cache>/models--ORG--NAME/snapshots/REVISION.
+_HUB_SNAPSHOT = re.compile(r".*/models--(?P<repo>[^/]+)/snapshots/(?P<revision>[^/]+)")
+
+
+def release(spec: str) -> Release:
+  """How others name the base model `spec` (PEFT's adapter config, the model card): the
+  bundled model by its Hugging Face release (a name only this project knows); a Hugging Face
+  cache snapshot by its repository at that revision, which anyone can fetch; another
+  directory by its absolute path (loadable here, wherever the command runs); anything else
+  as given. config.json's `_name_or_path` is not trusted: it names wherever a copy once was."""
+  if spec == BUNDLED_0P5B:
+    return Release(BUNDLED_0P5B_RELEASE)
+  if not os.path.isdir(spec):
+    return Release(spec)
+  snapshot = _HUB_SNAPSHOT.fullmatch(os.path.realpath(spec))
+  if snapshot:
+    return Release(snapshot["repo"].replace("--", "/"), snapshot["revision"])
+  return Release(os.path.abspath(spec))
 
 
 def resolve(spec: str) -> str:
