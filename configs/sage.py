@@ -91,7 +91,8 @@ def apply_preset(c, preset: str):
     # sometimes, a choice SAGE's reward tells apart. Chains are ordered, so only a scenario's
     # first task is ever played first (no `expert.firsts`). SFT runs to convergence (cosine
     # decay to a tenth): a shorter constant-rate SFT ends at a policy that depends on float
-    # rounding.
+    # rounding. The expert plays the whole train split (its SFT data keeps the 3 training
+    # scenarios; the compact vocabulary, and the demo's measurements, come from all 7).
     c.expert.update(num_workers=2, splits=("train",), rewrites=True, firsts=False)
     # A checkpoint every 80 SFT steps (about a minute): at every 4th step, as RL saves, its
     # saves took 15% of SFT's time.

@@ -5,8 +5,9 @@ Every stage reads its settings from the run config (`sage_jax.run_config`); each
 under the workdir:
 
   <workdir>/config.json              the resolved config
-  <workdir>/expert_trajectories.jsonl  SFT data made from the gold solutions, or sampled from
-                                     the starting policy (expert.source "self"), if not given
+  <workdir>/expert_trajectories.jsonl  SFT data made from the gold solutions of the training
+                                     scenarios (or of expert.splits), or sampled from the
+                                     starting policy (expert.source "self"), if not given
   <workdir>/sft/                     SFT checkpoints and metrics
   <workdir>/checkpoints/             RL checkpoints (orbax), config beside them
   <workdir>/metrics.jsonl            RL metrics per step (+ TensorBoard events)
@@ -268,8 +269,8 @@ class Pipeline:
 
   def expert_trajectories(self) -> str:
     """The SFT data file: the configured one, or made on first use from the gold solutions
-    (or the starting policy) of `expert.splits`, played as the run's agent with its skill
-    retrieval."""
+    (or the starting policy) of `expert_task_ids`, played as the run's agent with its skill
+    retrieval. Made once per workdir: the keys that pick its tasks are not resumable."""
     path = self.run.pipeline.expert_trajectories
     if not path:
       path = os.fspath(self.workdir / "expert_trajectories.jsonl")
@@ -278,14 +279,14 @@ class Pipeline:
                                          outputs_root=self.pool.outputs_root)
         # Played as the run's agent, its skills retrieved as RL retrieves them: SFT trains on
         # the prompts RL shows.
-        retriever = self.retriever()
+        retriever, task_ids = self.retriever(), self.expert_task_ids()
         if expert_cfg.source == "self":  # self-distillation from the starting policy
           trajectories, stats = sft_expert.self_distilled_trajectories(
-              lambda agent: rollout.SamplerPolicy(self.driver, agent), expert_cfg,
+              lambda agent: rollout.SamplerPolicy(self.driver, agent), task_ids, expert_cfg,
               self.tokenizer, pool=self.pool, agent=self.run.agent, retriever=retriever)
         else:
           trajectories, stats = sft_expert.gold_trajectories(
-              expert_cfg, self.tokenizer, pool=self.pool, agent=self.run.agent,
+              task_ids, expert_cfg, self.tokenizer, pool=self.pool, agent=self.run.agent,
               retriever=retriever)
         logging.info("expert trajectories: %d kept of %d tasks", stats.kept, stats.tasks)
         for extra, failed in (("rewrites", stats.rewrites_failed),
@@ -303,7 +304,17 @@ class Pipeline:
     return appworld.first_scenarios(appworld.read_split(self.root, self.run.pipeline.train_split),
                                     self.run.pipeline.train_scenarios)
 
+  def expert_task_ids(self) -> list[str]:
+    """The tasks the expert plays for the SFT data: those RL trains on, unless `expert.splits`
+    names splits, played whole (with `train_scenarios`, run_config allows only the train
+    split there)."""
+    if not self.run.expert.splits:
+      return self.train_task_ids()
+    return [t for split in self.run.expert.splits for t in appworld.read_split(self.root, split)]
+
   def expert_examples(self) -> list:
+    """The SFT data's examples of the scenarios the run trains on: a given file, or the plays
+    of a split named in `expert.splits`, may hold others."""
     examples = sft_data.load_examples(self.expert_trajectories(), self.tokenizer,
                                       max_len=self.run.engine.max_len)
     if self.run.pipeline.train_scenarios:

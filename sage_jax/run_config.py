@@ -50,10 +50,12 @@ TASKS_PER_SCENARIO = 3  # AppWorld's official splits and the mini world alike
 class PipelineConfig:
   """stages: what `sage_jax.train` runs, in order ("sft", "rl"). data: "mini" (the offline
   mini AppWorld, built on first use) or an APPWORLD_ROOT. train_split: the dataset split of
-  the rollouts (dev evaluation runs on eval.split). chains_per_step: chains sampled per RL
-  step (each run by grpo.group_size rollouts). train_scenarios: train on the first N
-  scenarios of the train split (file order), in SFT and RL (0 = all). expert_trajectories: an
-  SFT JSONL file ("" = made from the gold solutions of the train split). eval_before /
+  the rollouts and, unless expert.splits names others, of the expert plays that make the SFT
+  data (dev evaluation runs on eval.split). chains_per_step: chains sampled per RL step (each
+  run by grpo.group_size rollouts). train_scenarios: train on the first N scenarios of the
+  train split (file order), in SFT and RL (0 = all): the expert plays only those, and SFT
+  keeps only their examples of a given file. expert_trajectories: an SFT JSONL file ("" = made
+  by the expert's plays, `expert.source`, once per workdir). eval_before /
   eval_after: dev evaluation around training, and with eval_train also one on the training
   scenarios. export: write the final model in HF format to <workdir>/hf. plot: PNG curves.
   compilation_cache_dir: JAX's persistent compilation cache (a path or gs:// URL every host
@@ -190,12 +192,21 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
   return {prefix[:-1]: value}
 
 
+def _comparable(config: dict) -> dict[str, Any]:
+  """`config` flattened to JSON values, `expert.splits` unset written as the train split: a
+  workdir's SFT data is made once, and for its examples (those of the scenarios trained) the
+  expert playing the train split whole or only its training scenarios is the same."""
+  flat = _flat(json.loads(json.dumps(config, default=str)))
+  if flat.get("expert.splits") == [] and "pipeline.train_split" in flat:
+    flat["expert.splits"] = [flat["pipeline.train_split"]]
+  return flat
+
+
 def check_resume(recorded: dict, config: dict, source: str) -> None:
   """Raises ConfigError when `config` (as `with_seeds` gives it) changes a key of the
   experiment that `recorded` (the workdir's config.json, at `source`) started. Keys only one
   of them has (added or dropped by another version of this code) are not compared."""
-  normal = lambda d: _flat(json.loads(json.dumps(d, default=str)))
-  old, new = normal(recorded), normal(config)
+  old, new = _comparable(recorded), _comparable(config)
   changed = sorted(k for k in old.keys() & new.keys()
                    if old[k] != new[k] and not k.startswith(RESUMABLE_KEYS))
   if "pipeline.stages" in changed and set(old["pipeline.stages"]) <= set(new["pipeline.stages"]):
@@ -351,6 +362,15 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
   if rollout.group_size == 1 and "rl" in pipeline.stages:  # every estimator centres
     raise ConfigError("config.grpo.group_size: 1 leaves no group to normalise over; the "
                       f"{estimator!r} advantage is 0 for every episode (use >= 2)")
+  if (pipeline.train_scenarios and set(run.expert.splits) - {pipeline.train_split}
+      and not pipeline.expert_trajectories):
+    raise ConfigError(
+        f"config.expert.splits: {run.expert.splits} with pipeline.train_scenarios="
+        f"{pipeline.train_scenarios}, which keeps for SFT only the first "
+        f"{pipeline.train_scenarios} scenarios of pipeline.train_split "
+        f"{pipeline.train_split!r}: leave expert.splits unset (the expert plays the scenarios "
+        "RL trains on), name only the train split (played whole), or set train_scenarios=0 "
+        "(SFT on every task of expert.splits, RL on the whole train split)")
   if run.model.vocabulary == "compact" and run.expert.source == "self":
     raise ConfigError("config.model.vocabulary: 'compact' is cut to the SFT corpus, which "
                       "expert.source='self' samples from the model itself; use the gold "

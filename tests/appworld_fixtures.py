@@ -20,10 +20,11 @@ def mini_root() -> str:
 
 @pytest.fixture(scope="session")
 def demo_expert_file(mini_root, tmp_path_factory) -> str:
-  """The demo's SFT data as its pipeline makes it (the gold plays of the mini train split and
-  their rewrites; tests/test_demo.py checks the bytes against a run's own), made once for the
-  session's test workers: runs that do not test that stage read it through
-  `pipeline.expert_trajectories` instead of playing the split again (~30 s a run)."""
+  """The demo's SFT data as its pipeline makes it (the gold plays of the mini train split, which
+  the demo names in expert.splits, and their rewrites; tests/test_demo.py checks the bytes
+  against a run's own), made once for the session's test workers: runs that do not test that
+  stage read it through `pipeline.expert_trajectories` instead of playing the split again
+  (~30 s a run)."""
   from configs import sage as sage_configs  # noqa: PLC0415
   from sage_jax import run_config  # noqa: PLC0415
   from sage_jax.agent.retrieval import Retriever  # noqa: PLC0415
@@ -40,7 +41,8 @@ def demo_expert_file(mini_root, tmp_path_factory) -> str:
       run = run_config.resolve(sage_configs.get_config("demo"))
       config = dataclasses.replace(run.expert, appworld_root=mini_root,
                                    outputs_root=str(shared / "demo_expert_outputs"))
-      trajectories, _ = expert.gold_trajectories(config, Tokenizer(), agent=run.agent,
+      task_ids = [t for split in run.expert.splits for t in appworld.read_split(mini_root, split)]
+      trajectories, _ = expert.gold_trajectories(task_ids, config, Tokenizer(), agent=run.agent,
                                                  retriever=Retriever(run.retrieval))
       sft_data.write_jsonl(f"{path}.partial", trajectories)
       os.replace(f"{path}.partial", path)

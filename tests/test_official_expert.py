@@ -170,5 +170,6 @@ def test_scripted_expert_scores_100_and_reuses_its_skills(pool, official_root, t
     assert bool(r["events"]["generated"]) == first and bool(r["events"]["used"]) != first
   tok = Tokenizer()
   trajectories, stats = sft_expert.gold_trajectories(
-      sft_expert.ExpertConfig(appworld_root=official_root, splits=("train",)), tok, pool=pool)
+      appworld.read_split(official_root, "train"),
+      sft_expert.ExpertConfig(appworld_root=official_root), tok, pool=pool)
   assert stats.tasks == stats.succeeded == stats.kept == 9 and len(trajectories) == 9

@@ -12,6 +12,7 @@ import pytest
 
 from sage_jax import run_config
 from sage_jax.configurable import ConfigError
+from sage_jax.sft.expert import ExpertConfig
 from sage_jax.weights.loader import ModelSpec, build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,6 +101,10 @@ def _with(overrides, devices=1):
     ({"retrieval.strategy": "skill_embedding", "retrieval.embedding_model": "policy"}, 1,
      r"config.retrieval.embedding_model: 'policy' embeds with the policy model, and the expert "
      r"plays that make the SFT data retrieve skills with it, but a 'compact' vocabulary"),
+    ({"expert.splits": ("dev",)}, 1, r"config.expert.splits: \('dev',\) with "
+     r"pipeline.train_scenarios=3, which keeps for SFT only the first 3 scenarios of "
+     r"pipeline.train_split 'train': leave expert.splits unset"),
+    ({"expert.splits": ("train", "dev")}, 1, r"config.expert.splits: \('train', 'dev'\)"),
 ])
 def test_bad_configs_name_the_key(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):
@@ -113,6 +118,18 @@ def test_policy_embeddings_retrieve_for_the_expert_when_the_model_exists_first()
   assert _with({**policy, "model.vocabulary": "full"}).retrieval.embedding_model == "policy"
   _with({**policy, "pipeline.expert_trajectories": "expert.jsonl"})
   _with({**policy, "retrieval.embedding_model": "hashing"})
+
+
+def test_the_expert_plays_the_training_scenarios_unless_its_splits_are_named():
+  """expert.splits unset: the expert plays the scenarios RL trains on. Splits named there are
+  played whole: the train split (the demo's), or others for SFT on other tasks than RL's,
+  with RL on every scenario, or unused with SFT data given; a `train_scenarios` cut refuses
+  other splits (test_bad_configs_name_the_key)."""
+  assert ExpertConfig().splits == () and _with({}).expert.splits == ("train",)
+  _with({"pipeline.train_split": "dev", "expert.splits": ()})
+  _with({"pipeline.train_split": "dev", "expert.splits": ("dev",)})
+  _with({"expert.splits": ("dev",), "pipeline.train_scenarios": 0})
+  _with({"expert.splits": ("dev",), "pipeline.expert_trajectories": "expert.jsonl"})
 
 
 def test_the_trainer_trains_the_policy_the_rollouts_sample():
@@ -233,6 +250,7 @@ def test_tuple_and_unset_keys_can_be_overridden_on_the_command_line(tmp_path):
                                 "--config.batch.length_buckets=(256, 512, 4096)",
                                 "--config.engine.prefill_buckets=(32, 128)",
                                 "--config.expert.splits=('train', 'dev')",
+                                "--config.pipeline.train_scenarios=0",
                                 "--config.rollout.seed=7", "--config.grpo.dual_clip_c=3",
                                 "--config.pool.outputs_root=/tmp/outputs"],
                         capture_output=True, text=True, cwd=repo, timeout=120)
@@ -282,9 +300,20 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
   older = json.loads(json.dumps(recorded))
   del older["grpo"]["ratio_level"]
   run_config.check_resume(older, recorded, "run/config.json")
-  # Each of these changes what the run trains on, sees or samples with (the agent's prompt and
-  # the skills retrieval shows, also in the SFT data made once per workdir).
+  # The expert's splits unset (its plays are the training scenarios) resume a workdir whose
+  # expert named the train split: the SFT examples made once there are the same.
+  unset = json.loads(json.dumps(recorded))
+  unset["expert"]["splits"] = []
+  run_config.check_resume(recorded, unset, "run/config.json")
+  run_config.check_resume(unset, recorded, "run/config.json")
+  unset["expert"]["splits"] = ["dev"]
+  with pytest.raises(ConfigError, match=r"config.expert.splits"):
+    run_config.check_resume(recorded, unset, "run/config.json")
+  # Each of these changes what the run trains on, sees or samples with (the tasks the expert
+  # plays, the agent's prompt and the skills retrieval shows, also in the SFT data made once
+  # per workdir).
   for key, value in (("pipeline.data", "/data/appworld"), ("pipeline.stages", ("rl",)),
+                     ("pipeline.train_scenarios", 5),
                      ("engine.max_len", 1024), ("pool.max_output_chars", 100),
                      ("sampler_mesh.param_dtype", "bfloat16"), ("trainer.seed", 3),
                      ("agent.max_observation_chars", 100), ("agent.use_library", False),
@@ -294,6 +323,11 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
     changed[section][field] = value
     with pytest.raises(ConfigError, match=rf"config.{key}: "):
       run_config.check_resume(recorded, _recorded(changed), "run/config.json")
+  changed = _config("sage", "demo")
+  changed.pipeline.train_split = changed.eval.split
+  changed.expert.splits = (changed.eval.split,)  # the demo names its train split
+  with pytest.raises(ConfigError, match=r"config.pipeline.train_split: "):
+    run_config.check_resume(recorded, _recorded(changed), "run/config.json")
   # RL added after an SFT-only run.
   sft_only = _config("sage", "demo")
   sft_only.pipeline.stages = ("sft",)

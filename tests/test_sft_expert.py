@@ -1,6 +1,7 @@
 """The expert-trajectory command: mini-world gold solutions in the skill format, executed by
 the real AppWorld engine, successes kept; trajectories from elsewhere replayed the same way.
-The plays show the prompts of the run's agent and retrieval, as its RL rollouts do."""
+The plays show the prompts of the run's agent and retrieval, as its RL rollouts do, and cover
+the scenarios it trains on."""
 
 import asyncio
 import dataclasses
@@ -15,6 +16,7 @@ from sage_jax.agent import prompts
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.gold_solutions import expert_turns_for_task
 from sage_jax.agent.retrieval import Retriever
+from sage_jax.configurable import ConfigError
 from sage_jax.envs import appworld
 from sage_jax.rl import rollout
 from sage_jax.sft import data as sft_data
@@ -41,8 +43,8 @@ def pool(mini_root, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gold(mini_root, tok, pool):
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",))
-  return expert.gold_trajectories(config, tok, pool)
+  config = expert.ExpertConfig(appworld_root=mini_root)
+  return expert.gold_trajectories(appworld.read_split(mini_root, "dev"), config, tok, pool)
 
 
 def test_gold_solutions_become_skill_format_trajectories(gold, mini_root, tok):
@@ -88,10 +90,9 @@ def test_gold_plays_show_the_runs_prompt_with_room_for_the_gold_turns(gold, mini
   episodes (700), fewer than a first task's gold turn and conversation, leave them whole."""
   agent = AgentConfig(max_turn_tokens=48, max_episode_tokens=700)
   retriever = Retriever(RetrievalConfig(strategy="none"))
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",),
-                               experiment_prefix="run_agent")
-  trajectories, stats = expert.gold_trajectories(config, tok, pool, agent=agent,
-                                                 retriever=retriever)
+  config = expert.ExpertConfig(appworld_root=mini_root, experiment_prefix="run_agent")
+  trajectories, stats = expert.gold_trajectories(appworld.read_split(mini_root, "dev"), config,
+                                                 tok, pool, agent=agent, retriever=retriever)
   assert [t.id for t in trajectories] == [t.id for t in gold[0]] and not stats.failed
   for t in trajectories:
     assert t.metadata["visible_skills"] == [] and t.metadata["skills"]["generated"]
@@ -107,8 +108,9 @@ def _extra_trajectories(gold, mini_root, tok, pool, suffix, **option):
   """The gold trajectories with one extra-play option on: each extra trajectory beside the
   plain one of its task; checks that the extra ones are one per later task, added after the
   plain ones under unique ids."""
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), **option)
-  trajectories, stats = expert.gold_trajectories(config, tok, pool)
+  config = expert.ExpertConfig(appworld_root=mini_root, **option)
+  trajectories, stats = expert.gold_trajectories(appworld.read_split(mini_root, "dev"), config,
+                                                 tok, pool)
   plain = {t.id: t for t in gold[0]}
   extra = [t for t in trajectories if t.id.endswith(suffix)]
   assert [t for t in trajectories if t not in extra] == gold[0]
@@ -157,8 +159,9 @@ def test_a_failed_rewrite_is_reported_and_left_out(gold, mini_root, tok, pool, m
       return super().session(context)
 
   monkeypatch.setattr(expert, "ScriptedPolicy", BrokenRewrite)
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), rewrites=True)
-  trajectories, stats = expert.gold_trajectories(config, tok, pool)
+  config = expert.ExpertConfig(appworld_root=mini_root, rewrites=True)
+  trajectories, stats = expert.gold_trajectories(appworld.read_split(mini_root, "dev"), config,
+                                                 tok, pool)
   assert stats.rewrites_failed == [broken]
   ids = {t.id for t in trajectories}
   assert broken in ids and broken + expert.REWRITE_SUFFIX not in ids
@@ -230,9 +233,9 @@ def test_self_distillation_rejection_samples_over_temperatures(mini_root, tok, p
         return _wrong_answer(tok)
       return scripted.session(context)
 
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
-                               temperatures=(0.3, 0.7), experiment_prefix="self")
-  kept, stats = expert.self_distilled_trajectories(Sampled, config, tok, pool=pool)
+  config = expert.ExpertConfig(appworld_root=mini_root, source="self", temperatures=(0.3, 0.7),
+                               experiment_prefix="self")
+  kept, stats = expert.self_distilled_trajectories(Sampled, dev, config, tok, pool=pool)
   broken = appworld.scenario_id(broken_task)
   assert sorted(t.id for t in kept) == sorted(dev)
   assert {t.metadata["source"] for t in kept if t.id.startswith(broken)} == {"self@0.7"}
@@ -261,17 +264,17 @@ def test_a_repeated_temperature_is_a_new_try(mini_root, tok, pool):
         return _wrong_answer(tok)
       return scripted.session(context)
 
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
-                               temperatures=(0.7, 0.7), experiment_prefix="again")
-  kept, _ = expert.self_distilled_trajectories(FailsFirstPlays, config, tok, pool=pool)
+  config = expert.ExpertConfig(appworld_root=mini_root, source="self", temperatures=(0.7, 0.7),
+                               experiment_prefix="again")
+  kept, _ = expert.self_distilled_trajectories(FailsFirstPlays, dev, config, tok, pool=pool)
   assert sorted(t.id for t in kept) == sorted(dev)  # every scenario, at its second try
   assert sorted(seeds) == sorted(dev)
   assert all(len(s) == 2 and s[0] != s[1] for s in seeds.values()), seeds
   first = {task: s[1] for task, s in seeds.items()}
   seeds.clear()
   seeds.update({task: [None] for task in first})  # every play now succeeds
-  expert.self_distilled_trajectories(FailsFirstPlays, dataclasses.replace(config, seed=1), tok,
-                                     pool=pool)
+  expert.self_distilled_trajectories(FailsFirstPlays, dev, dataclasses.replace(config, seed=1),
+                                     tok, pool=pool)
   assert all(seeds[task][1] != first[task] for task in first)
 
 
@@ -304,9 +307,10 @@ def test_self_distillation_samples_as_the_runs_agent(mini_root, tok, pool):
                                     {s.name: s.code for s in context.skills})
       return Recorded([PRINT_LONG] * (2 if context.scenario == slow else 1) + turns, tok)
 
-  config = expert.ExpertConfig(appworld_root=mini_root, splits=("dev",), source="self",
-                               temperatures=(0.3,), experiment_prefix="self_agent")
-  kept, stats = expert.self_distilled_trajectories(PrintsFirst, config, tok, pool, agent=agent)
+  config = expert.ExpertConfig(appworld_root=mini_root, source="self", temperatures=(0.3,),
+                               experiment_prefix="self_agent")
+  kept, stats = expert.self_distilled_trajectories(PrintsFirst, dev, config, tok, pool,
+                                                   agent=agent)
   sampled = dataclasses.replace(agent, temperature=0.3)
   assert agents == [sampled]
   assert {r.max_context for r in requests} == {agent.max_episode_tokens}
@@ -321,18 +325,91 @@ def test_self_distillation_samples_as_the_runs_agent(mini_root, tok, pool):
     assert t.messages[3]["role"] == "tool" and "more characters cut" in t.messages[3]["content"]
 
 
-def test_a_runs_sft_data_is_played_as_its_agent(mini_root, tmp_path):
-  """A run's agent alone decides the format of the SFT data its pipeline makes (no library
-  here: the plain code agent's), and its short turns leave the gold turns whole."""
+def _demo_run(**pipeline_keys):
+  """The demo's config, sized for the session's 8 simulated devices, with `pipeline_keys`; its
+  expert plays the scenarios the run trains on (the demo names the whole train split)."""
   from configs import sage as sage_configs  # noqa: PLC0415
-  from sage_jax import pipeline  # noqa: PLC0415
 
   c = sage_configs.get_config("demo")
+  c.pipeline.update(**pipeline_keys)
+  c.expert.splits = ()
+  c.pool.num_workers = 2
+  c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
+  return c
+
+
+def _token_strings(examples, tokenizer):
+  return [[tokenizer.id_to_token(i) for i in e.tokens] for e in examples]
+
+
+def test_a_run_plays_only_the_scenarios_it_trains_on(mini_root, tok, tmp_path, monkeypatch):
+  """The SFT data a run makes comes from the split RL trains on (pipeline.train_split), cut to
+  its `train_scenarios`: the other scenarios are not played at all (self-distillation would
+  sample them with the model itself). The compact vocabulary is cut to that data and
+  tokenizes it as Qwen2.5 does. A rerun may not train on other scenarios than the data's."""
+  from sage_jax import pipeline  # noqa: PLC0415
+
+  play, played = expert.play, []  # the tasks of every chain played (gold, then rewrites)
+
+  def counted_play(policy, chains, *args, **kwargs):
+    played.extend(t for chain in chains for t in chain.task_ids)
+    return play(policy, chains, *args, **kwargs)
+
+  monkeypatch.setattr(expert, "play", counted_play)
+  workdir = tmp_path / "run"
+  pipe = pipeline.Pipeline(_demo_run(train_split="dev", train_scenarios=1), str(workdir))
+  try:
+    trained = appworld.first_scenarios(appworld.read_split(mini_root, "dev"), 1)
+    assert pipe.train_task_ids() == trained and len(trained) == 3
+    assert sorted(played) == sorted(trained * 2)  # the gold plays, then the rewrites'
+    ids = [t.id for t in sft_data.read_jsonl(workdir / "expert_trajectories.jsonl")]
+    assert sorted(map(expert.task_of_id, ids)) == sorted(trained + trained[1:])
+    examples = pipe.expert_examples()  # tokenized with the run's compact vocabulary
+    assert [e.id for e in examples] == ids and pipe.tokenizer.vocab_size < tok.vocab_size
+    full = sft_data.load_examples(workdir / "expert_trajectories.jsonl", tok)
+    assert _token_strings(examples, pipe.tokenizer) == _token_strings(full, tok)
+  finally:
+    pipe.close()
+  # The data is made once per workdir: a rerun that trains on more scenarios, which the file
+  # lacks, is refused before it reads anything.
+  made = (workdir / "expert_trajectories.jsonl").read_text()
+  with pytest.raises(ConfigError, match=r"config.pipeline.train_scenarios: 1 -> 2"):
+    pipeline.Pipeline(_demo_run(train_split="dev", train_scenarios=2), str(workdir))
+  assert (workdir / "expert_trajectories.jsonl").read_text() == made
+
+
+def test_a_given_files_other_scenarios_are_left_out_of_sft(gold, mini_root, tok, tmp_path):
+  """A given SFT data file may hold scenarios the run does not train on: SFT leaves them out;
+  the compact vocabulary is cut to the whole file."""
+  from sage_jax import compact_tokenizer, pipeline  # noqa: PLC0415
+
+  given = tmp_path / "given.jsonl"
+  sft_data.write_jsonl(given, gold[0])  # the whole dev split
+  trained = appworld.first_scenarios(appworld.read_split(mini_root, "dev"), 1)
+  pipe = pipeline.Pipeline(_demo_run(train_split="dev", train_scenarios=1,
+                                     expert_trajectories=str(given)), str(tmp_path / "run"))
+  try:
+    examples = pipe.expert_examples()
+    assert sorted(e.id for e in examples) == sorted(trained)
+    full = [e for e in sft_data.load_examples(given, tok) if e.id in trained]
+    assert _token_strings(examples, pipe.tokenizer) == _token_strings(full, tok)
+    cut = lambda name, corpus: Tokenizer(compact_tokenizer.write_compact_tokenizer(
+        tmp_path / name, ids=(t for e in corpus for t in e.tokens))).vocab_size
+    assert pipe.tokenizer.vocab_size == cut("whole", sft_data.load_examples(given, tok))
+  finally:
+    pipe.close()
+
+
+def test_a_runs_sft_data_is_played_as_its_agent(mini_root, tmp_path):
+  """A run's agent alone decides the format of the SFT data its pipeline makes (no library
+  here: the plain code agent's), and its short turns leave the gold turns whole. Splits named
+  in expert.splits are played whole, for SFT on other tasks than RL's."""
+  from sage_jax import pipeline  # noqa: PLC0415
+
+  c = _demo_run(train_scenarios=0)  # RL on the whole train split
   c.agent.update(use_library=False, max_turn_tokens=48)
   c.retrieval.strategy = "none"
   c.expert.update(splits=("dev",), rewrites=False)
-  c.pool.num_workers = 2
-  c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
   workdir = tmp_path / "run"
   pipeline.Pipeline(c, str(workdir)).close()  # a compact vocabulary is cut to the SFT data
   trajectories = sft_data.read_jsonl(workdir / "expert_trajectories.jsonl")

@@ -3,10 +3,11 @@
     python -m sage_jax.sft.expert --out=expert.jsonl                       # mini world gold
     python -m sage_jax.sft.expert --out=expert.jsonl --input=strong.jsonl  # collected elsewhere
 
-Gold mode: every scenario of the split is walked as one chain (its tasks in order, one
-skill library carried along), each task played by `agent.gold_solutions.ScriptedPolicy`: the gold
-solution rewritten into the skill format (the first task defines the scenario's function with
-a docstring and calls it; later tasks call the library skill). The agent, the env pool and
+Gold mode: every scenario of the given tasks (a run's: those it trains on, `Pipeline`; the
+command's: those of `--splits`) is walked as one chain (its tasks in order, one skill library
+carried along), each task played by `agent.gold_solutions.ScriptedPolicy`: the gold solution
+rewritten into the skill format (the first task defines the scenario's function with a
+docstring and calls it; later tasks call the library skill). The agent, the env pool and
 AppWorld's evaluation are the ones rollouts use, so the system prompt, the task message and
 the observations are exactly what the model will see.
 
@@ -16,9 +17,10 @@ replayed the same way: grouped into scenario chains by task id (`metadata.task_i
 are the engine's own. Without `--verify` they are only validated and copied.
 
 Self-distillation (`ExpertConfig.source = "self"`, the paper's ablation): the trajectories
-come from the starting policy itself, rejection-sampled over temperatures: every scenario is
-played at `temperatures[0]`; the scenarios that yield no selected trajectory are played
-again at the next temperature, and so on (`self_distilled_trajectories`).
+come from the starting policy itself, rejection-sampled over temperatures: every scenario of
+the given tasks is played at `temperatures[0]`; the scenarios that yield no selected
+trajectory are played again at the next temperature, and so on
+(`self_distilled_trajectories`).
 
 Every play runs as the agent it is given, the skills each task sees picked by the retriever
 it is given; a run gives its own `agent` and `retrieval` (`Pipeline.expert_trajectories`),
@@ -72,8 +74,12 @@ SOURCES = ("gold", "self")
 
 @dataclasses.dataclass(frozen=True)
 class ExpertConfig:
-  """appworld_root: the data root (None: the mini world, built on first use). splits: task
-  splits whose gold solutions are played. num_workers: AppWorld worker processes.
+  """appworld_root: the data root (None: the mini world, built on first use). splits: the
+  splits a run's expert plays whole for its SFT data (`Pipeline.expert_task_ids`); () (the
+  default): the tasks the run trains on, `pipeline.train_split` cut to
+  `pipeline.train_scenarios` (a cut refuses other splits than the train split: SFT keeps only
+  the training scenarios' examples). The functions below play the task ids they are given. num_workers: AppWorld
+  worker processes.
   outputs_root: where AppWorld writes episode outputs (None: a temporary directory).
   experiment_prefix: AppWorld experiment names. selection: "scenario" (keep a scenario's
   successful tasks when its first `scenario_tasks` tasks succeeded; the paper's rule) or
@@ -95,7 +101,7 @@ class ExpertConfig:
   below with the run's retriever."""
 
   appworld_root: str | None = None
-  splits: tuple[str, ...] = ("train",)
+  splits: tuple[str, ...] = ()
   num_workers: int = 2
   outputs_root: str | None = None
   experiment_prefix: str = "expert"
@@ -244,15 +250,15 @@ def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
   return out, stats
 
 
-def gold_trajectories(config: ExpertConfig, tokenizer: Tokenizer,
+def gold_trajectories(task_ids: Sequence[str], config: ExpertConfig, tokenizer: Tokenizer,
                       pool: appworld.EnvPool | None = None, agent: AgentConfig = AgentConfig(),
                       retriever: Retriever | None = None
                       ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
-  """The split's gold solutions, executed as `scripted_agent(agent)` (in the skill format
-  when `agent.use_library`), skills picked by `retriever`; successes only."""
+  """The gold solutions of `task_ids`, executed as `scripted_agent(agent)` (in the skill
+  format when `agent.use_library`), skills picked by `retriever`; successes only."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
-  chains = _chains(t for split in config.splits for t in appworld.read_split(root, split))
+  chains = _chains(task_ids)
   scripted = scripted_agent(agent)
   out, stats = play(ScriptedPolicy(root, tokenizer), chains, tokenizer, config, "gold", pool,
                     agent=scripted, retriever=retriever)
@@ -284,19 +290,20 @@ def _failed(stats: ExpertStats, task_ids: Sequence[str]) -> list[str]:
   return [t for t in task_ids if t in lost]
 
 
-def self_distilled_trajectories(policy_at: Callable[[AgentConfig], Any], config: ExpertConfig,
+def self_distilled_trajectories(policy_at: Callable[[AgentConfig], Any],
+                                task_ids: Sequence[str], config: ExpertConfig,
                                 tokenizer: Tokenizer, pool: appworld.EnvPool | None = None,
                                 agent: AgentConfig = AgentConfig(),
                                 retriever: Retriever | None = None
                                 ) -> tuple[list[data_lib.Trajectory], ExpertStats]:
   """Rejection sampling from the starting policy (`policy_at(agent)`: it sampling as
-  `agent`): the split's scenarios are played at each of `config.temperatures` in turn, as
-  `agent` at that temperature (its budgets, stop strings, top_p and top_k are the run's),
+  `agent`): the scenarios of `task_ids` are played at each of `config.temperatures` in turn,
+  as `agent` at that temperature (its budgets, stop strings, top_p and top_k are the run's),
   each scenario until a play of it yields selected trajectories, which are kept (source
   "self@<temperature>"). The stats count every play."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
-  remaining = [t for split in config.splits for t in appworld.read_split(root, split)]
+  remaining = list(task_ids)
   out, total = [], ExpertStats()
   for i, temperature in enumerate(config.temperatures):
     if not remaining:
@@ -359,14 +366,15 @@ def main(argv) -> None:
   f = flags.FLAGS
   logging.getLogger("httpx").setLevel(logging.WARNING)
   tokenizer = Tokenizer()
-  config = ExpertConfig(appworld_root=f.appworld_root, splits=tuple(f.splits),
+  config = ExpertConfig(appworld_root=appworld.resolve_root(f.appworld_root or "mini"),
                         num_workers=f.num_workers, selection=f.selection, rewrites=f.rewrites,
                         firsts=f.firsts)
   agent = AgentConfig(use_library=f.use_library)
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
   if f.gold:
-    trajectories, stats = gold_trajectories(config, tokenizer, agent=agent)
+    task_ids = [t for split in f.splits for t in appworld.read_split(config.appworld_root, split)]
+    trajectories, stats = gold_trajectories(task_ids, config, tokenizer, agent=agent)
     kept += trajectories
     report["gold"] = dataclasses.asdict(stats)
   for path in f.input:
