@@ -7,8 +7,9 @@ AppWorld timing never make processes wait for each other; the cross-process step
 (0) at startup, connecting the device groups (`initialize`, `connect`), (1) the weight sync
 after an update (`WeightSync`), (2) the global train batch (`make_global`, with the layout
 agreed through `allgather`), (3) gathers of episode metrics and evaluation records
-(`allgather_objects`), (4) the stop decision after each step (`any_process`), (5) at a
-resume, the checkpoint step and whether a damaged one is moved aside (`from_lead`), and (6) at
+(`allgather_objects`), (4) the stop decision after each step (`any_process`), (5) process 0's
+listing of the checkpoint steps, at a resume whether a damaged one is moved aside, and before
+each save whether its step is there already (`from_lead`, `allgather_objects`), and (6) at
 the end, leaving the run together (`finish`). Each is a collective: every process calls it, in
 the same order.
 
@@ -177,11 +178,29 @@ def allgather_objects(value: Any) -> list[Any]:
   return [pickle.loads(gathered[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
 
 
+class LeadFailed(RuntimeError):
+  """Process 0's part of a `from_lead` raised; every process raises this, with its message."""
+
+
 def from_lead(compute: Callable[[], Any]) -> Any:
   """`compute()`, run on process 0 alone, returned on every process: a decision that all must
   take alike (which checkpoint step to resume from). A collective, so also a barrier: no
-  process returns before process 0 has computed it."""
-  return allgather_objects(compute() if is_lead() else None)[0]
+  process returns before process 0 has computed it. If it raises there, every process raises
+  LeadFailed naming that error (process 0's raised from it) at once: the others would
+  otherwise wait in the gather until the runtime noticed that process 0 had gone (a run of
+  one process gets the error itself)."""
+  if jax.process_count() == 1:
+    return compute()
+  outcome, failure = None, None
+  if is_lead():
+    try:
+      outcome = (compute(), None)
+    except Exception as e:  # noqa: BLE001 - whatever it is, every process must hear of it
+      failure, outcome = e, (None, f"{type(e).__name__}: {e}")
+  value, error = allgather_objects(outcome)[0]
+  if error is not None:
+    raise LeadFailed(f"process 0 failed: {error}") from failure
+  return value
 
 
 def connect(mesh: Mesh) -> None:

@@ -173,7 +173,7 @@ class Pipeline:
   def saved_steps(self, stage: str) -> list[int]:
     """The checkpoint steps of `stage` in the workdir (read without cleaning anything up)."""
     directory = self.workdir / run_checkpoint.STAGE_DIRS[stage]
-    if not directory.is_dir():
+    if not multihost.from_lead(directory.is_dir):  # process 0's word: all_steps is a collective
       return []
     reader = Checkpointer(CheckpointConfig(directory=os.fspath(directory), read_only=True))
     try:

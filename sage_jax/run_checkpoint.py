@@ -14,7 +14,7 @@ import os
 import ml_collections
 from flax import nnx
 
-from sage_jax import compact_tokenizer, run_config, storage
+from sage_jax import compact_tokenizer, multihost, run_config, storage
 from sage_jax import sharding as shd
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
@@ -43,7 +43,7 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
   weights sharded over every device of this job (however many processes it has, whatever
   mesh trained it). A missing step is an error that lists the steps there are."""
   ckpt_dir = os.fspath(storage.path(run_dir) / STAGE_DIRS[stage])
-  if not storage.path(ckpt_dir).is_dir():
+  if not multihost.from_lead(storage.path(ckpt_dir).is_dir):  # all processes fail, or none
     raise FileNotFoundError(f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist)")
   # Read-only: the run may still be training, with a save under way that a cleanup of
   # temporary directories would delete.

@@ -1,7 +1,7 @@
 """A small GRPO job that tests run as one or several JAX processes (launch/local.py).
 
   python tests/multihost_job.py --out=DIR [--steps=N] [--step_sleep_s=S] [--ckpt=DIR]
-      [--save_every=N] [--slow_move_s=S] [--late_start_s=S]
+      [--save_every=N] [--slow_move_s=S] [--late_start_s=S] [--lagging_listing=I]
 
 A tiny Qwen2 (vocabulary 256) on a global (fsdp) mesh over every process's devices; each step
 draws a fixed global batch of synthetic episodes from (seed, step), every process packs its
@@ -36,6 +36,9 @@ _SLOW_MOVE = flags.DEFINE_float("slow_move_s", 0.0,
 _LATE = flags.DEFINE_float("late_start_s", 0.0,
                            "Seconds the last process waits before building its model (a host "
                            "whose setup is slower than the others').")
+_LAGGING = flags.DEFINE_integer("lagging_listing", -1,
+                                "This process lists no step in the checkpoint directory (storage "
+                                "whose listing lags behind on its host); -1: none.")
 _SEQUENCES = 12
 
 
@@ -72,6 +75,23 @@ def slow_move_aside(seconds: float) -> None:
   local.rename = slow_rename
 
 
+def lagging_listing(directory: str) -> None:
+  """Listings of `directory` leave its steps out (as NFS or an object store may, for a while,
+  on one host); files are still read and written by name."""
+  from etils import epath  # noqa: PLC0415
+
+  local = type(epath.Path("/"))
+  iterdir = local.iterdir
+
+  def lagging_iterdir(self):
+    entries = iterdir(self)
+    if os.path.realpath(self) != os.path.realpath(directory):
+      return entries
+    return (entry for entry in entries if not entry.name.isdigit())
+
+  local.iterdir = lagging_iterdir
+
+
 def main(argv):
   del argv
   multihost.initialize()
@@ -93,6 +113,8 @@ def main(argv):
   os.makedirs(_OUT.value, exist_ok=True)
   if _SLOW_MOVE.value and multihost.is_lead():
     slow_move_aside(_SLOW_MOVE.value)
+  if _LAGGING.value == jax.process_index():
+    lagging_listing(_CKPT.value)
   mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
   multihost.connect(mesh)
   if jax.process_index() == jax.process_count() - 1:

@@ -204,6 +204,65 @@ def test_every_process_falls_back_from_a_damaged_step_to_the_same_step(
   _assert_same_params(resumed["params"], one_process["params"])
 
 
+def test_a_process_whose_listing_shows_no_step_resumes_with_process_0(
+    two_saved_steps, one_process, tmp_path):
+  """Process 1's listing of the checkpoint directory lags behind (NFS, an object store) and
+  shows no step: it resumes from process 0's newest step with it, not afresh."""
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(two_saved_steps, ckpt)
+  resumed = _launch(2, 2, str(tmp_path / "run"), f"--steps={STEPS}", "--save_every=1",
+                    f"--ckpt={ckpt}", "--lagging_listing=1")
+  assert (resumed["start_steps"], resumed["end_step"]) == ([2, 2], STEPS)
+  assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == list(range(1, STEPS + 1))
+  _assert_same_params(resumed["params"], one_process["params"])
+
+
+def _files(directory):
+  return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*")
+          if p.is_file()}
+
+
+def _failed_launch(out, *args):
+  """Runs the job as 2 processes that must fail; (process 0's output and the launcher's,
+  process 1's log)."""
+  proc = _launch(2, 2, str(out), *args, wait=False)
+  output, _ = proc.communicate(timeout=600)
+  log = (out / "logs" / "process_1.log").read_text()
+  assert proc.returncode != 0, _failure(output, log)
+  return output, log
+
+
+def test_a_step_that_process_0_does_not_list_is_not_saved_over(two_saved_steps, tmp_path):
+  """Process 0's listing lags behind and shows no step: both processes start afresh, and at
+  the first save, of a step that process 1 sees there, both fail naming it; the step is left
+  as it was, not replaced on one host and kept on the other."""
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(two_saved_steps, ckpt)
+  output, log = _failed_launch(tmp_path / "run", f"--steps={STEPS}", "--save_every=1",
+                               f"--ckpt={ckpt}", "--lagging_listing=0")
+  for text in (output, log):
+    assert re.search(r"CheckpointSaveError: checkpoint step 1 was not saved: \S+/1: "
+                     r"process\(es\) \[1\] list it there and process 0 does not", text), (
+                         _failure(output, log))
+  assert _files(ckpt) == _files(two_saved_steps)
+
+
+def test_every_process_fails_with_process_0_when_its_shared_decision_fails(
+    two_saved_steps, tmp_path):
+  """Process 0 cannot move damaged step 2 aside (a file named damaged is in the way, as a
+  permission or storage error would be): every process fails at once with process 0's
+  error, none waits for it until the launcher stops it; step 2 stays where it was."""
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(two_saved_steps, ckpt)
+  _truncated_as_recorded(ckpt / "2")
+  (ckpt / "damaged").write_text("in the way")
+  output, log = _failed_launch(tmp_path / "run", f"--steps={STEPS}", f"--ckpt={ckpt}")
+  for text in (output, log):
+    assert "LeadFailed: process 0 failed: FileExistsError" in text, _failure(output, log)
+  assert "launch: process 1 exited with 1" in output, _failure(output, log)
+  assert (ckpt / "2" / "files.json").exists()
+
+
 def _launch_entry(workdir, *command):
   done = subprocess.run([sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
                          f"--workdir={workdir}", "--", sys.executable, *command],

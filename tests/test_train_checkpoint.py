@@ -1,9 +1,14 @@
 """Orbax checkpoints: keep last N + best on dev, config beside them, atomic finalisation,
-restore into another sharding; metrics JSONL / TensorBoard with resume truncation."""
+restore into another sharding, failed reads and saves named; metrics JSONL / TensorBoard with
+resume truncation."""
 
+import contextlib
 import gc
 import json
 import os
+import re
+import resource
+import signal
 import weakref
 
 import jax
@@ -255,6 +260,69 @@ def test_when_no_step_reads_nothing_is_moved(tmp_path, trainer, capfd, monkeypat
   saver.close()
   gc.collect()  # orbax's abandoned reads report themselves when collected: not a word
   assert "never" not in capfd.readouterr().err
+
+
+def test_a_read_error_names_the_file_and_what_went_wrong(tmp_path, trainer):
+  """A data file cut short in a step without files.json (orbax's read finds it): the message
+  gives the array store's own words and file, not orbax's wrapper around them ("See full
+  TensorStore details: <bound method ...>")."""
+  directory = tmp_path / "ck"
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), async_save=False))
+  saver.save(1, trainer.state, meta={"step": 1})
+  saver.close()
+  (directory / "1" / ckpt.FILES_RECORD).unlink()
+  data = max((p for p in (directory / "1").rglob("*") if p.parent.name == "d"),
+             key=lambda p: p.stat().st_size)
+  os.truncate(data, data.stat().st_size // 2)
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory)))
+  with pytest.raises(ckpt.CheckpointError) as error:
+    saver.restore(trainer.abstract_state(), 1)
+  saver.close()
+  assert error.value.path == f"{directory}/1/state/"
+  assert re.fullmatch(r'OUT_OF_RANGE: Error reading "[\w./]+" in OCDBT database at local file '
+                      r'"\S+/1/state/": Requested byte range \[\d+, \d+\) is not valid for '
+                      r"value of size \d+", error.value.problem), error.value.problem
+
+
+@contextlib.contextmanager
+def _files_limited_to(size):
+  """Within the block, this process cannot write a file past `size` bytes (EFBIG, as a full
+  disk fails a write)."""
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails, the process lives
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (size, limits[1]))
+  try:
+    yield
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["last-step", "signal"])
+def test_a_failed_last_save_fails_the_loop_naming_its_step(tmp_path, trainer, stopped):
+  """The last save (written in the background) fails, at the end of the run or at a stop:
+  the loop raises an error naming the step and the problem, instead of returning as if the
+  run had finished or stopped with a checkpoint."""
+  directory = tmp_path / "ck"
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), save_every=100))
+  last = 2 if stopped else 3
+  with contextlib.ExitStack() as full_disk:
+
+    def one_step(step, _):
+      if step == last - 1:
+        full_disk.enter_context(_files_limited_to(1000))
+        if stopped:
+          os.kill(os.getpid(), signal.SIGTERM)
+      return {"loss": 1.0}
+
+    with pytest.raises(ckpt.CheckpointSaveError) as error:
+      loop.run_steps(trainer, one_step, total_steps=3, checkpointer=saver,
+                     metrics=metrics_lib.MetricsConfig(progress=False))
+  saver.close()
+  assert error.value.step == last
+  assert str(error.value).startswith(f"checkpoint step {last} was not saved: {directory}/")
+  assert "File too large" in error.value.problem
+  assert ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory))).all_steps() == []
 
 
 def test_a_damaged_step_on_gcs_is_copied_aside_and_its_number_saved_again(gcs_url, trainer):

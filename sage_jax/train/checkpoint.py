@@ -22,7 +22,15 @@ With several processes each reads its own part of a step, so a damaged file may 
 process's read and not another's: the processes agree after each read (a failure on any is a
 failure on all), take process 0's listing of the steps and its word on whether a step was
 written whole, and list the steps again only once process 0 has moved the damaged ones aside.
-Every process thus resumes from the same step, and later saves see the same steps.
+Shared or eventually consistent storage (NFS, an object store) may also list the steps
+differently from host to host: every listing that a decision rests on (whether to resume and
+from where, whether a step is saved already, `all_steps`) is process 0's, shared, and orbax
+deletes the steps that keep_last / keep_best let go on process 0 alone. Every process thus
+resumes from the same step, and saves (or skips) the same steps.
+
+A failed save (orbax writes in the background) raises `CheckpointSaveError`, naming the step,
+at the next save or `wait` (the loops wait after their last save): a run whose last checkpoint
+did not land fails, and nothing marks it finished.
 
 The directory may be local or remote (`gs://...`: orbax writes the arrays through
 tensorstore, the JSON files here go through `sage_jax.storage`). There a finished step is
@@ -38,6 +46,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -63,6 +72,38 @@ class CheckpointError(RuntimeError):
   def __init__(self, step: int, path: str, problem: str):
     super().__init__(f"checkpoint step {step} cannot be read: {path}: {problem}")
     self.step, self.path, self.problem = step, path, problem
+
+
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint step was not saved; the message names the step, the file and the problem."""
+
+  def __init__(self, step: int | None, path: str, problem: str):
+    super().__init__(f"checkpoint step {step} was not saved: {path}: {problem}")
+    self.step, self.path, self.problem = step, path, problem
+
+
+# What the array store appends to its errors, which says nothing of what went wrong: its spec
+# of the array, or orbax's "See full TensorStore details: <bound method ...>".
+_STORE_DETAILS = re.compile(r"\s*(?:\[tensorstore_spec=|See full TensorStore details:).*", re.S)
+
+
+def _problem(error: BaseException, directory: epath.Path) -> tuple[str | None, str]:
+  """(the file under `directory` it names, what went wrong) for an error of orbax or
+  tensorstore. Orbax raises its own error from tensorstore's ("Encountered error while reading
+  array index ... See full TensorStore details: <bound method ...>" from 'OUT_OF_RANGE: Error
+  reading "<array>" in OCDBT database at local file "<dir>": ...'): the first line of the
+  innermost error of the chain that says something says what failed, and where."""
+  chain = [error]
+  while chain[-1].__cause__ is not None:
+    chain.append(chain[-1].__cause__)
+  for cause in reversed(chain):
+    text = _STORE_DETAILS.sub("", str(cause).strip()).split("\n")[0].strip()
+    if text:
+      break
+  else:
+    text = type(error).__name__
+  named = re.findall(re.escape(os.fspath(directory)) + r"[^\s\"':]*", text)
+  return (named[-1] if named else None), text[:500]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +175,11 @@ def _raised_in_orbax(error: BaseException | None) -> bool:
 
 
 def _quiet_orbax_leftovers() -> None:
-  """A failed read leaves orbax's other reads behind, and they report themselves as they
-  finish or are collected, during and long after the read: dozens of tracebacks that bury
-  the CheckpointError (unretrieved task exceptions, unawaited coroutines, callbacks into
-  its closed event loop: "Event loop is closed"). Those, and only those, are dropped from
-  the first restore on."""
+  """A failed read or save leaves orbax's other reads or writes behind, and they report
+  themselves as they finish or are collected, during and long after it: dozens of tracebacks
+  that bury the CheckpointError (unretrieved task exceptions, unawaited coroutines, callbacks
+  into its closed event loop: "Event loop is closed"). Those, and only those, are dropped from
+  the first Checkpointer on."""
   previous = sys.unraisablehook
   if getattr(previous, "drops_orbax_leftovers", False):
     return
@@ -172,9 +213,11 @@ class Checkpointer:
   def __init__(self, config: CheckpointConfig, run_config: Any = None):
     if not config.directory:
       raise ValueError("CheckpointConfig.directory is empty")
+    _quiet_orbax_leftovers()
     self.config = config
     self.directory = storage.path(config.directory)
     self._unrecorded: set[int] = set()  # steps saved here whose files.json is not written
+    self._saving: int | None = None  # the step of the save started last
     if config.read_only:
       if run_config is not None:
         raise ValueError("a read-only Checkpointer writes no run config")
@@ -204,10 +247,14 @@ class Checkpointer:
   # --- Queries ----------------------------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    return sorted(self._manager.all_steps())
+    """The finished steps as process 0 lists them, on every process (a collective: every
+    process calls it, in the same order; see the module doc)."""
+    return multihost.from_lead(lambda: sorted(self._manager.all_steps()))
 
   def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+    """The newest of `all_steps` (None if there is none); a collective too."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def best_step(self) -> int | None:
     """The kept checkpoint with the best dev metric (None if none has one)."""
@@ -270,20 +317,46 @@ class Checkpointer:
     """
     if self.config.read_only:
       raise ValueError(f"{self.directory}: opened read-only, so step {step} cannot be saved")
-    if step in self._manager.all_steps():
+    if self._saved_already(step):
       return False
-    # The previous save is long done by now (save_every steps ago): record its files.
-    self._manager.wait_until_finished()
-    self._record_files()
+    # The previous save is long done by now (save_every steps ago): its failure is raised
+    # here, or its files recorded.
+    self.wait()
     meta = dict(to_jsonable(meta or {}))
     metrics = {k: float(v) for k, v in (metrics or {}).items()}
     meta["metrics"] = metrics
     ranked = metrics if self.config.best_metric in metrics else None
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)),
-                       metrics=ranked, force=True)
+    self._saving = step
+    try:
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(meta)),
+                         metrics=ranked, force=True)
+    except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+      raise self._save_error(e) from e
     self._unrecorded.add(step)
     return True
+
+  def _saved_already(self, step: int) -> bool:
+    """Whether `step` is saved, in process 0's listing. Orbax's save refuses a step that this
+    process's own listing holds, once the others have begun saving it (they would wait for
+    this one): a process that lists a step that process 0 does not lists again, and if one
+    still does, every process raises CheckpointSaveError."""
+    listed = multihost.allgather_objects(step in self._manager.all_steps())
+    if listed[0] or not any(listed):
+      return listed[0]
+    if listed[jax.process_index()]:
+      self._manager.reload()
+    still = [i for i, seen in enumerate(multihost.allgather_objects(
+        step in self._manager.all_steps())) if seen]
+    if still:
+      raise CheckpointSaveError(step, str(self.step_directory(step)), (
+          f"process(es) {still} list it there and process 0 does not (the hosts see "
+          "different steps): saving it would replace it on some and not on others"))
+    return False
+
+  def _save_error(self, error: Exception) -> CheckpointSaveError:
+    path, problem = _problem(error, self.directory)
+    return CheckpointSaveError(self._saving, path or str(self.directory), problem)
 
   def read_meta(self, step: int) -> dict:
     restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -320,7 +393,6 @@ class Checkpointer:
     """`read(step directory)` after `check_step`, by every process; then the processes agree:
     a problem on any one is raised on all (CheckpointError), so that they fall back to another
     step, or fail, together."""
-    _quiet_orbax_leftovers()
     root, value, error = self.step_directory(step), None, None
     try:
       self.check_step(step)
@@ -328,8 +400,8 @@ class Checkpointer:
     except CheckpointError as e:
       error = e
     except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
-      first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      error = CheckpointError(step, str(root), first_line[:500])
+      path, problem = _problem(e, self.directory)
+      error = CheckpointError(step, path or str(root), problem)
       error.__cause__ = e
     problems = multihost.allgather_objects(None if error is None else (error.path, error.problem))
     if error is not None:
@@ -348,7 +420,7 @@ class Checkpointer:
     no checkpoint; CheckpointError, with nothing moved, when no step reads. Every process
     takes the same decisions (see the module doc)."""
     damaged: list[CheckpointError] = []
-    for step in reversed(multihost.from_lead(self.all_steps)):
+    for step in reversed(self.all_steps()):
       try:
         state, meta = self.restore(abstract_state, step)
       except CheckpointError as e:
@@ -400,8 +472,12 @@ class Checkpointer:
     return aside
 
   def wait(self) -> None:
-    """Blocks until every started save is finalised."""
-    self._manager.wait_until_finished()
+    """Blocks until every started save is finalised; raises CheckpointSaveError if the last
+    one failed (once: orbax reports a failure to the first wait only)."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+      raise self._save_error(e) from e
     self._record_files()
 
   def reached_preemption(self, step: int) -> bool:
@@ -412,8 +488,10 @@ class Checkpointer:
       return False
 
   def close(self) -> None:
-    self.wait()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
 
 
 class PreemptionGuard:

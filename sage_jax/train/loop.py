@@ -9,7 +9,10 @@ steps; with the peak memory so far, `memory/*`), evaluates every `eval_every` st
 SIGTERM / SIGINT (or orbax's multi-host preemption notice) saves, waits for the save to land,
 and returns. With several processes, a signal to any one of them stops all of them after the
 same step, with one checkpoint. A signal that comes while the last step is being saved lets
-that save land and still counts as a stop, so that what follows the loop does not start.
+that save land and still counts as a stop, so that what follows the loop does not start. A
+save that fails raises `CheckpointSaveError` at the next save, or for the last one (at the end
+or at a stop) before the loop returns: a run whose checkpoint did not land is never reported
+done or stopped.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ def step_seed(seed: int, step: int) -> int:
 def restore_latest(trainer: Trainer, checkpointer: Checkpointer | None) -> int:
   """Loads the newest intact checkpoint into `trainer` (if there is one; damaged newer steps
   are moved aside); returns the step to continue from. With resuming off, checkpoints already
-  in the directory are an error: the new run's steps would mix with them."""
+  in the directory are an error: the new run's steps would mix with them. Whether there is a
+  checkpoint is process 0's word (`Checkpointer.latest_step`): a process that listed none on
+  storage that lists differently from host to host would start afresh beside the others."""
   latest = None if checkpointer is None else checkpointer.latest_step()
   if latest is None:
     return 0
@@ -125,9 +130,11 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         if preempted:
           break
     finally:
-      if checkpointer is not None:  # within the guard: a signal cannot cut the last save short
-        checkpointer.wait()
-      writer.close()
+      try:
+        if checkpointer is not None:  # within the guard: a signal cannot cut the last save short
+          checkpointer.wait()  # a failed last save raises here: the run has not finished
+      finally:
+        writer.close()
     if not preempted:  # a signal during the last step's save stops the run once it has landed
       preempted = multihost.any_process(guard.requested)
   return LoopResult(start_step=start, end_step=step, preempted=preempted, history=history,
