@@ -23,13 +23,20 @@ from sage_jax.train.state import abstract_train_state, state_shardings
 from sage_jax.weights import loader
 
 STAGE_DIRS = {"rl": "checkpoints", "sft": "sft/checkpoints"}
+# Keys that runs of earlier versions recorded and this one no longer has (-> what took their
+# place): dropped from a recorded config, so that those runs still export and evaluate.
+RETIRED_KEYS = {"expert.use_library": "agent.use_library"}
 
 
 def read_config(run_dir: str) -> ml_collections.ConfigDict:
-  """The run's config.json; a directory without one is not a training run."""
+  """The run's config.json, less its `RETIRED_KEYS`; a directory without one is not a
+  training run."""
   config = storage.read_json(storage.path(run_dir) / "config.json")
   if config is None:
     raise FileNotFoundError(f"{run_dir}: not a training run's workdir (no config.json)")
+  for key in RETIRED_KEYS:
+    section, field = key.split(".")
+    (config.get(section) or {}).pop(field, None)
   return ml_collections.ConfigDict(config)
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 from sage_jax import run_config
@@ -273,6 +274,22 @@ def test_tuple_and_unset_keys_can_be_overridden_on_the_command_line(tmp_path):
 
 def _recorded(config):
   return run_config.with_seeds(config, run_config.resolve(config))
+
+
+def test_a_run_recorded_with_a_retired_key_still_resolves(tmp_path):
+  """A run of an earlier version recorded keys this one has not (expert.use_library, now
+  agent.use_library): its export and evaluation read its config.json without them."""
+  import json  # noqa: PLC0415
+
+  from sage_jax import run_checkpoint  # noqa: PLC0415
+  recorded = _recorded(_config("sage", "demo"))
+  recorded["expert"]["use_library"] = True
+  (tmp_path / "config.json").write_text(json.dumps(recorded))
+  with pytest.raises(ConfigError, match=r"config.expert.use_library: unknown key"):
+    run_config.resolve(ml_collections.ConfigDict(recorded))
+  run = run_config.resolve(run_checkpoint.read_config(str(tmp_path)))
+  assert run.agent.use_library and run.expert == run_config.resolve(
+      _config("sage", "demo")).expert
 
 
 def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
