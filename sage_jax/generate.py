@@ -27,9 +27,8 @@ from absl import app, flags, logging
 
 from sage_jax import multihost
 from sage_jax import tokenizer as tokenizer_lib
-from sage_jax.model.config import read_checkpoint_json
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
-from sage_jax.weights import loader
+from sage_jax.weights import hf, loader
 
 
 # The flags a checkpoint's generation_config.json gives defaults for.
@@ -46,15 +45,6 @@ NOT_APPLIED = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "mi
                "min_new_tokens": None, "max_length": None, "bad_words_ids": None,
                "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
                "guidance_scale": None}
-
-
-def generation_config(model_path: str) -> tuple[str | None, dict[str, Any]]:
-  """(path, contents) of the checkpoint's generation_config.json; (None, {}) when it has none
-  (a .gguf file, a directory without one)."""
-  path = os.path.join(model_path, "generation_config.json")
-  if not os.path.isfile(path):
-    return None, {}
-  return path, read_checkpoint_json(path)
 
 
 def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +124,7 @@ def main(argv: list[str]) -> None:
   path = loader.resolve(FLAGS.model)
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
   tok = tokenizer_lib.Tokenizer(tok_dir)
-  sampling, stop = sampling_settings(*generation_config(path), tok)
+  sampling, stop = sampling_settings(*hf.read_generation_config(path), tok)
   ids = prompt_ids(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
   model = loader.load_model(path)
   # One prefill chunk and one attention window sized to this request: two compilations.

@@ -334,6 +334,15 @@ def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
   os.replace(tmp, out_dir)
 
 
+def read_generation_config(directory: str) -> tuple[str | None, dict]:
+  """(path, contents) of a checkpoint's generation_config.json; (None, {}) when it has none
+  (a .gguf file, a directory without one)."""
+  path = os.path.join(directory, "generation_config.json")
+  if not os.path.isfile(path):
+    return None, {}
+  return path, read_checkpoint_json(path)
+
+
 def write_configs(out_dir: str, cfg: Qwen2Config, *, dtype: str,
                   tokenizer_dir: str | os.PathLike | None = None,
                   source_dir: str | None = None) -> None:
@@ -354,8 +363,7 @@ def write_configs(out_dir: str, cfg: Qwen2Config, *, dtype: str,
     return new_id
 
   ids = {"bos_token_id": exported(cfg.bos_token_id), "eos_token_id": exported(cfg.eos_token_id)}
-  path = os.path.join(source_dir, "generation_config.json") if source_dir else ""
-  source = read_checkpoint_json(path) if os.path.isfile(path) else {}
+  _, source = read_generation_config(source_dir) if source_dir else (None, {})
   if not (tokenizer_dir and source_dir
           and os.path.realpath(tokenizer_dir) == os.path.realpath(source_dir)):
     source = {k: v for k, v in source.items() if not k.endswith("_token_id")}
