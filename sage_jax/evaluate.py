@@ -116,4 +116,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main, flags_parser=run_config.parse_flags)
+  run_config.run(main)

@@ -412,9 +412,24 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
                         f"sampler_mesh.tensor)")
 
 
+def run(main: typing.Callable[[list[str]], Any]) -> None:
+  """`app.run(main)` for an entry point that takes `--config` and `--config.<path>`
+  overrides: flags parse with `parse_flags`, and a ConfigError (a value the schema refuses,
+  a workdir that cannot resume under this config) exits with its message alone; the
+  traceback would only say where it was checked."""
+
+  def checked(argv: list[str]) -> Any:
+    try:
+      return main(argv)
+    except ConfigError as e:
+      sys.exit(f"ConfigError: {e}")
+
+  app.run(checked, flags_parser=parse_flags)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing with usage (a bad flag value exits with absl's message), for
-  `app.run(main, flags_parser=parse_flags)`: a config file that does not load
+  """absl's flag parsing with usage (a bad flag value exits with absl's message), for `run`
+  and `app.run(main, flags_parser=parse_flags)`: a config file that does not load
   (`config_file.define_flag`), or a `--config.<path>` override that names no section or key
   of it, exits with one line naming it, instead of ml_collections' traceback or bare
   KeyError."""
@@ -432,8 +447,10 @@ def parse_flags(argv: list[str]) -> list[str]:
       bad = next((i for i, part in enumerate(parts[1:], 1)
                   if message.startswith(f"'{part}'") or message == part), None)
       if bad is not None:
-        what = "section" if bad == 1 else "key"
+        if bad > 1:
+          problem = f"config section {'.'.join(parts[1:bad])!r} has no key {parts[bad]!r}"
+        else:
+          problem = f"the config has no {'section' if len(parts) > 2 else 'key'} {parts[1]!r}"
         hint = message.partition("\n")[2].strip()
-        sys.exit(f"{override}: unknown config {what} {'.'.join(parts[:bad + 1])!r}"
-                 + (f" ({hint})" if hint else "") + ".")
+        sys.exit(f"{override}: {problem}" + (f" ({hint})" if hint else "") + ".")
     raise

@@ -88,7 +88,12 @@ def test_config_command_prints_the_run_plan():
       [sys.executable, "-m", "sage_jax.tools.memory_plan", "--config=configs/sage.py:qwen2.5-7b",
        "--config.grpo.group_sise=4"], capture_output=True, text=True, timeout=300)
   assert misspelt.returncode != 0 and "Traceback" not in misspelt.stderr
-  assert "unknown config key 'config.grpo.group_sise'" in misspelt.stderr
+  assert "config section 'grpo' has no key 'group_sise'" in misspelt.stderr
+  refused = subprocess.run(
+      [sys.executable, "-m", "sage_jax.tools.memory_plan", "--config=configs/sage.py:qwen2.5-7b",
+       "--config.grpo.group_size=0"], capture_output=True, text=True, timeout=300)
+  assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
+      "ConfigError: config.grpo.group_size must be >= 1, got 0"]
 
 
 def test_lora_plan_trains_the_adapters_only():

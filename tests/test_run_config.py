@@ -224,11 +224,12 @@ def test_component_seeds_derive_from_the_run_seed():
 
 
 @pytest.mark.parametrize("override, named", [
-    ("--config.rollotu.group_size=4", "unknown config section 'config.rollotu' "
+    ("--config.rollotu.group_size=4", "the config has no section 'rollotu' "
                                       "(Did you mean \"rollout\" instead of \"rollotu\"?)"),
-    ("--config.grpo.group_sise=4", "unknown config key 'config.grpo.group_sise' "
+    ("--config.grpo.group_sise=4", "config section 'grpo' has no key 'group_sise' "
                                    "(Did you mean \"group_size\" instead of \"group_sise\"?)"),
-    ("--config.rollout.nothing_like_it=4", "unknown config key 'config.rollout.nothing_like_it'")])
+    ("--config.rollout.nothing_like_it=4", "config section 'rollout' has no key 'nothing_like_it'"),
+    ("--config.nope=4", "the config has no key 'nope'")])
 def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_path):
   # The pipeline's own entry point (sage_jax.train delegates to it).
   done = subprocess.run([sys.executable, "-m", "sage_jax.pipeline",
@@ -237,6 +238,16 @@ def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_pat
                         timeout=120)
   assert done.returncode != 0
   assert done.stderr.strip() == f"{override}: {named}."
+
+
+def test_value_the_schema_refuses_exits_with_its_message(tmp_path):
+  done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                         f"--workdir={tmp_path}", "--config.grpo.group_size=0"],
+                        capture_output=True, text=True, timeout=120,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert done.returncode != 0 and "Traceback" not in done.stderr
+  assert done.stderr.strip().splitlines()[-1] == (
+      "ConfigError: config.grpo.group_size must be >= 1, got 0")
 
 
 def test_tuple_and_unset_keys_can_be_overridden_on_the_command_line(tmp_path):

@@ -288,4 +288,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("hosts", 1, "Hosts of the run (with --config).")
   flags.DEFINE_integer("devices_per_host", 1, "Accelerators per host (with --config).")
   flags.DEFINE_float("device_memory_gib", None, "Memory of one accelerator (with --config).")
-  app.run(main, flags_parser=run_config.parse_flags)
+  run_config.run(main)

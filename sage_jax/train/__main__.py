@@ -1,11 +1,11 @@
 """`python -m sage_jax.train --config=configs/sage.py:<preset> --workdir=DIR` runs the whole
 pipeline (SFT, RL, evaluations, export): the same command as `python -m sage_jax.pipeline`."""
 
-from absl import app, flags
+from absl import flags
 
 from sage_jax import pipeline, run_config
 
 if __name__ == "__main__":
   pipeline.define_flags()
   flags.adopt_module_key_flags(pipeline)  # --help lists them
-  app.run(pipeline.main, flags_parser=run_config.parse_flags)
+  run_config.run(pipeline.main)
