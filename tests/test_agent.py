@@ -108,8 +108,9 @@ def test_analyze_finds_functions_nested_in_top_level_statements():
   assert a.functions[1].source == "def b(): return LIMIT"
   assert a.imports == ()  # not at top level: carried only where a skill reads it
   bound = [(name, b.kind) for name, b in a.bindings]
-  assert bound == [("handle", ""), ("a", ""), ("LIMIT", ""), ("b", ""), ("PAGE", ""),
-                   ("rest", ""), ("c", ""), ("K", ""), ("outer", ""), ("PAGE", ""),
+  assert bound == [("handle", ""), ("a", "function"), ("LIMIT", ""), ("b", "function"),
+                   ("PAGE", ""), ("rest", ""), ("c", "function"), ("K", ""),
+                   ("outer", "function"), ("PAGE", ""),
                    ("regex", "import"), ("PAGE", ""), ("LIMIT", "constant"), ("LIMIT", ""),
                    ("SIZE", "constant")]
 
@@ -202,23 +203,26 @@ def _saved(blocks):
 
 
 def test_a_saved_function_carries_the_imports_and_literal_constants_it_reads():
-  """From its own block and earlier ones; a value computed by code (an API call) is not run
-  again where the skill is installed, a name rebound by such code is not carried, and a
-  local of the same name is the function's own."""
+  """From its own block and earlier ones, and a local of the same name is the function's
+  own. A value computed by code (an API call), or a name rebound by such code, is not run
+  again where the skill is installed: a function that reads one is not saved."""
   saved = _saved([
       "import re\nimport json\nLIMIT = 3\nTOKEN = apis.supervisor.show_profile()\n"
       "PAGE = 1\n",
       "SEP: str = ','\nPAGE = len('ab')\n"
-      "def f(xs, sep=None):\n    page = PAGE\n    return (sep or SEP).join(\n"
-      "        re.sub('a', 'b', x) for x in xs[:LIMIT]) + TOKEN\n"
-      "def g():\n    LIMIT = 5\n    return LIMIT\n",
+      "def f(xs, sep=None):\n    return (sep or SEP).join(\n"
+      "        re.sub('a', 'b', x) for x in xs[:LIMIT])\n"
+      "def g():\n    LIMIT = 5\n    return LIMIT\n"
+      "def h():\n    return TOKEN\n"
+      "def k():\n    page = PAGE\n    return page\n",
   ])
+  assert sorted(saved) == ["f", "g"]
   f, g = saved["f"], saved["g"]
   assert f.imports == ("import re",) and f.constants == ("LIMIT = 3", "SEP: str = ','")
   assert g.imports == () and g.constants == ()
-  namespace = {"TOKEN": "!", "PAGE": 0}  # the names it reads but cannot carry
+  namespace = {}
   exec(f.code, namespace)  # noqa: S102 - the carried code runs on its own
-  assert namespace["f"](["a", "aa", "c", "d"]) == "b,bb,c!"
+  assert namespace["f"](["a", "aa", "c", "d"]) == "b,bb,c"
 
 
 def test_a_comprehension_variable_does_not_rebind_the_constant_of_its_name():

@@ -266,6 +266,51 @@ def test_a_skill_reads_the_constants_of_its_task_where_it_is_installed(pool):
   assert tracker.events().used == ("first_items", "limit")
 
 
+def test_a_skill_reading_a_value_its_task_computed_is_not_saved(pool):
+  """A skill whose body reads what the task's code computed (an API result, a class, a
+  constant set in a branch) ran here but would raise NameError where installed: it is not
+  saved. One that calls another function of the task, or reads a literal constant, is."""
+  blocks = [block("""
+      import json
+      WIDTH = 2
+      user = apis.supervisor.show_profile()["email"]
+      class Page:
+          size = 3
+      if True:
+          LIMIT = 4
+
+      def helper(items):
+          return items[:WIDTH]
+
+      def portable(items):
+          return json.dumps(helper(items))
+
+      def by_user(items):
+          return [user] + items
+
+      def by_class(items):
+          return items[:Page.size]
+
+      def by_branch(items):
+          return items[:LIMIT]
+
+      print(portable([1, 2, 3]), by_user([1]), by_class([1]), by_branch([1]))
+      """)]
+  outputs = []
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", blocks, outputs=outputs)
+  assert outputs[0].startswith("[1, 2]"), outputs
+  e = tracker.events()
+  assert e.saved == e.generated == ("helper", "portable")
+  assert e.failed_definitions == ("by_branch", "by_class", "by_user")
+  library = SkillLibrary()
+  library.save(tracker.saved_functions(), scenario=SCENARIO, task_id=f"{SCENARIO}_1",
+               instruction="")
+  outputs = []
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_2", ["print(portable([5, 6, 7]))\n"],
+                          install_code(library.skills(SCENARIO)), outputs)
+  assert outputs[0].strip() == "[5, 6]" and tracker.events().used == ("helper", "portable")
+
+
 def test_a_skill_written_inside_try_or_if_is_generated_and_runs_where_installed(pool):
   """Code that wraps its work in `try/except` (or an `if`) still defines its functions in the
   module's scope: the one that ran is generated and saved, dedented with the import and the

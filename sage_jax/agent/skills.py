@@ -71,6 +71,9 @@ class FunctionInfo:
   # Names the `def` statement itself reads (decorators, default values, annotations): where
   # it is installed they must already be bound.
   definition_reads: frozenset[str] = frozenset()
+  # Globals it reads that the task bound by running code (`token = apis.spotify.login(...)`,
+  # a class, a constant set in a branch): unbound where it is installed.
+  task_values: frozenset[str] = frozenset()
 
   @property
   def code(self) -> str:
@@ -79,11 +82,12 @@ class FunctionInfo:
 
   @property
   def installable(self) -> bool:
-    """Whether its definition runs where it is installed: what the `def` reads is a builtin
-    or bound by the imports and constants it carries (not a task function or a computed
-    value)."""
+    """Whether it runs where it is installed: what the `def` reads is a builtin or bound by
+    the imports and constants it carries (not a task function or a computed value), and its
+    body reads no value the task computed."""
     carried = top_level_bindings("\n".join((*self.imports, *self.constants)))
-    return self.definition_reads <= _BUILTINS | {name for name, _ in carried}
+    return (not self.task_values
+            and self.definition_reads <= _BUILTINS | {name for name, _ in carried})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +231,7 @@ class Binding:
   is an import or a literal constant (something a saved skill can carry), else None."""
 
   source: str | None
-  kind: str = ""  # "import" | "constant" | "" (anything else)
+  kind: str = ""  # "import" | "constant" | "function" | "" (a value computed by code)
 
 
 def top_level_bindings(code: str) -> list[tuple[str, Binding]]:
@@ -244,6 +248,7 @@ def _bindings(tree: ast.Module, code: str) -> list[tuple[str, Binding]]:
     # A constant bound in a branch may not be what the name held: carried, it could run
     # with another value than the task's. An import binds the same module wherever it ran.
     kind = ("import" if isinstance(node, (ast.Import, ast.ImportFrom))
+            else "function" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             else "constant" if _literal_constant(node) and not conditional else "")
     # A nested statement's own text: its first line from its column, the rest as written
     # (continuation lines inside brackets or strings), so it also runs at top level.
@@ -420,16 +425,20 @@ class SkillTracker:
   def _carrying(self, f: FunctionInfo) -> FunctionInfo:
     """`f` with what it (and its `def`: default values, decorators) reads of the task's
     imports and literal constants, as bound by the end of the block observed last (where it
-    ran): earlier blocks' imports join those of its own block."""
-    imports, constants = list(f.imports), []
+    ran): earlier blocks' imports join those of its own block. The task's other functions it
+    calls travel as skills of their own; the values its code computed cannot travel."""
+    imports, constants, computed = list(f.imports), [], set()
     reads = f.reads | f.definition_reads  # `def f(n=PAGE)`: PAGE is a local name inside f
-    for _, binding in sorted((self._bindings[n] for n in reads if n in self._bindings),
-                             key=lambda item: item[0]):
+    for name in sorted(reads & self._bindings.keys(), key=lambda n: self._bindings[n][0]):
+      binding = self._bindings[name][1]
       if binding.kind == "import" and binding.source not in imports:
         imports.append(binding.source)
       elif binding.kind == "constant" and binding.source not in constants:
         constants.append(binding.source)
-    return dataclasses.replace(f, imports=tuple(imports), constants=tuple(constants))
+      elif not binding.kind:
+        computed.add(name)
+    return dataclasses.replace(f, imports=tuple(imports), constants=tuple(constants),
+                               task_values=frozenset(computed))
 
   def _observe_text(self, analysis: CodeAnalysis) -> None:
     """Static diagnostics: library skills reachable from the block's top-level calls."""
