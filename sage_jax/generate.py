@@ -9,11 +9,12 @@ or the bundled model's name. With --chat (default) the prompt is a user message 
 ChatML; --nochat completes raw text.
 
 An HF directory's generation_config.json gives the sampling defaults, as it does for
-transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p and
-top_k (transformers' 1.0, 1.0 and 50 for those it leaves out), and its max_new_tokens; a flag
-given on the command line wins. Generation stops at every one of its eos_token_id (else at
+transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p, top_k
+(transformers' 1.0, 1.0 and 50 for those it leaves out) and min_p; its repetition_penalty
+(greedy too); its max_new_tokens, else its max_length less the prompt's length. A flag given
+on the command line wins. Generation stops at every one of its eos_token_id (else at
 `<|im_end|>` and `<|endoftext|>`). A log line says where each setting came from; settings the
-sampler does not apply (repetition_penalty, min_p, beams...) are named in a warning.
+sampler does not apply (beams, typical_p...) are named in a warning.
 """
 
 from __future__ import annotations
@@ -32,25 +33,27 @@ from sage_jax.weights import hf, loader
 
 
 # The flags a checkpoint's generation_config.json gives defaults for.
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "max_new_tokens")
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "max_new_tokens")
 # What transformers samples with when do_sample is set and the file leaves a setting out, and
 # the sampler's value for a setting the file turns off (null).
 TRANSFORMERS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
 SAMPLING_OFF = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 # generation_config.json settings the sampler has no counterpart for, at the values where they
 # change nothing.
-NOT_APPLIED = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "min_p": None,
-               "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1,
-               "penalty_alpha": None, "no_repeat_ngram_size": 0, "min_length": 0,
-               "min_new_tokens": None, "max_length": None, "bad_words_ids": None,
-               "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
-               "guidance_scale": None}
+NOT_APPLIED = {"encoder_repetition_penalty": 1.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+               "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None,
+               "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": None,
+               "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+               "sequence_bias": None, "guidance_scale": None}
 
 
-def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+def generation_defaults(generation: dict[str, Any], prompt_length: int) -> dict[str, Any]:
   """Flag name -> the value transformers' `generate` takes from `generation` (a
   generation_config.json), for the flags it decides: greedy (temperature 0) when do_sample
-  is false; the sampling settings when it is true; its max_new_tokens."""
+  is false; the sampling settings (min_p among them) when it is true; the repetition penalty
+  either way; its max_new_tokens, else its max_length (which counts the prompt's
+  `prompt_length` tokens too)."""
   defaults: dict[str, Any] = {}
   if "do_sample" in generation and not generation["do_sample"]:
     defaults["temperature"] = 0.0
@@ -58,8 +61,14 @@ def generation_defaults(generation: dict[str, Any]) -> dict[str, Any]:
     for name, default in TRANSFORMERS_SAMPLING.items():
       value = generation.get(name, default)
       defaults[name] = SAMPLING_OFF[name] if value is None else type(default)(value)
+    if generation.get("min_p") is not None:
+      defaults["min_p"] = float(generation["min_p"])
+  if generation.get("repetition_penalty") is not None:
+    defaults["repetition_penalty"] = float(generation["repetition_penalty"])
   if generation.get("max_new_tokens") is not None:
     defaults["max_new_tokens"] = int(generation["max_new_tokens"])
+  elif generation.get("max_length") is not None:
+    defaults["max_new_tokens"] = int(generation["max_length"]) - prompt_length
   return defaults
 
 
@@ -91,11 +100,12 @@ def prompt_ids(tok: tokenizer_lib.Tokenizer, prompt: str, chat: bool, system: st
 
 
 def sampling_settings(generation_path: str | None, generation: dict[str, Any],
-                      tok: tokenizer_lib.Tokenizer) -> tuple[SamplingParams, list[int]]:
+                      tok: tokenizer_lib.Tokenizer,
+                      prompt_length: int) -> tuple[SamplingParams, list[int]]:
   """The request's sampling and eos ids: each flag given on the command line, else the
   checkpoint's generation_config.json, else the flag's default; logged with where each
   came from."""
-  from_file = generation_defaults(generation)
+  from_file = generation_defaults(generation, prompt_length)
   values, origins = {}, {}
   for name in SAMPLING_FLAGS:
     if flags.FLAGS[name].present or name not in from_file:
@@ -103,6 +113,14 @@ def sampling_settings(generation_path: str | None, generation: dict[str, Any],
       origins[name] = "the command line" if flags.FLAGS[name].present else "generate's defaults"
     else:
       values[name], origins[name] = from_file[name], generation_path
+  if origins["max_new_tokens"] == generation_path and generation.get("max_new_tokens") is None:
+    max_length = generation["max_length"]
+    if values["max_new_tokens"] < 1:
+      raise ValueError(f"{generation_path} sets max_length={max_length}, which the "
+                       f"{prompt_length}-token prompt already reaches: no room for new tokens "
+                       "(--max_new_tokens asks for some)")
+    origins["max_new_tokens"] = (f"{generation_path}'s max_length={max_length} less the "
+                                 f"{prompt_length}-token prompt")
   stop = eos_ids(generation, tok)
   origins["eos_token_id"] = generation_path if "eos_token_id" in generation else "the tokenizer"
   by_origin: dict[str, list[str]] = {}
@@ -124,8 +142,8 @@ def main(argv: list[str]) -> None:
   path = loader.resolve(FLAGS.model)
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
   tok = tokenizer_lib.Tokenizer(tok_dir)
-  sampling, stop = sampling_settings(*hf.read_generation_config(path), tok)
   ids = prompt_ids(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
+  sampling, stop = sampling_settings(*hf.read_generation_config(path), tok, len(ids))
   model = loader.load_model(path)
   # One prefill chunk and one attention window sized to this request: two compilations.
   max_len = min(_next_pow2(len(ids) + sampling.max_new_tokens),
@@ -158,6 +176,10 @@ def define_flags() -> None:
   flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
   flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
+  flags.DEFINE_float("min_p", 0.0, "Drop tokens less likely than min_p times the most likely "
+                     "one (0 = off).")
+  flags.DEFINE_float("repetition_penalty", 1.0, "transformers' repetition penalty on every "
+                     "token id of the prompt and the completion, greedy too (1 = off).")
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_bool("chat", True, "Wrap the prompt as a ChatML user message.")
   flags.DEFINE_string("system", "You are Qwen, created by Alibaba Cloud. You are a helpful "

@@ -12,6 +12,8 @@ import transformers
 
 from sage_jax import generate
 from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.sampler import Engine, EngineConfig, SamplingParams
+from sage_jax.weights import loader
 from tests.hf_reference import tiny_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,21 +21,25 @@ PROMPT = "def add(a, b):"
 
 
 def test_generation_defaults_read_as_transformers_reads_them():
-  assert generate.generation_defaults({}) == {}
-  assert generate.generation_defaults({"eos_token_id": 2, "temperature": 0.7}) == {}
-  assert generate.generation_defaults({"do_sample": False, "temperature": 0.7,
-                                       "max_new_tokens": 9}) == {"temperature": 0.0,
-                                                                 "max_new_tokens": 9}
-  assert generate.generation_defaults({"do_sample": True, "temperature": 0.7, "top_p": 0.8,
-                                       "top_k": 20}) == {"temperature": 0.7, "top_p": 0.8,
-                                                         "top_k": 20}
-  assert generate.generation_defaults({"do_sample": True, "top_k": None}) == {
+  defaults = lambda generation: generate.generation_defaults(generation, prompt_length=5)
+  assert defaults({}) == {}
+  assert defaults({"eos_token_id": 2, "temperature": 0.7, "min_p": 0.1}) == {}
+  assert defaults({"do_sample": False, "temperature": 0.7, "min_p": 0.1,
+                   "max_new_tokens": 9}) == {"temperature": 0.0, "max_new_tokens": 9}
+  assert defaults({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}) == {
+      "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+  assert defaults({"do_sample": True, "top_k": None, "min_p": None}) == {
       "temperature": 1.0, "top_p": 1.0, "top_k": 0}
-  assert generate.generation_defaults({"do_sample": True}) == {
-      "temperature": 1.0, "top_p": 1.0, "top_k": 50}
-  assert generate.not_applied({"repetition_penalty": 1.05, "min_p": 0.1, "num_beams": 1,
-                               "typical_p": 1.0, "top_k": 20}) == {"repetition_penalty": 1.05,
-                                                                  "min_p": 0.1}
+  assert defaults({"do_sample": True}) == {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+  assert defaults({"do_sample": True, "min_p": 0.1, "repetition_penalty": 1.05}) == {
+      "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.05}
+  # The penalty applies to greedy decoding too; max_length counts the prompt.
+  assert defaults({"repetition_penalty": 1.05, "max_length": 12}) == {
+      "repetition_penalty": 1.05, "max_new_tokens": 7}
+  assert defaults({"max_length": 12, "max_new_tokens": 3}) == {"max_new_tokens": 3}
+  assert generate.not_applied({"repetition_penalty": 1.05, "min_p": 0.1, "max_length": 30,
+                               "num_beams": 1, "typical_p": 0.9, "top_k": 20}) == {
+      "typical_p": 0.9}
   tok = tokenizer_lib.Tokenizer()
   assert generate.eos_ids({}, tok) == [tok.im_end, tok.endoftext]
   assert generate.eos_ids({"eos_token_id": 7}, tok) == [7]
@@ -55,15 +61,20 @@ def checkpoint(tmp_path_factory):
   return directory, greedy[0, len(prompt):].tolist()
 
 
-def _generate(directory, *flags: str, generation: dict | None = None) -> tuple[str, str]:
-  """(completion, log) of the command on `directory`, with `generation` written as its
-  generation_config.json by transformers (None: the file as it is)."""
+def _run(directory, *flags: str, generation: dict | None = None) -> subprocess.CompletedProcess:
+  """The command on `directory`, with `generation` written as its generation_config.json by
+  transformers (None: the file as it is)."""
   if generation is not None:
     transformers.GenerationConfig(**generation).save_pretrained(directory)
-  out = subprocess.run([sys.executable, "-m", "sage_jax.generate", f"--model={directory}",
-                        f"--prompt={PROMPT}", "--nochat", *flags], cwd=REPO,
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  return subprocess.run([sys.executable, "-m", "sage_jax.generate", f"--model={directory}",
+                         f"--prompt={PROMPT}", "--nochat", *flags], cwd=REPO,
+                        capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _generate(directory, *flags: str, generation: dict | None = None) -> tuple[str, str]:
+  """(completion, log) of a successful run of the command (see `_run`)."""
+  out = _run(directory, *flags, generation=generation)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout.removesuffix("\n"), out.stderr
 
@@ -73,7 +84,8 @@ def test_without_sampling_settings_the_flags_defaults_apply(checkpoint):
   tok = tokenizer_lib.Tokenizer(directory)
   text, log = _generate(directory, "--max_new_tokens=8")
   assert text == tok.decode(greedy)
-  assert ("Sampling settings: temperature=0.0, top_p=1.0, top_k=0 from generate's defaults; "
+  assert ("Sampling settings: temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, "
+          "repetition_penalty=1.0 from generate's defaults; "
           "max_new_tokens=8 from the command line; "
           f"eos_token_id=[{tok.im_end}, {tok.endoftext}] from the tokenizer") in log, log
   assert "does not apply" not in log
@@ -92,23 +104,82 @@ def test_generation_stops_at_every_eos_id_of_the_file(checkpoint):
 
 
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
-            "max_new_tokens": 8, "repetition_penalty": 1.05, "min_p": 0.05}
+            "max_new_tokens": 8, "repetition_penalty": 1.05, "min_p": 0.05, "typical_p": 0.9}
 
 
 def test_the_files_sampling_settings_are_the_defaults_and_flags_win(checkpoint):
   directory, greedy = checkpoint
   tok = tokenizer_lib.Tokenizer(directory)
   sampled, log = _generate(directory, generation=SAMPLING)
-  assert (f"temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=8 from "
-          f"{directory}/generation_config.json") in log, log
-  assert (f"{directory}/generation_config.json sets repetition_penalty=1.05, min_p=0.05, "
-          "which this sampler does not apply: ignored") in log, log
+  assert (f"temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.05, "
+          f"max_new_tokens=8 from {directory}/generation_config.json") in log, log
+  assert (f"{directory}/generation_config.json sets typical_p=0.9, which this sampler does not "
+          "apply: ignored") in log, log
   # The same as those settings given as flags.
   flagged, _ = _generate(directory, "--temperature=0.7", "--top_p=0.8", "--top_k=20",
-                         "--max_new_tokens=8", generation={})
+                         "--min_p=0.05", "--repetition_penalty=1.05", "--max_new_tokens=8",
+                         generation={})
   assert sampled == flagged != tok.decode(greedy)
   # A flag wins over the file; the file still gives the rest.
-  text, log = _generate(directory, "--temperature=0", generation=SAMPLING)
+  text, log = _generate(directory, "--temperature=0", "--repetition_penalty=1",
+                        generation=SAMPLING)
   assert text == tok.decode(greedy)
-  assert ("temperature=0.0 from the command line; top_p=0.8, top_k=20, max_new_tokens=8 from "
-          f"{directory}/generation_config.json") in log, log
+  assert ("temperature=0.0, repetition_penalty=1.0 from the command line; top_p=0.8, top_k=20, "
+          f"min_p=0.05, max_new_tokens=8 from {directory}/generation_config.json") in log, log
+
+
+OBSERVATION = [11, 22, 33]
+
+
+@pytest.fixture(scope="module")
+def penalized(checkpoint):
+  """transformers' greedy completions under a repetition penalty of 1.3, 16 tokens without
+  stopping: of PROMPT's ids, and of the conversation after it and OBSERVATION."""
+  directory, greedy = checkpoint
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, attn_implementation="eager").eval()
+
+  def complete(ids):
+    with torch.no_grad():
+      out = reference.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                               repetition_penalty=1.3, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+  prompt = tokenizer_lib.Tokenizer(directory).encode(PROMPT)
+  first = complete(prompt)
+  assert first[:8] != greedy  # The penalty changes the completion.
+  return prompt, first, complete(prompt + first + OBSERVATION)
+
+
+def test_greedy_with_a_repetition_penalty_equals_transformers(checkpoint, penalized):
+  """Through the engine (the second turn after appended ids), and through the command reading
+  the penalty and max_length from generation_config.json."""
+  directory, _ = checkpoint
+  prompt, first, second = penalized
+  engine = Engine(loader.load_model(str(directory)),
+                  EngineConfig(num_slots=1, max_len=64, prefill_buckets=(16,), min_attend=64),
+                  eos_ids=())
+  seq = engine.start(prompt, SamplingParams(temperature=0.0, repetition_penalty=1.3,
+                                            max_new_tokens=16))
+  assert engine.run()[0].tokens == first
+  engine.append(seq, OBSERVATION)
+  assert engine.run()[0].tokens == second
+  tok = tokenizer_lib.Tokenizer(directory)
+  text, log = _generate(directory, generation={"repetition_penalty": 1.3,
+                                               "max_length": len(prompt) + 16})
+  assert text == tok.decode(first)
+  config = f"{directory}/generation_config.json"
+  assert (f"repetition_penalty=1.3 from {config}; max_new_tokens=16 from {config}'s "
+          f"max_length={len(prompt) + 16} less the {len(prompt)}-token prompt") in log, log
+
+
+def test_a_max_length_the_prompt_reaches_fails_unless_max_new_tokens_is_given(checkpoint,
+                                                                              penalized):
+  directory, _ = checkpoint
+  prompt, first, _ = penalized
+  failed = _run(directory, generation={"repetition_penalty": 1.3, "max_length": len(prompt)})
+  assert failed.returncode != 0
+  assert (f"{directory}/generation_config.json sets max_length={len(prompt)}, which the "
+          f"{len(prompt)}-token prompt already reaches") in failed.stderr, failed.stderr[-3000:]
+  text, _ = _generate(directory, "--max_new_tokens=4")
+  assert text == tokenizer_lib.Tokenizer(directory).decode(first[:4])

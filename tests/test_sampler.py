@@ -1,5 +1,6 @@
-"""The sampler engine on tiny random models: exactness against a training-style forward,
-multi-turn cache reuse, continuous batching, stop conditions, no recompilation, sharding."""
+"""The sampler engine on tiny random models: exactness against a training-style forward and
+transformers' logits processors, multi-turn cache reuse, continuous batching, stop conditions,
+no recompilation, sharding."""
 
 import asyncio
 import dataclasses
@@ -9,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 from flax import nnx
 
 from sage_jax import sharding as shd
@@ -100,6 +103,42 @@ def _filtered_reference(logits, temperature, top_k, top_p):
   return kept - np.logaddexp.reduce(kept[keep])
 
 
+def _transformers_scores(logits, history, params):
+  """transformers' processed scores of `logits` [vocab] after the ids `history`: the processors
+  its `generate` builds for `params`, in its order (`_get_logits_processor`): the repetition
+  penalty, then, when sampling, temperature, top-k, top-p, min-p."""
+  processors = transformers.LogitsProcessorList()
+  if params.repetition_penalty != 1:
+    processors.append(transformers.RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+  if params.temperature > 0:
+    processors.append(transformers.TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+      processors.append(transformers.TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+      processors.append(transformers.TopPLogitsWarper(params.top_p))
+    if params.min_p:
+      processors.append(transformers.MinPLogitsWarper(params.min_p))
+  scores = processors(torch.tensor([history]), torch.tensor(np.asarray(logits, np.float32)[None]))
+  return scores[0].double().numpy()
+
+
+def _check_turn_against_transformers(model, history, turn, params):
+  """Each token of `turn` (after the ids `history`) is transformers' choice (greedy) or has
+  positive probability under its processed scores, with the sampling logprob those scores
+  give it; the model logprob is the unmodified model's."""
+  logits = _forward_logits(model, history + turn.tokens)[len(history) - 1:-1]
+  for i, token in enumerate(turn.tokens):
+    model_lp = logits[i] - np.logaddexp.reduce(logits[i])
+    np.testing.assert_allclose(turn.model_logprobs[i], model_lp[token], atol=2e-5)
+    scores = _transformers_scores(logits[i], history + turn.tokens[:i], params)
+    if params.temperature == 0:
+      assert token == scores.argmax()
+      continue
+    sample_lp = scores - np.logaddexp.reduce(scores)
+    assert np.isfinite(sample_lp[token]), "sampled a token transformers' processors removed"
+    np.testing.assert_allclose(turn.sample_logprobs[i], sample_lp[token], atol=5e-5)
+
+
 # --- Exactness ------------------------------------------------------------------------------
 
 
@@ -146,11 +185,47 @@ def test_sample_frequencies_follow_the_filtered_distribution(temperature, top_k,
   tokens, sample_lp, _ = jax.jit(sample, static_argnames="candidates")(
       jnp.tile(logits, (rows, 1)), batch(temperature, jnp.float32), batch(top_p, jnp.float32),
       batch(top_k, jnp.int32), jnp.arange(rows, dtype=jnp.uint32), batch(5, jnp.int32),
-      candidates=candidates)
+      min_p=batch(0.0, jnp.float32), repetition_penalty=batch(1.0, jnp.float32),
+      seen=jnp.zeros((rows, len(logits)), bool), candidates=candidates)
   freq = np.bincount(np.asarray(tokens), minlength=len(logits)) / rows
   np.testing.assert_allclose(freq, expected, atol=0.012)
   np.testing.assert_allclose(np.asarray(sample_lp), np.log(expected[np.asarray(tokens)]),
                              atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p,penalty", [
+    (1.0, 0, 1.0, 0.3, 1.0), (0.7, 5, 1.0, 0.2, 1.5), (1.0, 0, 0.8, 0.1, 2.0),
+    (1.3, 0, 1.0, 0.0, 3.0), (0.0, 0, 1.0, 0.5, 3.0)])
+def test_penalty_and_min_p_sample_from_transformers_processed_scores(temperature, top_k, top_p,
+                                                                    min_p, penalty):
+  """Frequencies and sampling logprobs follow transformers' processed scores (greedy: their
+  argmax); removed tokens are never drawn; model logprobs stay the unprocessed model's."""
+  rows = 20000
+  logits = np.log(np.array([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.05], np.float32)) + 2
+  seen_ids = [0, 2, 5]  # two positive logits, one negative
+  params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repetition_penalty=penalty)
+  scores = _transformers_scores(logits, seen_ids, params)
+  seen = np.zeros((rows, len(logits)), bool)
+  seen[:, seen_ids] = True
+  batch = lambda x, dtype: jnp.full((rows,), x, dtype)
+  tokens, sample_lp, model_lp = jax.jit(sample, static_argnames="candidates")(
+      jnp.tile(logits, (rows, 1)), batch(temperature, jnp.float32), batch(top_p, jnp.float32),
+      batch(top_k, jnp.int32), jnp.arange(rows, dtype=jnp.uint32), batch(5, jnp.int32),
+      min_p=batch(min_p, jnp.float32), repetition_penalty=batch(penalty, jnp.float32),
+      seen=jnp.asarray(seen), candidates=8)
+  tokens = np.asarray(tokens)
+  np.testing.assert_allclose(np.asarray(model_lp),
+                             (logits - np.logaddexp.reduce(logits))[tokens], atol=1e-6)
+  if temperature == 0:
+    assert (tokens == scores.argmax()).all() and scores.argmax() != logits.argmax()
+    return
+  expected = np.exp(scores - np.logaddexp.reduce(scores))
+  freq = np.bincount(tokens, minlength=len(logits)) / rows
+  assert (freq[expected == 0] == 0).all()
+  assert (expected == 0).any() == bool(top_k or top_p < 1 or min_p)
+  np.testing.assert_allclose(freq, expected, atol=0.012)
+  np.testing.assert_allclose(np.asarray(sample_lp), np.log(expected[tokens]), atol=1e-5)
 
 
 def test_no_draw_picks_a_token_the_filters_removed():
@@ -174,7 +249,9 @@ def test_no_draw_picks_a_token_the_filters_removed():
 def test_greedy_on_a_diverged_row_stays_in_the_vocabulary():
   logits = jnp.asarray([[0.0, 2.0, np.nan, 5.0, np.nan], [1.0, 3.0, 3.0, 0.0, -1.0]])
   tokens, _, _ = sample(logits, jnp.zeros(2), jnp.ones(2), jnp.zeros(2, jnp.int32),
-                        jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32), candidates=4)
+                        jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32), min_p=jnp.zeros(2),
+                        repetition_penalty=jnp.ones(2), seen=jnp.zeros(logits.shape, bool),
+                        candidates=4)
   assert np.asarray(tokens).tolist() == np.asarray(jnp.argmax(logits, -1)).tolist() == [2, 1]
 
 
@@ -190,6 +267,42 @@ def test_seeded_sampling_is_independent_of_slot_and_batch(model):
 
 
 # --- Multi-turn and continuous batching ---------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, max_new_tokens=20),
+    SamplingParams(temperature=1.0, repetition_penalty=2.0, max_new_tokens=20),
+    SamplingParams(temperature=0.8, top_k=30, top_p=0.9, min_p=0.1, repetition_penalty=1.3,
+                   max_new_tokens=20),
+    SamplingParams(temperature=1.2, min_p=0.2, max_new_tokens=20)])
+def test_turns_sample_as_transformers_processes_the_whole_history(model, params):
+  """Over two turns, the second after appended ids, every token follows transformers'
+  processors given the whole history so far (prompt, sampled and appended ids)."""
+  prompt, obs = _prompts([20, 9], seed=14)
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  seq = engine.start(prompt, params, seed=1)
+  first = engine.run()[0]
+  engine.append(seq, obs)
+  second = engine.run()[0]
+  _check_turn_against_transformers(model, prompt, first, params)
+  _check_turn_against_transformers(model, prompt + first.tokens + obs, second, params)
+  if params.repetition_penalty != 1:  # The penalty matters here.
+    plain = dataclasses.replace(params, repetition_penalty=1.0)
+    assert engine.generate([prompt], plain, seeds=[1])[0].tokens != first.tokens
+
+
+def test_a_sequence_taking_over_a_slot_holds_only_its_own_ids(model):
+  """Sequences that take over slots (one-token prompts, a prompt prefilled over several steps
+  while other slots decode) are penalised for their own ids only."""
+  prompts = _prompts([40, 1, 12, 70, 1, 3, 75], seed=15)
+  params = [SamplingParams(temperature=0.0 if i == 2 else 1.0, repetition_penalty=1.5,
+                          max_new_tokens=n) for i, n in enumerate([12, 5, 20, 6, 9, 14, 3])]
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  results = engine.generate(prompts, params)
+  assert engine.stats.prefill_calls > 8  # the last prompt came in chunks
+  for prompt, sp, result in zip(prompts, params, results):
+    _check_turn_against_transformers(model, prompt, result, sp)
+
 
 
 def test_multi_turn_cache_reuse_equals_reprefill(model):
@@ -313,6 +426,12 @@ def test_requests_are_checked(model):
   for temperature in (-0.5, float("nan"), float("inf")):  # NaN would sample token 0 forever
     with pytest.raises(ValueError, match="temperature=.* must be a finite number >= 0"):
       SamplingParams(temperature=temperature)
+  for min_p in (-0.1, 1.5, float("nan")):
+    with pytest.raises(ValueError, match=r"min_p=.* must be in \[0, 1\]"):
+      SamplingParams(min_p=min_p)
+  for penalty in (0.0, -1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="repetition_penalty=.* must be a finite number > 0"):
+      SamplingParams(repetition_penalty=penalty)
 
 
 # --- Compilation, parameters, async driver, sharding ---------------------------------------
@@ -331,6 +450,10 @@ def test_no_compilation_after_warmup(model):
                                             max_new_tokens=10))
     engine.generate(prompts[:3], SamplingParams(temperature=0.0, max_new_tokens=3,
                                                 stop_strings=("<1>",)))
+    engine.generate(prompts[2:5], SamplingParams(temperature=0.0, repetition_penalty=1.2,
+                                                 max_new_tokens=5))
+    engine.generate(prompts[:2], SamplingParams(temperature=1.0, min_p=0.1,
+                                                repetition_penalty=1.2, max_new_tokens=5))
     seq = engine.start(prompts[4], GREEDY)
     engine.run()
     for obs in _prompts([2, 40, 5], seed=9):
@@ -395,11 +518,14 @@ def test_sharded_engine_matches_single_device(model):
   assert jax.device_count() == 8, "conftest sets 8 simulated CPU devices"
   mesh = shd.make_mesh(shd.MeshConfig(data=4, fsdp=1, tensor=2))
   prompts = _prompts([5, 40, 17, 9, 2], seed=13)
-  single = Engine(model, ENGINE, eos_ids=NO_EOS).generate(prompts, GREEDY)
+  # Some penalised: presence rows are sharded with the cache's.
+  params = [dataclasses.replace(GREEDY, repetition_penalty=1.0 + i % 2) for i in range(5)]
+  single = Engine(model, ENGINE, eos_ids=NO_EOS).generate(prompts, params)
   sharded_engine = Engine(model, ENGINE, eos_ids=NO_EOS, mesh=mesh)
-  sharded = sharded_engine.generate(prompts, GREEDY)
+  sharded = sharded_engine.generate(prompts, params)
   spec = sharded_engine._cache.k[0].sharding.spec
   assert tuple(spec)[:3] == ("data", None, "tensor")
+  assert tuple(sharded_engine._presence.sharding.spec)[:1] == ("data",)
   for a, b in zip(single, sharded):
     assert a.tokens == b.tokens
     np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)

@@ -159,6 +159,8 @@ class Engine:
     with self._rules_context():
       self._cache = jax.jit(lambda: steps.constrain_cache(
           KVCache.zeros(model.config, cfg.num_slots, cfg.max_len)))()
+      self._presence = jax.jit(lambda: steps.empty_presence(cfg.num_slots,
+                                                            model.config.vocab_size))()
     self._state = steps.SlotState.empty(cfg.num_slots)
     self._slots: list[_Sequence | None] = [None] * cfg.num_slots
     self._seqs: dict[int, _Sequence] = {}
@@ -298,7 +300,7 @@ class Engine:
           self._run_prefill(tokens_for(t), slot=0, start=0, length=0, attend_len=a)
     idle = steps.SlotState.empty(cfg.num_slots)
     for a in self._decode_windows:
-      self._cache, _, _ = self._run_decode(idle, a)
+      self._run_decode(idle, a)
 
   # --- Turns -----------------------------------------------------------------------------
 
@@ -368,6 +370,7 @@ class Engine:
     st.tokens[s], st.positions[s], st.active[s] = seq.last_token, seq.length - 1, True
     st.remaining[s], st.limits[s] = sp.max_new_tokens, seq.limit
     st.temperature[s], st.top_p[s], st.top_k[s] = sp.temperature, sp.top_p, sp.top_k
+    st.min_p[s], st.repetition_penalty[s] = sp.min_p, sp.repetition_penalty
     st.seeds[s] = seq.seed
     seq.phase = "decode"
 
@@ -387,15 +390,18 @@ class Engine:
   def _run_prefill(self, tokens: np.ndarray, *, slot: int, start: int, length: int,
                    attend_len: int) -> None:
     with self._rules_context():
-      self._cache = steps.prefill(self._graphdef, self._params, self._cache, tokens,
-                                  np.int32(slot), np.int32(start), np.int32(length),
-                                  attend_len=attend_len)
+      self._cache, self._presence = steps.prefill(
+          self._graphdef, self._params, self._cache, self._presence, tokens, np.int32(slot),
+          np.int32(start), np.int32(length), attend_len=attend_len)
 
-  def _run_decode(self, state: steps.SlotState, attend_len: int):
+  def _run_decode(self, state: steps.SlotState,
+                  attend_len: int) -> tuple[steps.SlotState, steps.BlockOutput]:
     with self._rules_context():
-      return steps.decode(self._graphdef, self._params, self._cache, state,
-                          num_steps=self.config.steps_per_call, attend_len=attend_len,
-                          eos_ids=self._eos, candidates=self.config.max_top_k)
+      self._cache, self._presence, state, out = steps.decode(
+          self._graphdef, self._params, self._cache, self._presence, state,
+          num_steps=self.config.steps_per_call, attend_len=attend_len, eos_ids=self._eos,
+          candidates=self.config.max_top_k)
+    return state, out
 
   def _prefill_chunk(self) -> int:
     """Prefills the next chunk of the oldest pending input; returns its length."""
@@ -421,8 +427,7 @@ class Engine:
   def _decode_block(self) -> None:
     st, cfg = self._state, self.config
     needed = int(st.positions[st.active].max()) + cfg.steps_per_call
-    self._cache, state, out = self._run_decode(st, _smallest_covering(self._decode_windows,
-                                                                       needed))
+    state, out = self._run_decode(st, _smallest_covering(self._decode_windows, needed))
     state, out = jax.device_get((state, out))
     self._state = jax.tree.map(np.array, state)
     self.stats.decode_calls += 1

@@ -1,11 +1,13 @@
 """Per-sequence sampling parameters and the on-device token sampler.
 
-Every row of a batch samples with its own temperature, top-k, top-p and random stream.
-The random number of a token depends only on the sequence's seed and the token's position,
-so a run is reproducible whatever slot a sequence lands in and whatever shares its batch.
+Every row of a batch samples with its own repetition penalty, temperature, top-k, top-p,
+min-p and random stream, applied in transformers' order. The random number of a token
+depends only on the sequence's seed and the token's position, so a run is reproducible
+whatever slot a sequence lands in and whatever shares its batch.
 The sampler avoids sorting the vocabulary (slow on CPU): greedy is a max and an index,
-sampling is an inverse CDF over blocks, top-k / top-p thresholds come from a small
-`lax.top_k` with an exact bisection for the rare nucleus that needs more candidates.
+sampling is an inverse CDF over blocks, top-k / top-p / min-p thresholds come from a small
+`lax.top_k` with an exact bisection for the rare nucleus that needs more candidates. Each
+processing step runs only when some row of the batch asks for it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ _CDF_BLOCK = 128
 class SamplingParams:
   """How one sequence samples; `temperature=0` is greedy.
 
+  `repetition_penalty` (transformers' RepetitionPenaltyLogitsProcessor, greedy included)
+  divides the positive logits of every id the sequence holds by the penalty and multiplies the
+  negative ones. `min_p` drops tokens less likely than min_p times the most likely one.
   `max_new_tokens` bounds each turn; `max_context` bounds the whole sequence (prompt,
   generations and appended tokens), default the engine's cache length. `stop_strings` end
   a turn at the token that completes one of them (checked on the host, after decoding).
@@ -32,6 +37,8 @@ class SamplingParams:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
   max_new_tokens: int = 256
   max_context: int | None = None
   stop_strings: tuple[str, ...] = ()
@@ -43,6 +50,11 @@ class SamplingParams:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
     if self.top_k < 0:
       raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+    if not 0 <= self.min_p <= 1:
+      raise ValueError(f"min_p={self.min_p} must be in [0, 1] (0 = off)")
+    if not 0 < self.repetition_penalty < math.inf:
+      raise ValueError(f"repetition_penalty={self.repetition_penalty} must be a finite number "
+                       "> 0 (1 = off)")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
     if self.max_context is not None and self.max_context < 2:
@@ -110,11 +122,12 @@ def _nucleus_by_bisection(probs: jax.Array, target: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(lo, _F32)
 
 
-def _filter_threshold(probs: jax.Array, top_k: jax.Array, top_p: jax.Array,
+def _filter_threshold(probs: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
                       candidates: int) -> jax.Array:
   """Per-row probability threshold: tokens with p >= threshold survive top-k, then top-p
-  on the renormalised top-k distribution (HF's order); tokens tied with the last one kept
-  are kept too. top_k must be <= candidates."""
+  on the renormalised top-k distribution, then min-p (HF's order); tokens tied with the last
+  one kept are kept too. min-p is relative to the most likely token, which the others always
+  keep, so it needs no renormalisation. top_k must be <= candidates."""
   c = min(candidates, probs.shape[-1])
   vals = jax.lax.top_k(probs, c)[0]  # [rows, c], descending
   csum = jnp.cumsum(vals, axis=-1)
@@ -129,28 +142,40 @@ def _filter_threshold(probs: jax.Array, top_k: jax.Array, top_p: jax.Array,
   t_p = jax.lax.cond(jnp.any(use_p & ~found),
                      lambda: jnp.where(found, t_p, _nucleus_by_bisection(probs, target)),
                      lambda: t_p)
-  return jnp.maximum(t_k, jnp.where(use_p, t_p, 0.0))
+  return jnp.maximum(jnp.maximum(t_k, jnp.where(use_p, t_p, 0.0)), min_p * vals[:, 0])
+
+
+def _penalize(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
+  """transformers' repetition penalty: the logit of every seen id is divided by the row's
+  penalty when positive, multiplied by it when negative (a penalty of 1 changes nothing)."""
+  p = penalty[:, None]
+  return jnp.where(seen, jnp.where(logits < 0, logits * p, logits / p), logits)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
-           seeds: jax.Array, positions: jax.Array, *,
+           seeds: jax.Array, positions: jax.Array, *, min_p: jax.Array,
+           repetition_penalty: jax.Array, seen: jax.Array,
            candidates: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Samples one token per row of `logits` [rows, vocab].
 
   Returns (tokens, logprobs under the sampling distribution, logprobs under the model's own
   distribution), each [rows]. The sampling distribution of a greedy row is a point mass
-  (logprob 0). `positions` are the positions the new tokens will take; with `seeds` they
-  pick each row's random number.
+  (logprob 0). `seen` [rows, vocab] (bool) marks the ids each row's sequence holds, for the
+  repetition penalty. `positions` are the positions the new tokens will take; with `seeds`
+  they pick each row's random number.
   """
   logits = logits.astype(_F32)
+  penalized = jax.lax.cond(jnp.any(repetition_penalty != 1),
+                           lambda: _penalize(logits, seen, repetition_penalty),
+                           lambda: logits)
   greedy = temperature <= 0
-  greedy_tokens = _first_argmax(logits)
+  greedy_tokens = _first_argmax(penalized)
 
   def stochastic():
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    scaled = penalized / jnp.where(greedy, 1.0, temperature)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
-    threshold = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)),
-                             lambda: _filter_threshold(probs, top_k, top_p, candidates),
+    threshold = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1) | (min_p > 0)),
+                             lambda: _filter_threshold(probs, top_k, top_p, min_p, candidates),
                              lambda: jnp.zeros_like(top_p))
     keep = probs >= threshold[:, None]
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
