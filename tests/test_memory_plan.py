@@ -53,8 +53,9 @@ def test_run_plan_counts_the_sampler_kv_cache_reference_and_activations():
   result = memory_plan.run_plan(run, hosts=8, devices_per_host=4, device_memory_gib=95)
   cfg = get_preset("qwen2.5-32b")
   # KV cache: 32 slots x 16384 positions x 64 layers x (K and V) x 8 KV heads / 4-way tensor
-  # x 128 x bf16, the slots on one host's one data slice.
-  assert result.kv_cache_bytes_per_device == 32 * 16384 * 64 * 2 * 2 * 128 * 2
+  # x 128 x bf16, the slots on one host's one data slice; a presence byte per slot and id.
+  assert result.kv_cache_bytes_per_device == (32 * 16384 * 64 * 2 * 2 * 128 * 2
+                                              + 32 * cfg.vocab_size)
   # The bf16 sampling copy, tensor-parallel over a host's 4 chips (norms replicated).
   assert 2 * cfg.num_params() / 4 < result.sampler_copy_bytes_per_device < (
       2 * cfg.num_params() / 4 * 1.01)

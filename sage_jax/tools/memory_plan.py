@@ -170,10 +170,11 @@ def _shard(n: int, ways: int) -> int:
 
 def kv_cache_bytes(cfg: Qwen2Config, num_slots: int, max_len: int, data: int,
                    tensor: int) -> int:
-  """The sampler's KV cache per device: slots over `data`, KV heads over `tensor`."""
+  """The sampler's KV cache per device, slots over `data`, KV heads over `tensor`, with the
+  slots' presence rows (a byte per vocabulary id, for the repetition penalty)."""
   per_token = 2 * cfg.num_hidden_layers * _shard(cfg.num_key_value_heads, tensor) * cfg.head_dim
-  return (_shard(num_slots, data) * max_len * per_token
-          * np.dtype(cfg.jnp_dtype).itemsize)
+  slots = _shard(num_slots, data)
+  return slots * max_len * per_token * np.dtype(cfg.jnp_dtype).itemsize + slots * cfg.vocab_size
 
 
 def activation_bytes(cfg: Qwen2Config, rows_per_device: int, row_len: int, tensor: int,
