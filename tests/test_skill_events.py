@@ -72,6 +72,18 @@ def run_blocks(pool, task_id, blocks, library_code=None, outputs=None):
   return tracker, asyncio.run(go())
 
 
+def run_where_installed(pool, tracker, code):
+  """Saves what task 1's `tracker` saves, then runs `code` in task 2 with those skills
+  installed; returns task 2's tracker and the output of `code`."""
+  library = SkillLibrary()
+  library.save(tracker.saved_functions(), scenario=SCENARIO, task_id=f"{SCENARIO}_1",
+               instruction="")
+  outputs = []
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_2", [code], install_code(library.skills(SCENARIO)),
+                          outputs)
+  return tracker, outputs[0]
+
+
 # --- events, one episode each ----------------------------------------------------------------
 
 def test_generated_needs_a_successful_call(pool, gold):
@@ -302,13 +314,8 @@ def test_a_skill_reading_a_value_its_task_computed_is_not_saved(pool):
   e = tracker.events()
   assert e.saved == e.generated == ("helper", "portable")
   assert e.failed_definitions == ("by_branch", "by_class", "by_user")
-  library = SkillLibrary()
-  library.save(tracker.saved_functions(), scenario=SCENARIO, task_id=f"{SCENARIO}_1",
-               instruction="")
-  outputs = []
-  tracker, _ = run_blocks(pool, f"{SCENARIO}_2", ["print(portable([5, 6, 7]))\n"],
-                          install_code(library.skills(SCENARIO)), outputs)
-  assert outputs[0].strip() == "[5, 6]" and tracker.events().used == ("helper", "portable")
+  tracker, output = run_where_installed(pool, tracker, "print(portable([5, 6, 7]))\n")
+  assert output.strip() == "[5, 6]" and tracker.events().used == ("helper", "portable")
 
 
 def test_a_skill_written_inside_try_or_if_is_generated_and_runs_where_installed(pool):
@@ -339,13 +346,8 @@ def test_a_skill_written_inside_try_or_if_is_generated_and_runs_where_installed(
       "import json\nSEPARATOR = ' | '\ndef join_titles(titles):\n"
       '    header = """titles:\n      """\n'
       "    return header + json.dumps(SEPARATOR.join(titles))\n")
-  library = SkillLibrary()
-  library.save(tracker.saved_functions(), scenario=SCENARIO, task_id=f"{SCENARIO}_1",
-               instruction="")
-  outputs = []
-  tracker, _ = run_blocks(pool, f"{SCENARIO}_2", ['print(join_titles(["c"]))\n'],
-                          install_code(library.skills(SCENARIO)), outputs)
-  assert outputs[0].strip() == 'titles:\n      "c"'
+  tracker, output = run_where_installed(pool, tracker, 'print(join_titles(["c"]))\n')
+  assert output.strip() == 'titles:\n      "c"'
   assert tracker.events().used == ("join_titles",)
 
 
