@@ -88,7 +88,8 @@ def test_evaluate_run_errors_are_clear(run_dir, tmp_path):
   assert bad_value.returncode != 0 and "config.retrieval" in bad_value.stderr
   misspelt = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",
                        "--config.retrieval.stratgy=query_ngram", f"--workdir={tmp_path}")
-  assert misspelt.returncode != 0 and "'config.retrieval.stratgy'" in misspelt.stderr
+  assert misspelt.returncode != 0 and (
+      "config section 'retrieval' has no key 'stratgy'" in misspelt.stderr)
   own_model = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",
                         "--config.model.preset=mini", f"--workdir={tmp_path}")
   assert own_model.returncode != 0 and "are the run's own" in own_model.stderr
