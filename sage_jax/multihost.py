@@ -8,9 +8,10 @@ AppWorld timing never make processes wait for each other; the cross-process step
 after an update (`WeightSync`), (2) the global train batch (`make_global`, with the layout
 agreed through `allgather`), (3) gathers of episode metrics and evaluation records
 (`allgather_objects`), (4) the stop decision after each step (`any_process`), (5) process 0's
-listing of the checkpoint steps, at a resume whether a damaged one is moved aside, and before
-each save whether its step is there already (`from_lead`, `allgather_objects`), and (6) at
-the end, leaving the run together (`finish`). Each is a collective: every process calls it, in
+listing of the checkpoint steps, at a resume whether a damaged one is moved aside, before
+each save whether its step is there already, and its reads of the workdir files that decide
+which stages and evaluations run (`from_lead`, `allgather_objects`), and (6) at the end,
+leaving the run together (`finish`). Each is a collective: every process calls it, in
 the same order.
 
 With one process every function here is the identity or a local device-to-device copy, so

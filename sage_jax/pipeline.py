@@ -114,6 +114,15 @@ def _write_json(path, value: Any) -> None:
     storage.write_json(path, value, default=str)
 
 
+def _read_json_on_lead(path) -> Any:
+  """`storage.read_json(path)` as process 0 reads it, on every process (a collective). What
+  the stages decide from the workdir's files, every process decides alike: storage may show
+  a file to some hosts before others (NFS attribute caches, eventually consistent buckets),
+  and a process that decided on its own read could skip a stage the others run, and leave
+  them waiting in its collectives."""
+  return multihost.from_lead(lambda: storage.read_json(path))
+
+
 class Pipeline:
   """Holds what the stages share: config, mesh, tokenizer, model, sampler, env pool."""
 
@@ -123,7 +132,7 @@ class Pipeline:
     memory_plan.check_fits(self.run, jax.local_devices()[0])
     self.workdir = storage.open_workdir(workdir, flag="--workdir")
     self.config_dict = run_config.with_seeds(config, self.run)
-    recorded = storage.read_json(self.workdir / "config.json")
+    recorded = _read_json_on_lead(self.workdir / "config.json")
     if recorded is not None and not self.run.checkpoint.resume:
       raise run_config.ConfigError(
           f"--workdir {workdir} holds a run ({workdir}/config.json), and "
@@ -171,10 +180,9 @@ class Pipeline:
     self.pool.close()
 
   def saved_steps(self, stage: str) -> list[int]:
-    """The checkpoint steps of `stage` in the workdir (read without cleaning anything up)."""
+    """The checkpoint steps of `stage` in the workdir (read without cleaning anything up;
+    none before the stage has saved)."""
     directory = self.workdir / run_checkpoint.STAGE_DIRS[stage]
-    if not multihost.from_lead(directory.is_dir):  # process 0's word: all_steps is a collective
-      return []
     reader = Checkpointer(CheckpointConfig(directory=os.fspath(directory), read_only=True))
     try:
       return reader.all_steps()
@@ -215,7 +223,7 @@ class Pipeline:
     """The step the finished SFT stage ended at (None while it has not finished): as its
     marker records it, since its checkpoints may have been removed to free disk once RL had
     saved; its last checkpoint for a marker that does not record it."""
-    marker = storage.read_json(self.sft_marker)
+    marker = _read_json_on_lead(self.sft_marker)
     if marker is None:
       return None
     if "step" in marker:
@@ -242,13 +250,20 @@ class Pipeline:
     config = {**self.config_dict,
               "eval": {**self.config_dict["eval"], "data": self.root, "experiment": name,
                        "split": split, "max_scenarios": scenarios}}
-    report = storage.read_json(out / f"eval_{split}.json")
-    if not reusable(report, config, self.weights_from):
+
+    # Whether the report there stands is process 0's word, as in `_read_json_on_lead`; its
+    # metrics travel, not its records.
+    def reused_metrics() -> dict | None:
+      report = storage.read_json(out / f"eval_{split}.json")
+      return report["metrics"] if reusable(report, config, self.weights_from) else None
+
+    metrics = multihost.from_lead(reused_metrics)
+    if metrics is None:
       self.read_sft_result(f"the model that {name} evaluates")
-      report = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
-                               engine=self.engine, tokenizer=self.tokenizer,
-                               checkpoint=self.weights_from)
-    return report["metrics"]["overall"]
+      metrics = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
+                                engine=self.engine, tokenizer=self.tokenizer,
+                                checkpoint=self.weights_from)["metrics"]
+    return metrics["overall"]
 
   def compact_tokenizer_dir(self) -> str:
     """Qwen2.5's tokenizer cut to the tokens of the SFT corpus (made once, kept in the run)."""
@@ -274,7 +289,7 @@ class Pipeline:
     path = self.run.pipeline.expert_trajectories
     if not path:
       path = os.fspath(self.workdir / "expert_trajectories.jsonl")
-      if not storage.path(path).exists():
+      if not multihost.from_lead(storage.path(path).exists):  # every process plays, or none
         expert_cfg = dataclasses.replace(self.run.expert, appworld_root=self.root,
                                          outputs_root=self.pool.outputs_root)
         # Played as the run's agent, its skills retrieved as RL retrieves them: SFT trains on

@@ -14,7 +14,7 @@ import os
 import ml_collections
 from flax import nnx
 
-from sage_jax import compact_tokenizer, multihost, run_config, storage
+from sage_jax import compact_tokenizer, run_config, storage
 from sage_jax import sharding as shd
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
@@ -50,18 +50,19 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
   weights sharded over every device of this job (however many processes it has, whatever
   mesh trained it). A missing step is an error that lists the steps there are."""
   ckpt_dir = os.fspath(storage.path(run_dir) / STAGE_DIRS[stage])
-  if not multihost.from_lead(storage.path(ckpt_dir).is_dir):  # all processes fail, or none
-    raise FileNotFoundError(f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist)")
   # Read-only: the run may still be training, with a save under way that a cleanup of
   # temporary directories would delete.
   checkpointer = Checkpointer(CheckpointConfig(directory=ckpt_dir, keep_best=0,
                                                async_save=False, read_only=True))
   try:
-    steps = checkpointer.all_steps()
-    step = (steps[-1] if steps else None) if step is None else step
+    steps = checkpointer.all_steps()  # process 0's: every process fails, or none
+    if not steps:
+      raise FileNotFoundError(f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist "
+                              "or holds no finished step)")
+    step = steps[-1] if step is None else step
     if step not in steps:
       raise FileNotFoundError(f"{ckpt_dir}: no checkpoint step {step}; available steps: "
-                              f"{steps or 'none'}")
+                              f"{steps}")
     vocab_size = (Tokenizer(tokenizer_dir(run_dir, run)).vocab_size
                   if run.model.vocabulary == "compact" else None)
     model = loader.abstract_model(run.model, vocab_size=vocab_size)  # reads no weights

@@ -23,6 +23,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sage_jax import multihost  # noqa: E402
+from tests.lagging_storage import lagging_listing  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _STEPS = flags.DEFINE_integer("steps", 1, "Loop steps.")
@@ -73,23 +74,6 @@ def slow_move_aside(seconds: float) -> None:
     return rename(self, target)
 
   local.rename = slow_rename
-
-
-def lagging_listing(directory: str) -> None:
-  """Listings of `directory` leave its steps out (as NFS or an object store may, for a while,
-  on one host); files are still read and written by name."""
-  from etils import epath  # noqa: PLC0415
-
-  local = type(epath.Path("/"))
-  iterdir = local.iterdir
-
-  def lagging_iterdir(self):
-    entries = iterdir(self)
-    if os.path.realpath(self) != os.path.realpath(directory):
-      return entries
-    return (entry for entry in entries if not entry.name.isdigit())
-
-  local.iterdir = lagging_iterdir
 
 
 def main(argv):

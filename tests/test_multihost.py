@@ -23,6 +23,7 @@ from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch", "local.py")
 JOB = os.path.join(REPO, "tests", "multihost_job.py")
+LAGGING = os.path.join(REPO, "tests", "lagging_storage.py")
 STEPS = 4
 
 pytestmark = pytest.mark.slow
@@ -263,12 +264,40 @@ def test_every_process_fails_with_process_0_when_its_shared_decision_fails(
   assert (ckpt / "2" / "files.json").exists()
 
 
-def _launch_entry(workdir, *command):
-  done = subprocess.run([sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
+def _run_entry(workdir, *command):
+  """`python *command` as 2 processes of 2 CPU devices each."""
+  return subprocess.run([sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
                          f"--workdir={workdir}", "--", sys.executable, *command],
                         env=_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+def _launch_entry(workdir, *command):
+  done = _run_entry(workdir, *command)
   assert done.returncode == 0, _failure(done.stdout, done.stderr)
   return done.stdout
+
+
+def test_every_process_decides_on_the_workdir_as_process_0_reads_it(tmp_path):
+  """The workdir records that SFT finished at step 9, past the 2 steps of the rerun, and
+  process 1's storage does not show that record yet (NFS, an object store): both processes
+  take process 0's reading and refuse the rerun at once. On its own reading, process 1 went on
+  towards SFT, into a collective that process 0 never reached, and the two waited for each
+  other until the runtime gave up minutes later. RL has no checkpoint directory yet: both
+  list no step there, and create none."""
+  workdir = tmp_path / "run"
+  marker = workdir / "sft" / "done.json"
+  marker.parent.mkdir(parents=True)
+  marker.write_text(json.dumps({"finished": 0, "step": 9}))
+  done = _run_entry(workdir, LAGGING, "1", str(marker), "sage_jax.train",
+                    "--config=configs/sage.py:demo", f"--workdir={workdir}",
+                    "--config.sft.total_steps=2")
+  log = (workdir / "logs" / "process_1.log").read_text()
+  refused = (f"ConfigError: --workdir {workdir}: its SFT stage finished at step 9, past "
+             "config.sft.total_steps=2")
+  for text in (done.stderr, log):
+    assert refused in text, _failure(done.stdout, done.stderr, log)
+  assert "launch: process 1 exited with 1" in done.stderr, _failure(done.stderr, log)
+  assert not (workdir / "checkpoints").exists()
 
 
 def _safetensors(directory):

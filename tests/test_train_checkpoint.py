@@ -119,6 +119,27 @@ def test_a_read_only_checkpointer_leaves_a_live_runs_files_alone(tmp_path, train
   assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
 
 
+def test_a_read_only_checkpointer_over_a_missing_directory_lists_no_step(tmp_path):
+  """A stage's checkpoints read before the stage has saved (the pipeline's resume checks, an
+  export or evaluation of the stage): no step, nothing created, and the error of a model
+  restored from there names the directory."""
+  from configs import sage as sage_configs  # noqa: PLC0415
+  from sage_jax import run_checkpoint, run_config  # noqa: PLC0415
+
+  run_dir = tmp_path / "run"
+  directory = run_dir / run_checkpoint.STAGE_DIRS["sft"]
+  reader = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory), read_only=True))
+  assert reader.all_steps() == [] and reader.latest_step() is None
+  with pytest.raises(FileNotFoundError, match=re.escape(f"no checkpoint in {directory}")):
+    reader.restore_params({})
+  reader.close()
+  run = run_config.resolve(sage_configs.get_config("demo"))
+  with pytest.raises(FileNotFoundError, match=re.escape(
+      f"{run_dir}: no sft checkpoints ({directory} does not exist or holds no finished step)")):
+    run_checkpoint.restore_model(str(run_dir), run, stage="sft")
+  assert not run_dir.exists()
+
+
 def test_a_loop_that_does_not_resume_refuses_a_directory_with_checkpoints(tmp_path, trainer):
   """Its steps 1, 2, ... would mix with the ones there (and a later resume would take the
   old run's newest step)."""

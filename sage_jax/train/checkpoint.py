@@ -115,7 +115,8 @@ class CheckpointConfig:
   async_save: write in the background while training goes on. resume: continue from the
   latest checkpoint in `directory` when there is one. read_only: only read what is there
   (export, evaluation of a run that may still be training): no save, no deletion, no
-  cleanup of an unfinished save's temporary directory, nothing written into the run."""
+  cleanup of an unfinished save's temporary directory, nothing written into the run; a
+  `directory` that does not exist (as process 0 sees it) holds no steps."""
 
   directory: str = ""
   save_every: int = 100
@@ -221,6 +222,8 @@ class Checkpointer:
     if config.read_only:
       if run_config is not None:
         raise ValueError("a read-only Checkpointer writes no run config")
+      # Orbax's read-only manager (create=False) neither creates a missing directory nor
+      # raises: each process checks that it exists and lists no step there.
       options = ocp.CheckpointManagerOptions(read_only=True, create=False,
                                              cleanup_tmp_directories=False)
       self._manager = ocp.CheckpointManager(self.directory, options=options,
@@ -248,7 +251,8 @@ class Checkpointer:
 
   def all_steps(self) -> list[int]:
     """The finished steps as process 0 lists them, on every process (a collective: every
-    process calls it, in the same order; see the module doc)."""
+    process calls it, in the same order; see the module doc); none in a directory that does
+    not exist."""
     return multihost.from_lead(lambda: sorted(self._manager.all_steps()))
 
   def latest_step(self) -> int | None:
