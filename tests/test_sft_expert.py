@@ -415,6 +415,17 @@ def test_a_runs_sft_data_is_played_as_its_agent(mini_root, tmp_path):
   trajectories = sft_data.read_jsonl(workdir / "expert_trajectories.jsonl")
   assert sorted(t.id for t in trajectories) == sorted(appworld.read_split(mini_root, "dev"))
   assert {t.messages[0]["content"] for t in trajectories} == {prompts.system_prompt(None)}
+  # The command, given the run's config, makes the same data: the file a run is given
+  # (pipeline.expert_trajectories) holds the prompts its own plays would.
+  out = tmp_path / "command.jsonl"
+  done = subprocess.run([sys.executable, "-m", "sage_jax.sft.expert", f"--out={out}",
+                         "--splits=dev", "--config=configs/sage.py:demo",
+                         "--config.agent.use_library=false", "--config.agent.max_turn_tokens=48",
+                         "--config.retrieval.strategy=none", "--config.expert.rewrites=false"],
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert ({t.id: t.messages for t in sft_data.read_jsonl(out)}
+          == {t.id: t.messages for t in trajectories})
 
 
 def test_command_line_plays_the_gold_solutions_of_a_split(mini_root, tmp_path):

@@ -29,8 +29,12 @@ so the prompt SFT trains on is the one RL and evaluation show: the same format
 plays (gold, replayed) keep budgets of at least `AgentConfig`'s defaults (`scripted_agent`):
 their turns are fixed, and a run's short turns would cut them to failures, leaving no SFT
 data. Self-distillation samples as the run's agent, budgets, stop strings, top_p and top_k
-included, at each try's temperature. The command plays as the default agent (`--use_library`
-aside) with the default retrieval (the skills of the task's scenario).
+included, at each try's temperature. The command plays as the agent and retrieval of
+`--config` (a run's config file and overrides, as the training command takes them: a file
+made for the run, given as `pipeline.expert_trajectories`, then holds the prompts its own
+plays would), its expert section giving `--selection`, `--rewrites` and `--firsts` where the
+command line leaves them; without `--config`, as the default agent (`--use_library`) with the
+default retrieval (the skills of the task's scenario).
 
 Selection (`ExpertConfig.selection`): "scenario" (default, the paper's rule) keeps a
 scenario's trajectories only when its first `scenario_tasks` (2) tasks succeeded, so that
@@ -54,10 +58,10 @@ import numpy as np
 from absl import app, flags
 
 from sage_jax import multihost
-from sage_jax.agent.config import AgentConfig
+from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.gold_solutions import ScriptedPolicy, TextTurnsSession
 from sage_jax.agent.policy import TaskContext
-from sage_jax.agent.retrieval import Retriever
+from sage_jax.agent.retrieval import EMBEDDING_STRATEGIES, Retriever
 from sage_jax.envs import appworld
 from sage_jax.rl import rollout
 from sage_jax.sft import data as data_lib
@@ -349,8 +353,9 @@ def _define_flags() -> None:
   flags.DEFINE_bool("verify", True, "Replay --input trajectories against the engine (else "
                     "only validate and copy them).")
   flags.DEFINE_integer("num_workers", 2, "AppWorld worker processes.")
-  flags.DEFINE_bool("use_library", True, "Skill Library Agent (else the plain code agent); "
-                    "the other agent and retrieval settings are the defaults.")
+  flags.DEFINE_bool("use_library", True, "Without --config: the Skill Library Agent (else "
+                    "the plain code agent); the other agent and retrieval settings are the "
+                    "defaults.")
   flags.DEFINE_enum("selection", "scenario", list(SELECTIONS),
                     "scenario: keep a scenario when its first two tasks succeeded (the "
                     "paper's rule); task: keep every successful task.")
@@ -361,27 +366,52 @@ def _define_flags() -> None:
   flags.mark_flag_as_required("out")
 
 
+def _played_as(f: flags.FlagValues) -> tuple[AgentConfig, RetrievalConfig, ExpertConfig]:
+  """The agent, retrieval and expert settings and the AppWorld data of `--config` (a flag given
+  on the command line wins over its expert and data keys), else the defaults with the
+  flags'."""
+  from_flags = {"selection": f.selection, "rewrites": f.rewrites, "firsts": f.firsts,
+                "num_workers": f.num_workers, "appworld_root": f.appworld_root}
+  if f.config is None:
+    return AgentConfig(use_library=f.use_library), RetrievalConfig(), ExpertConfig(**from_flags)
+  if f["use_library"].present:
+    raise app.UsageError("--use_library with --config: set --config.agent.use_library")
+  from sage_jax import run_config  # noqa: PLC0415 - the run's schema builds on this module
+
+  run = run_config.resolve(f.config)
+  if run.expert.source != "gold":
+    raise app.UsageError(f"config.expert.source={run.expert.source!r} samples the policy "
+                         "model, which this command does not load: the run makes its own data")
+  if run.retrieval.embedding_model == "policy" and run.retrieval.strategy in EMBEDDING_STRATEGIES:
+    raise app.UsageError("config.retrieval.embedding_model='policy' retrieves with the policy "
+                         "model, which this command does not load: the run makes its own data")
+  given = {name: value for name, value in from_flags.items() if f[name].present}
+  expert = dataclasses.replace(run.expert, appworld_root=run.pipeline.data, **given)
+  return run.agent, run.retrieval, expert
+
+
 def main(argv) -> None:
   del argv
   f = flags.FLAGS
   logging.getLogger("httpx").setLevel(logging.WARNING)
   tokenizer = Tokenizer()
-  config = ExpertConfig(appworld_root=appworld.resolve_root(f.appworld_root or "mini"),
-                        num_workers=f.num_workers, selection=f.selection, rewrites=f.rewrites,
-                        firsts=f.firsts)
-  agent = AgentConfig(use_library=f.use_library)
+  agent, retrieval, config = _played_as(f)
+  config = dataclasses.replace(config,
+                               appworld_root=appworld.resolve_root(config.appworld_root or "mini"))
+  retriever = Retriever(retrieval)
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
   if f.gold:
     task_ids = [t for split in f.splits for t in appworld.read_split(config.appworld_root, split)]
-    trajectories, stats = gold_trajectories(task_ids, config, tokenizer, agent=agent)
+    trajectories, stats = gold_trajectories(task_ids, config, tokenizer, agent=agent,
+                                            retriever=retriever)
     kept += trajectories
     report["gold"] = dataclasses.asdict(stats)
   for path in f.input:
     given = data_lib.read_jsonl(path)
     if f.verify:
       trajectories, stats = replayed_trajectories(given, config, tokenizer, source=path,
-                                                  agent=agent)
+                                                  agent=agent, retriever=retriever)
       report[path] = dataclasses.asdict(stats)
     else:
       for t in given:
@@ -400,5 +430,9 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  from sage_jax import config_file, run_config  # noqa: PLC0415 - its schema imports this module
+
   _define_flags()
-  app.run(main)
+  config_file.define_flag("config", "A run's config (configs/sage.py:<preset>): play as its "
+                          "agent, retrieval and expert settings.")
+  run_config.run(main)
