@@ -5,20 +5,23 @@ raised in the file (with the line that raised it).
 
 ml_collections' config flag prints a traceback for each of these, and reports a missing file
 only when the config is first read; `define_flag` gives the entry points the same flag,
-loading through `load` instead, and `run_config.parse_flags` exits with the line.
+loading through `load` instead, and `parse_flags` (or `run`) exits with the line.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import traceback
 import types
 from typing import Any, Callable
 
 import ml_collections
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
+
+from sage_jax.configurable import ConfigError
 
 
 class ConfigFileError(Exception):
@@ -104,3 +107,47 @@ def define_flag(name: str, help_string: str, flag_values: flags.FlagValues = fla
                                            sys_argv=sys_argv)
   flag_values[name].parser = _Parser()
   return holder
+
+
+def run(main: Callable[[list[str]], Any]) -> None:
+  """`app.run(main)` for an entry point that takes `--config` and `--config.<path>`
+  overrides: flags parse with `parse_flags`, and a ConfigError (a value the schema refuses,
+  a workdir that cannot resume under this config) exits with its message alone; the
+  traceback would only say where it was checked."""
+
+  def checked(argv: list[str]) -> Any:
+    try:
+      return main(argv)
+    except ConfigError as e:
+      sys.exit(f"ConfigError: {e}")
+
+  app.run(checked, flags_parser=parse_flags)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing with usage (a bad flag value exits with absl's message), for `run`
+  and `app.run(main, flags_parser=parse_flags)`: a config file that does not load
+  (`define_flag`), or a `--config.<path>` override that names no section or key
+  of it, exits with one line naming it, instead of ml_collections' traceback or bare
+  KeyError."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except ConfigFileError as e:
+    sys.exit(str(e))
+  except (KeyError, AttributeError) as e:
+    message = e  # ml_collections wraps the KeyError in an AttributeError for keys
+    while isinstance(message, BaseException):
+      message = message.args[0] if message.args else ""
+    message = str(message)
+    for override in (a for a in argv if a.startswith("--config.")):
+      parts = override.partition("=")[0].removeprefix("--").split(".")
+      bad = next((i for i, part in enumerate(parts[1:], 1)
+                  if message.startswith(f"'{part}'") or message == part), None)
+      if bad is not None:
+        if bad > 1:
+          problem = f"config section {'.'.join(parts[1:bad])!r} has no key {parts[bad]!r}"
+        else:
+          problem = f"the config has no {'section' if len(parts) > 2 else 'key'} {parts[1]!r}"
+        hint = message.partition("\n")[2].strip()
+        sys.exit(f"{override}: {problem}" + (f" ({hint})" if hint else "") + ".")
+    raise

@@ -116,4 +116,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
   define_flags()
-  run_config.run(main)
+  config_file.run(main)

@@ -574,4 +574,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main, flags_parser=run_config.parse_flags)
+  config_file.run(main)

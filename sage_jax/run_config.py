@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import types
 import typing
 import zlib
 from typing import Any
 
 import ml_collections
-from absl import app
 
-from sage_jax import config_file
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.retrieval import EMBEDDING_STRATEGIES
 from sage_jax.configurable import ConfigError, build
@@ -410,47 +407,3 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
       raise ConfigError(f"config.engine.num_slots: {run.engine.num_slots} slots do not split "
                         f"over the sampler's data axis ({slots_split} = a host's devices / "
                         f"sampler_mesh.tensor)")
-
-
-def run(main: typing.Callable[[list[str]], Any]) -> None:
-  """`app.run(main)` for an entry point that takes `--config` and `--config.<path>`
-  overrides: flags parse with `parse_flags`, and a ConfigError (a value the schema refuses,
-  a workdir that cannot resume under this config) exits with its message alone; the
-  traceback would only say where it was checked."""
-
-  def checked(argv: list[str]) -> Any:
-    try:
-      return main(argv)
-    except ConfigError as e:
-      sys.exit(f"ConfigError: {e}")
-
-  app.run(checked, flags_parser=parse_flags)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing with usage (a bad flag value exits with absl's message), for `run`
-  and `app.run(main, flags_parser=parse_flags)`: a config file that does not load
-  (`config_file.define_flag`), or a `--config.<path>` override that names no section or key
-  of it, exits with one line naming it, instead of ml_collections' traceback or bare
-  KeyError."""
-  try:
-    return app.parse_flags_with_usage(argv)
-  except config_file.ConfigFileError as e:
-    sys.exit(str(e))
-  except (KeyError, AttributeError) as e:
-    message = e  # ml_collections wraps the KeyError in an AttributeError for keys
-    while isinstance(message, BaseException):
-      message = message.args[0] if message.args else ""
-    message = str(message)
-    for override in (a for a in argv if a.startswith("--config.")):
-      parts = override.partition("=")[0].removeprefix("--").split(".")
-      bad = next((i for i, part in enumerate(parts[1:], 1)
-                  if message.startswith(f"'{part}'") or message == part), None)
-      if bad is not None:
-        if bad > 1:
-          problem = f"config section {'.'.join(parts[1:bad])!r} has no key {parts[bad]!r}"
-        else:
-          problem = f"the config has no {'section' if len(parts) > 2 else 'key'} {parts[1]!r}"
-        hint = message.partition("\n")[2].strip()
-        sys.exit(f"{override}: {problem}" + (f" ({hint})" if hint else "") + ".")
-    raise

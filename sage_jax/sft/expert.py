@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 from absl import app, flags
 
-from sage_jax import multihost
+from sage_jax import config_file, multihost
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.gold_solutions import ScriptedPolicy, TextTurnsSession
 from sage_jax.agent.policy import TaskContext
@@ -344,6 +344,8 @@ def replayed_trajectories(trajectories: Sequence[data_lib.Trajectory], config: E
 
 
 def _define_flags() -> None:
+  config_file.define_flag("config", "A run's config (configs/sage.py:<preset>): play as its "
+                          "agent, retrieval and expert settings.")
   flags.DEFINE_string("out", None, "Output JSONL of expert trajectories.")
   flags.DEFINE_string("appworld_root", None,
                       "AppWorld data root (default: the mini world, built if needed).")
@@ -376,7 +378,8 @@ def _played_as(f: flags.FlagValues) -> tuple[AgentConfig, RetrievalConfig, Exper
     return AgentConfig(use_library=f.use_library), RetrievalConfig(), ExpertConfig(**from_flags)
   if f["use_library"].present:
     raise app.UsageError("--use_library with --config: set --config.agent.use_library")
-  from sage_jax import run_config  # noqa: PLC0415 - the run's schema builds on this module
+  # The schema resolves the run's sections as training does (placeholders, derived seeds).
+  from sage_jax import run_config  # noqa: PLC0415 - it builds on this module's ExpertConfig
 
   run = run_config.resolve(f.config)
   if run.expert.source != "gold":
@@ -430,9 +433,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from sage_jax import config_file, run_config  # noqa: PLC0415 - its schema imports this module
-
   _define_flags()
-  config_file.define_flag("config", "A run's config (configs/sage.py:<preset>): play as its "
-                          "agent, retrieval and expert settings.")
-  run_config.run(main)
+  config_file.run(main)

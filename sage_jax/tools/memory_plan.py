@@ -31,6 +31,7 @@ from absl import app, flags
 from flax import nnx
 from jax.sharding import AbstractMesh
 
+from sage_jax import config_file
 from sage_jax import sharding as shd
 from sage_jax.model import lora
 from sage_jax.model.config import PRESETS, Qwen2Config, get_preset
@@ -278,8 +279,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from sage_jax import config_file, run_config  # noqa: PLC0415 - run_config plans with this
-
   flags.DEFINE_enum("preset", "qwen2.5-0.5b", sorted(PRESETS),
                     "Model preset (without --config).")
   flags.DEFINE_string("mesh", "1,8,1", "Mesh shape data,fsdp,tensor (without --config).")
@@ -289,4 +288,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("hosts", 1, "Hosts of the run (with --config).")
   flags.DEFINE_integer("devices_per_host", 1, "Accelerators per host (with --config).")
   flags.DEFINE_float("device_memory_gib", None, "Memory of one accelerator (with --config).")
-  run_config.run(main)
+  config_file.run(main)

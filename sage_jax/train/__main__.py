@@ -3,9 +3,9 @@ pipeline (SFT, RL, evaluations, export): the same command as `python -m sage_jax
 
 from absl import flags
 
-from sage_jax import pipeline, run_config
+from sage_jax import config_file, pipeline
 
 if __name__ == "__main__":
   pipeline.define_flags()
   flags.adopt_module_key_flags(pipeline)  # --help lists them
-  run_config.run(pipeline.main)
+  config_file.run(pipeline.main)
