@@ -5,7 +5,8 @@ r"""Completes one prompt with the sampler engine and prints the completion.
       --temperature=0
 
 --model takes an HF checkpoint directory (a training run's export among them), a .gguf file,
-or the bundled model's name. With --chat (default) the prompt is a user message in Qwen's
+the bundled model's name, or a training run's workdir: its checkpoint of --stage (rl or sft)
+at --step (default: the latest), with the run's tokenizer, on the run's sampler mesh. With --chat (default) the prompt is a user message in Qwen's
 ChatML; --nochat completes raw text.
 
 An HF directory's generation_config.json gives the sampling defaults, as it does for
@@ -24,10 +25,14 @@ import sys
 import time
 from typing import Any
 
+import jax
 from absl import app, flags, logging
+from flax import nnx
+from jax.sharding import Mesh
 
-from sage_jax import multihost
+from sage_jax import multihost, run_checkpoint, run_config
 from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.model.qwen2 import Qwen2
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
 from sage_jax.weights import hf, loader
 
@@ -135,23 +140,48 @@ def sampling_settings(generation_path: str | None, generation: dict[str, Any],
   return SamplingParams(**values), stop
 
 
+def load(spec: str) -> tuple[Qwen2, Mesh | None, tokenizer_lib.Tokenizer, str | None,
+                             dict[str, Any]]:
+  """The model `spec` names, the mesh it samples on, its tokenizer and its generation settings
+  (the file, its contents). A run's workdir: its checkpoint (--stage, --step) as the run's
+  sampler holds it, its tokenizer, no settings file. Else an HF directory (its own tokenizer
+  and generation_config.json where it has them), a .gguf file or the bundled model."""
+  FLAGS = flags.FLAGS
+  if run_checkpoint.is_run(spec):
+    run = run_config.resolve(run_checkpoint.read_config(spec),
+                             local_devices=jax.local_device_count())
+    try:
+      model, step = run_checkpoint.restore_model(spec, run, FLAGS.step, FLAGS.stage)
+    except FileNotFoundError as e:  # no such stage or step: name the ones there are
+      raise app.UsageError(str(e)) from e
+    logging.info("%s: the %s stage's checkpoint at step %d", spec, FLAGS.stage, step)
+    sync = multihost.WeightSync(nnx.state(model), run.sampler_mesh)
+    nnx.update(model, sync(nnx.state(model)))
+    return (model, sync.mesh, tokenizer_lib.Tokenizer(run_checkpoint.tokenizer_dir(spec, run)),
+            None, {})
+  if FLAGS["step"].present or FLAGS["stage"].present:
+    raise app.UsageError(f"--step and --stage choose a checkpoint of a training run's workdir; "
+                         f"--model={spec} is not one")
+  path = loader.resolve(spec)
+  tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+  return (loader.load_model(path), None, tokenizer_lib.Tokenizer(tok_dir),
+          *hf.read_generation_config(path))
+
+
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS
   multihost.initialize()  # several processes: each generates on its own devices
-  path = loader.resolve(FLAGS.model)
-  tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-  tok = tokenizer_lib.Tokenizer(tok_dir)
+  model, mesh, tok, generation_path, generation = load(FLAGS.model)
   ids = prompt_ids(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
-  sampling, stop = sampling_settings(*hf.read_generation_config(path), tok, len(ids))
-  model = loader.load_model(path)
+  sampling, stop = sampling_settings(generation_path, generation, tok, len(ids))
   # One prefill chunk and one attention window sized to this request: two compilations.
   max_len = min(_next_pow2(len(ids) + sampling.max_new_tokens),
                 model.config.max_position_embeddings)
   config = EngineConfig(num_slots=1, max_len=max_len, min_attend=max_len,
                         prefill_buckets=(min(_next_pow2(len(ids)), 512, max_len),),
                         max_top_k=max(sampling.top_k, 1))
-  engine = Engine(model, config, eos_ids=stop, detokenize=tok.decode)
+  engine = Engine(model, config, eos_ids=stop, detokenize=tok.decode, mesh=mesh)
   start = time.perf_counter()
   (result,) = engine.generate([ids], sampling, seeds=[FLAGS.seed])
   elapsed = time.perf_counter() - start
@@ -169,8 +199,8 @@ def main(argv: list[str]) -> None:
 def define_flags() -> None:
   """The entry point's flags (defined only when run, so importing this module defines none).
   The sampling flags' defaults apply where the checkpoint's generation_config.json sets none."""
-  flags.DEFINE_string("model", None, "HF directory, .gguf file or bundled model name.",
-                      required=True)
+  flags.DEFINE_string("model", None, "HF directory, .gguf file, bundled model name, or a "
+                      "training run's workdir.", required=True)
   flags.DEFINE_string("prompt", None, "The prompt text.", required=True)
   flags.DEFINE_integer("max_new_tokens", 128, "Most tokens to generate.")
   flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
@@ -181,6 +211,10 @@ def define_flags() -> None:
   flags.DEFINE_float("repetition_penalty", 1.0, "transformers' repetition penalty on every "
                      "token id of the prompt and the completion, greedy too (1 = off).")
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  flags.DEFINE_integer("step", None, "With a run's workdir: the checkpoint step (default: the "
+                       "latest).")
+  flags.DEFINE_enum("stage", "rl", list(run_checkpoint.STAGE_DIRS), "With a run's workdir: "
+                    "which stage's checkpoints.")
   flags.DEFINE_bool("chat", True, "Wrap the prompt as a ChatML user message.")
   flags.DEFINE_string("system", "You are Qwen, created by Alibaba Cloud. You are a helpful "
                       "assistant.", "System message in chat mode.")

@@ -28,6 +28,14 @@ STAGE_DIRS = {"rl": "checkpoints", "sft": "sft/checkpoints"}
 RETIRED_KEYS = {"expert.use_library": "agent.use_library"}
 
 
+def is_run(path: str) -> bool:
+  """Whether `path` is a training run's workdir: its config.json is a run's (with a pipeline
+  section), not a model's."""
+  directory = storage.path(path)
+  config = storage.read_json(directory / "config.json") if directory.is_dir() else None
+  return isinstance(config, dict) and "pipeline" in config
+
+
 def read_config(run_dir: str) -> ml_collections.ConfigDict:
   """The run's config.json, less its `RETIRED_KEYS`; a directory without one is not a
   training run."""

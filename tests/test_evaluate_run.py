@@ -104,3 +104,28 @@ def test_the_run_preset_without_a_run_is_refused(tmp_path):
   out = _evaluate("--config=configs/eval.py:run", f"--workdir={tmp_path / 'eval'}")
   assert out.returncode != 0 and "pass --run=RUN_DIR" in out.stderr, out.stderr[-2000:]
   assert not (tmp_path / "eval").exists()
+
+
+def _generate(*args):
+  return subprocess.run([sys.executable, "-m", "sage_jax.generate", "--temperature=0",
+                         "--max_new_tokens=12", "--prompt=How many songs are in my library?",
+                         *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_generate_samples_the_runs_checkpoint(run_dir, tmp_path):
+  """`generate --model=RUN` samples the run's last checkpoint with the run's (compact)
+  tokenizer: the completion its export gives."""
+  exported = tmp_path / "hf"
+  done = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={run_dir}",
+                         f"--out={exported}"], cwd=REPO, capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-4000:]
+  from_run, from_export = _generate(f"--model={run_dir}"), _generate(f"--model={exported}")
+  for done in (from_run, from_export):
+    assert done.returncode == 0, done.stderr[-4000:]
+  assert "the rl stage's checkpoint at step 1" in from_run.stderr
+  assert from_run.stdout.strip() and from_run.stdout == from_export.stdout
+  missing = _generate(f"--model={run_dir}", "--step=7")
+  assert missing.returncode != 0 and "available steps: [1]" in missing.stderr
+  not_a_run = _generate(f"--model={exported}", "--stage=sft")
+  assert not_a_run.returncode != 0 and "is not one" in not_a_run.stderr
