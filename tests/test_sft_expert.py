@@ -438,6 +438,18 @@ def test_command_line_plays_the_gold_solutions_of_a_split(mini_root, tmp_path):
       i for s in sorted(by_scenario) for i in by_scenario[s]]
 
 
+def test_command_line_stops_on_a_bad_input_file_before_playing(tmp_path):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"id": "x", "messages": [}\n')
+  out = tmp_path / "out.jsonl"
+  for given, named in ((bad, f"--input: {bad}:1: not JSON"),
+                       (tmp_path / "missing.jsonl", "No such file")):
+    done = subprocess.run([sys.executable, "-m", "sage_jax.sft.expert", f"--out={out}",
+                           f"--input={given}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and named in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "gold" not in done.stdout and not out.exists()
+
+
 def test_command_line_without_verification(gold, tmp_path):
   trajectories, _ = gold
   given = tmp_path / "given.jsonl"

@@ -402,6 +402,12 @@ def main(argv) -> None:
   config = dataclasses.replace(config,
                                appworld_root=appworld.resolve_root(config.appworld_root or "mini"))
   retriever = Retriever(retrieval)
+  inputs = {}
+  for path in f.input:  # read before any play: a bad file stops the command at once
+    try:
+      inputs[path] = data_lib.read_jsonl(path)
+    except (OSError, data_lib.FormatError) as e:
+      raise app.UsageError(f"--input: {e}") from e
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
   if f.gold:
@@ -410,8 +416,7 @@ def main(argv) -> None:
                                             retriever=retriever)
     kept += trajectories
     report["gold"] = dataclasses.asdict(stats)
-  for path in f.input:
-    given = data_lib.read_jsonl(path)
+  for path, given in inputs.items():
     if f.verify:
       trajectories, stats = replayed_trajectories(given, config, tokenizer, source=path,
                                                   agent=agent, retriever=retriever)
