@@ -270,7 +270,7 @@ class Pipeline:
     out = compact_tokenizer.run_tokenizer_dir(self.workdir, "compact")
     corpus = self.expert_trajectories()  # every process: it may gather
     if multihost.is_lead() and not (out / "tokenizer.json").exists():
-      examples = sft_data.load_examples(corpus, self.tokenizer)  # each turn encoded apart
+      examples = self._load_examples(corpus)  # each turn encoded apart
       compact_tokenizer.write_compact_tokenizer(out, ids=(t for e in examples for t in e.tokens))
     multihost.sync_barrier("compact_tokenizer")
     return os.fspath(out)
@@ -327,11 +327,20 @@ class Pipeline:
       return self.train_task_ids()
     return [t for split in self.run.expert.splits for t in appworld.read_split(self.root, split)]
 
+  def _load_examples(self, path: str, **kwargs) -> list:
+    """`sft_data.load_examples` of the SFT data file `path`; a given file
+    (`pipeline.expert_trajectories`) that cannot be read or parsed is the config's error."""
+    try:
+      return sft_data.load_examples(path, self.tokenizer, **kwargs)
+    except (OSError, sft_data.FormatError) as e:
+      if not self.run.pipeline.expert_trajectories:
+        raise
+      raise run_config.ConfigError(f"config.pipeline.expert_trajectories: {e}") from e
+
   def expert_examples(self) -> list:
     """The SFT data's examples of the scenarios the run trains on: a given file, or the plays
     of a split named in `expert.splits`, may hold others."""
-    examples = sft_data.load_examples(self.expert_trajectories(), self.tokenizer,
-                                      max_len=self.run.engine.max_len)
+    examples = self._load_examples(self.expert_trajectories(), max_len=self.run.engine.max_len)
     if self.run.pipeline.train_scenarios:
       keep = {appworld.scenario_id(t) for t in self.train_task_ids()}
       examples = [e for e in examples

@@ -250,6 +250,20 @@ def test_value_the_schema_refuses_exits_with_its_message(tmp_path):
       "ConfigError: config.grpo.group_size must be >= 1, got 0")
 
 
+def test_a_given_sft_file_that_does_not_parse_stops_the_run_naming_its_key(tmp_path):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"id": "x", "messages": [}\n')
+  done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                         f"--workdir={tmp_path / 'run'}",
+                         f"--config.pipeline.expert_trajectories={bad}",
+                         "--config.engine.num_slots=8"],  # over the session's 8 devices
+                        capture_output=True, text=True, timeout=300,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      f"ConfigError: config.pipeline.expert_trajectories: {bad}:1: not JSON")
+
+
 def test_tuple_and_unset_keys_can_be_overridden_on_the_command_line(tmp_path):
   """Sequence-valued keys (stages, length and prefill buckets, splits) stay tuples, the type
   ml_collections overrides from flags; a bad value still fails naming its key. Keys unset by
