@@ -354,19 +354,27 @@ def _detok(ids):
   return "".join(f"<{i}>" for i in ids)
 
 
-def test_stop_string_mid_block_then_append_continues_exactly(model):
+@pytest.mark.parametrize("penalty", [1.0, 3.0])
+def test_stop_string_mid_block_then_append_continues_exactly(model, penalty):
   prompt, obs = _prompts([14, 6], seed=5)
   engine = Engine(model, ENGINE, eos_ids=NO_EOS, detokenize=_detok)
-  free_run = engine.generate([prompt], GREEDY)[0].tokens
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=20, repetition_penalty=penalty)
+  free_run = engine.generate([prompt], greedy)[0].tokens
   cut = next(i for i in range(5, 19)  # ends mid-block: the block carries on past it
              if (i + 1) % 4 and _detok(free_run[i - 1:i + 1]) not in _detok(free_run[:i]))
   stop = _detok(free_run[cut - 1:cut + 1])  # spans two tokens, completes at index `cut`
-  params = SamplingParams(temperature=0.0, max_new_tokens=20, stop_strings=("never", stop))
+  params = dataclasses.replace(greedy, stop_strings=("never", stop))
   seq = engine.start(prompt, params)
   turn = engine.run()[0]
   assert (turn.finish_reason, turn.tokens) == ("stop_string", free_run[:cut + 1])
   assert turn.decode_steps >= cut + 1 and turn.length == len(prompt) + cut + 1
-  # The tokens generated after the stop string are gone from the sequence.
+  # The tokens generated after the stop string are gone from the sequence, from its presence
+  # row too (the ids the block ingested past the cut, unless the sequence holds them).
+  row = set(np.flatnonzero(np.asarray(engine._presence[engine._seqs[seq].slot])))
+  held = set(prompt + turn.tokens)
+  assert set(prompt + turn.tokens[:-1]) <= row <= held
+  # Blocks of 4 steps: the one that sampled token `cut` ingested those up to index 4b + 2.
+  assert set(free_run[cut + 1:4 * (cut // 4) + 3]) - held, "no id to take back here"
   engine.append(seq, obs)
   second = engine.run()[0]
   fresh = engine.generate([prompt + turn.tokens + obs], params)[0]

@@ -129,6 +129,7 @@ class _Sequence:
   model_lps: list[float] = dataclasses.field(default_factory=list)
   prefilled: int = 0
   decode_steps: int = 0
+  held: set[int] = dataclasses.field(default_factory=set)  # every id the sequence holds
 
 
 class Engine:
@@ -301,6 +302,7 @@ class Engine:
     idle = steps.SlotState.empty(cfg.num_slots)
     for a in self._decode_windows:
       self._run_decode(idle, a)
+    self._unmark(0, set())  # all padding: clears nothing
 
   # --- Turns -----------------------------------------------------------------------------
 
@@ -342,6 +344,7 @@ class Engine:
       return
     seq.feed, seq.feed_start = inputs[:-1], start
     seq.length, seq.last_token = start + len(inputs), inputs[-1]
+    seq.held.update(inputs)
     if seq.slot is None:
       seq.phase = "waiting"
       self._waiting.append(seq)
@@ -403,6 +406,13 @@ class Engine:
           candidates=self.config.max_top_k)
     return state, out
 
+  def _unmark(self, slot: int, ids: set[int]) -> None:
+    """Takes `ids` out of the slot's presence row (no more than a decode block's)."""
+    padded = np.full(self.config.steps_per_call, self.model_config.vocab_size, np.int32)
+    padded[:len(ids)] = sorted(ids)
+    with self._rules_context():
+      self._presence = steps.unmark(self._presence, np.int32(slot), padded)
+
   def _prefill_chunk(self) -> int:
     """Prefills the next chunk of the oldest pending input; returns its length."""
     seq = self._prefilling[0]
@@ -448,12 +458,18 @@ class Engine:
     self.stats.generated_tokens += n
     cut = self._stop_string_end(seq, first)
     if cut is not None:
+      ingested = seq.tokens[cut:first + n - 1]  # decode inputs after the cut: marked present
       del seq.tokens[cut:], seq.sample_lps[cut:], seq.model_lps[cut:]
+      seq.held.update(seq.tokens[first:])
+      stale = set(ingested) - seq.held
+      if stale:
+        self._unmark(s, stale)
       seq.length = int(st.positions[s]) + 1 - (first + n - cut)
       seq.last_token = seq.tokens[-1]
       st.active[s], st.tokens[s], st.positions[s] = False, seq.last_token, seq.length - 1
       self._finish(seq, "stop_string")
       return
+    seq.held.update(seq.tokens[first:])
     seq.length, seq.last_token = int(st.positions[s]) + 1, int(st.tokens[s])
     if st.active[s]:
       return

@@ -13,8 +13,8 @@ holds. It follows the cache: each token is marked when the model ingests it (in 
 as a decode input), and a slot's row starts afresh when its position 0 is written (a new
 sequence's first prefill chunk, or the first decode step of a one-token prompt). Marking is
 a scatter of the ingested ids only; reading it costs something only in a batch where some
-row has a penalty. The marks are never taken back: ids a block sampled past a stop string
-(which the host cuts off) still count for the sequence's later turns.
+row has a penalty. Ids a block ingested past a stop string, which the host cuts off, are taken
+back (`unmark`) unless the sequence holds them elsewhere.
 """
 
 from __future__ import annotations
@@ -116,6 +116,14 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, presence:
   return (constrain_cache(KVCache([put(k, r) for k, r in zip(cache.k, rows.k)],
                                   [put(v, r) for v, r in zip(cache.v, rows.v)])),
           constrain(put(presence, held[None]), PRESENCE_AXES))
+
+
+@functools.partial(jax.jit, donate_argnames=("presence",))
+def unmark(presence: jax.Array, slot: jax.Array, ids: jax.Array) -> jax.Array:
+  """Clears `ids` (int32, padded with the vocabulary size) from `slot`'s presence row."""
+  vocab = presence.shape[1]
+  return constrain(presence.at[slot, jnp.where(ids < vocab, ids, vocab)].set(False, mode="drop"),
+                   PRESENCE_AXES)
 
 
 @functools.partial(jax.jit, static_argnums=0,
