@@ -6,8 +6,8 @@ r"""Completes one prompt with the sampler engine and prints the completion.
 
 --model takes an HF checkpoint directory (a training run's export among them), a .gguf file,
 the bundled model's name, or a training run's workdir: its checkpoint of --stage (rl or sft)
-at --step (default: the latest), with the run's tokenizer, on the run's sampler mesh. With --chat (default) the prompt is a user message in Qwen's
-ChatML; --nochat completes raw text.
+at --step (default: the latest), with the run's tokenizer, on the run's sampler mesh. With
+--chat (default) the prompt is a user message in Qwen's ChatML; --nochat completes raw text.
 
 An HF directory's generation_config.json gives the sampling defaults, as it does for
 transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p, top_k
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from absl import app, flags, logging
@@ -140,41 +140,46 @@ def sampling_settings(generation_path: str | None, generation: dict[str, Any],
   return SamplingParams(**values), stop
 
 
-def load(spec: str) -> tuple[Qwen2, Mesh | None, tokenizer_lib.Tokenizer, str | None,
-                             dict[str, Any]]:
-  """The model `spec` names, the mesh it samples on, its tokenizer and its generation settings
-  (the file, its contents). A run's workdir: its checkpoint (--stage, --step) as the run's
-  sampler holds it, its tokenizer, no settings file. Else an HF directory (its own tokenizer
-  and generation_config.json where it has them), a .gguf file or the bundled model."""
+def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, Any],
+                               Callable[[], tuple[Qwen2, Mesh | None]]]:
+  """What `spec` names: its tokenizer, its generation settings (the file, its contents), and
+  how to load the model and the mesh it samples on (after the settings are checked: a large
+  model takes minutes). A run's workdir: its tokenizer, no settings file, its checkpoint
+  (--stage, --step) as the run's sampler holds it. Else an HF directory (its own tokenizer and
+  generation_config.json where it has them), a .gguf file or the bundled model."""
   FLAGS = flags.FLAGS
   if run_checkpoint.is_run(spec):
     run = run_config.resolve(run_checkpoint.read_config(spec),
                              local_devices=jax.local_device_count())
-    try:
-      model, step = run_checkpoint.restore_model(spec, run, FLAGS.step, FLAGS.stage)
-    except FileNotFoundError as e:  # no such stage or step: name the ones there are
-      raise app.UsageError(str(e)) from e
-    logging.info("%s: the %s stage's checkpoint at step %d", spec, FLAGS.stage, step)
-    sync = multihost.WeightSync(nnx.state(model), run.sampler_mesh)
-    nnx.update(model, sync(nnx.state(model)))
-    return (model, sync.mesh, tokenizer_lib.Tokenizer(run_checkpoint.tokenizer_dir(spec, run)),
-            None, {})
+
+    def restore() -> tuple[Qwen2, Mesh]:
+      try:
+        model, step = run_checkpoint.restore_model(spec, run, FLAGS.step, FLAGS.stage)
+      except FileNotFoundError as e:  # no such stage or step: name the ones there are
+        raise app.UsageError(str(e)) from e
+      logging.info("%s: the %s stage's checkpoint at step %d", spec, FLAGS.stage, step)
+      sync = multihost.WeightSync(nnx.state(model), run.sampler_mesh)
+      nnx.update(model, sync(nnx.state(model)))
+      return model, sync.mesh
+
+    return tokenizer_lib.Tokenizer(run_checkpoint.tokenizer_dir(spec, run)), None, {}, restore
   if FLAGS["step"].present or FLAGS["stage"].present:
     raise app.UsageError(f"--step and --stage choose a checkpoint of a training run's workdir; "
                          f"--model={spec} is not one")
   path = loader.resolve(spec)
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-  return (loader.load_model(path), None, tokenizer_lib.Tokenizer(tok_dir),
-          *hf.read_generation_config(path))
+  return (tokenizer_lib.Tokenizer(tok_dir), *hf.read_generation_config(path),
+          lambda: (loader.load_model(path), None))
 
 
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS
   multihost.initialize()  # several processes: each generates on its own devices
-  model, mesh, tok, generation_path, generation = load(FLAGS.model)
+  tok, generation_path, generation, load_model = source(FLAGS.model)
   ids = prompt_ids(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
   sampling, stop = sampling_settings(generation_path, generation, tok, len(ids))
+  model, mesh = load_model()
   # One prefill chunk and one attention window sized to this request: two compilations.
   max_len = min(_next_pow2(len(ids) + sampling.max_new_tokens),
                 model.config.max_position_embeddings)
