@@ -22,7 +22,6 @@ import sys
 
 import jax
 from absl import app, flags
-from flax import nnx
 
 from sage_jax import config_file, multihost, run_checkpoint, run_config
 from sage_jax.eval import metrics as metrics_lib
@@ -52,16 +51,13 @@ def evaluate_run(run_dir: str, eval_config, workdir: str, step: int | None = Non
     raise app.UsageError(f"--run evaluates the run's model: config.eval.policy must be "
                          f"'model', not {run.eval.policy!r}")
   try:
-    model, step = run_checkpoint.restore_model(run_dir, run, step, stage)
+    # This process's sampling copy of the weights, on its own devices, as in training.
+    model, mesh, step = run_checkpoint.restore_sampling_model(run_dir, run, step, stage)
   except FileNotFoundError as e:  # no such stage or step: name the ones there are
     raise app.UsageError(str(e)) from e
   tokenizer = Tokenizer(run_checkpoint.tokenizer_dir(run_dir, run))
-  # This process's sampling copy of the weights, on its own devices, as in training.
-  sync = multihost.WeightSync(nnx.state(model), run.sampler_mesh)
-  graphdef, params = nnx.split(model)
-  engine = Engine(nnx.merge(graphdef, sync(params)), run.engine,
-                  eos_ids=[tokenizer.eos_id, tokenizer.endoftext], detokenize=tokenizer.decode,
-                  mesh=sync.mesh)
+  engine = Engine(model, run.engine, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
+                  detokenize=tokenizer.decode, mesh=mesh)
   sections = run_config.with_seeds(config, run)
   sections["eval"] = {**sections["eval"], "data": run.pipeline.data}
   return evaluate(sections, workdir, engine=engine, tokenizer=tokenizer,

@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 import jax
 from absl import app, flags, logging
-from flax import nnx
 from jax.sharding import Mesh
 
 from sage_jax import multihost, run_checkpoint, run_config
@@ -148,19 +147,18 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
   (--stage, --step) as the run's sampler holds it. Else an HF directory (its own tokenizer and
   generation_config.json where it has them), a .gguf file or the bundled model."""
   FLAGS = flags.FLAGS
-  if run_checkpoint.is_run(spec):
-    run = run_config.resolve(run_checkpoint.read_config(spec),
-                             local_devices=jax.local_device_count())
+  recorded = run_checkpoint.run_config_at(spec)
+  if recorded is not None:
+    run = run_config.resolve(recorded, local_devices=jax.local_device_count())
 
     def restore() -> tuple[Qwen2, Mesh]:
       try:
-        model, step = run_checkpoint.restore_model(spec, run, FLAGS.step, FLAGS.stage)
+        model, mesh, step = run_checkpoint.restore_sampling_model(spec, run, FLAGS.step,
+                                                                  FLAGS.stage)
       except FileNotFoundError as e:  # no such stage or step: name the ones there are
         raise app.UsageError(str(e)) from e
       logging.info("%s: the %s stage's checkpoint at step %d", spec, FLAGS.stage, step)
-      sync = multihost.WeightSync(nnx.state(model), run.sampler_mesh)
-      nnx.update(model, sync(nnx.state(model)))
-      return model, sync.mesh
+      return model, mesh
 
     return tokenizer_lib.Tokenizer(run_checkpoint.tokenizer_dir(spec, run)), None, {}, restore
   if FLAGS["step"].present or FLAGS["stage"].present:

@@ -13,8 +13,9 @@ import os
 
 import ml_collections
 from flax import nnx
+from jax.sharding import Mesh
 
-from sage_jax import compact_tokenizer, run_config, storage
+from sage_jax import compact_tokenizer, multihost, run_config, storage
 from sage_jax import sharding as shd
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
@@ -28,12 +29,14 @@ STAGE_DIRS = {"rl": "checkpoints", "sft": "sft/checkpoints"}
 RETIRED_KEYS = {"expert.use_library": "agent.use_library"}
 
 
-def is_run(path: str) -> bool:
-  """Whether `path` is a training run's workdir: its config.json is a run's (with a pipeline
-  section), not a model's."""
+def run_config_at(path: str) -> ml_collections.ConfigDict | None:
+  """The config of the training run whose workdir `path` is; None when it is not one (e.g. a
+  model's directory, whose config.json has no pipeline section)."""
   directory = storage.path(path)
   config = storage.read_json(directory / "config.json") if directory.is_dir() else None
-  return isinstance(config, dict) and "pipeline" in config
+  if not (isinstance(config, dict) and "pipeline" in config):
+    return None
+  return _without_retired_keys(config)
 
 
 def read_config(run_dir: str) -> ml_collections.ConfigDict:
@@ -42,6 +45,10 @@ def read_config(run_dir: str) -> ml_collections.ConfigDict:
   config = storage.read_json(storage.path(run_dir) / "config.json")
   if config is None:
     raise FileNotFoundError(f"{run_dir}: not a training run's workdir (no config.json)")
+  return _without_retired_keys(config)
+
+
+def _without_retired_keys(config: dict) -> ml_collections.ConfigDict:
   for key in RETIRED_KEYS:
     section, field = key.split(".")
     (config.get(section) or {}).pop(field, None)
@@ -82,3 +89,13 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
   finally:
     checkpointer.close()
   return nnx.merge(nnx.graphdef(model), state.params), step
+
+
+def restore_sampling_model(run_dir: str, run: run_config.RunConfig, step: int | None = None,
+                           stage: str = "rl") -> tuple[nnx.Module, Mesh, int]:
+  """(model, mesh, step): checkpoint `step` of the run's `stage` as the run's sampler holds it,
+  this process's copy of the weights (in the sampler's dtype) on the run's sampler mesh."""
+  model, step = restore_model(run_dir, run, step, stage)
+  sync = multihost.WeightSync(nnx.state(model), run.sampler_mesh)
+  nnx.update(model, sync(nnx.state(model)))
+  return model, sync.mesh, step
