@@ -130,6 +130,7 @@ class Pipeline:
     self.config = config
     self.run = run_config.resolve(config, jax.device_count(), jax.local_device_count())
     memory_plan.check_fits(self.run, jax.local_devices()[0])
+    loader.check_tokenizer(self.run.model)  # before config.json records the run
     self.workdir = storage.open_workdir(workdir, flag="--workdir")
     self.config_dict = run_config.with_seeds(config, self.run)
     recorded = _read_json_on_lead(self.workdir / "config.json")

@@ -143,8 +143,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
       from sage_jax.sampler import AsyncEngine, Engine, EngineConfig
 
       if engine is None:
-        model = loader.build_model(
-            configurable.build(loader.ModelSpec, s["model"] or {}, "config.model"))
+        spec = configurable.build(loader.ModelSpec, s["model"] or {}, "config.model")
+        loader.check_tokenizer(spec)
+        model = loader.build_model(spec)
         engine_cfg = configurable.build(EngineConfig, s["engine"] or {}, "config.engine")
         engine = Engine(model, engine_cfg, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
                         detokenize=tokenizer.decode)

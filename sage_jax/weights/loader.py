@@ -11,6 +11,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sage_jax import sharding as shd
+from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.configurable import ConfigError
 from sage_jax.model import lora, ragged_decode
 from sage_jax.model.attention_kernels import check_implementation
 from sage_jax.model.config import (Qwen2Config, check_attention_block, check_remat,
@@ -214,6 +216,24 @@ def model_config(spec: ModelSpec, vocab_size: int | None = None) -> Qwen2Config:
   return cfg.replace(remat=spec.remat, remat_layers=spec.remat_layers,
                      attention_block=spec.attention_block, attention_impl=spec.attention_impl,
                      decode_attention_impl=spec.decode_attention_impl)
+
+
+def check_tokenizer(spec: ModelSpec) -> None:
+  """Fails when spec's checkpoint directory holds a tokenizer that encodes text to other ids
+  than Qwen2.5's. Training and evaluation write prompts, expert data and stop tokens in
+  Qwen2.5's ids, which such a model would read as other text. A checkpoint without tokenizer
+  files is taken to be Qwen2.5's (`generate` samples any checkpoint with its own tokenizer)."""
+  path = spec.spec
+  if not (os.path.isdir(path) and all(os.path.isfile(os.path.join(path, name))
+                                      for name in tokenizer_lib.REQUIRED_FILES)):
+    return
+  differences = tokenizer_lib.encoding_differences(path,
+                                                   tokenizer_lib.ensure_qwen25_tokenizer_dir())
+  if differences:
+    raise ConfigError(
+        f"config.model.spec={path!r}: its tokenizer encodes text to other token ids than "
+        "Qwen2.5's, in which this run writes its prompts, expert data and stop tokens (the model "
+        "would read them as other text):\n  " + "\n  ".join(differences))
 
 
 def build_model(spec: ModelSpec, *, mesh: Mesh | None = None,
