@@ -131,7 +131,7 @@ def main(argv):
                                  entry_flags=common.parse_entry_flags(FLAGS.flag))
     except ValueError as e:
       raise app.UsageError(f"{e} (or give a whole command after --)") from None
-    common.check_config(FLAGS.config)
+    common.check_or_exit(FLAGS.module, cmd[3:])
   if FLAGS.num_processes < 1:
     raise app.UsageError(f"--num_processes must be >= 1, got {FLAGS.num_processes}")
   envs = ([env] if FLAGS.num_processes == 1 else

@@ -23,6 +23,12 @@ COORDINATOR_PORT="${COORDINATOR_PORT:-12345}"
 coordinator="${hosts[0]}:$COORDINATOR_PORT"
 args="$(printf '%q ' "$@")"
 
+# The command's config and overrides, checked once here (with this checkout's venv, where
+# there is one) rather than failing on every host.
+if [[ -x "$SAGE_JAX_DIR/.venv/bin/python" ]]; then
+  (cd "$SAGE_JAX_DIR" && .venv/bin/python launch/check.py "$SAGE_JAX_MODULE" "$@") || exit 2
+fi
+
 dir="$(printf '%q' "$SAGE_JAX_DIR")"
 pids=()
 for i in "${!hosts[@]}"; do

@@ -70,6 +70,17 @@ def load_sweep(spec: str) -> dict:
   for key in ("config", "axes"):
     if key not in sweep:
       raise config_file.ConfigFileError(f"{path}: get_sweep() must return a dict with {key!r}")
+  axes = sweep["axes"]
+  if not (isinstance(axes, (list, tuple)) and all(
+      isinstance(axis, dict) and all(isinstance(arm, dict) for arm in axis.values())
+      for axis in axes)):
+    raise config_file.ConfigFileError(
+        f"{spec}: get_sweep()['axes'] must be a list of {{run name: {{key: value}}}} dicts, "
+        f"got {axes!r:.200}")
+  empty = [i for i, axis in enumerate(axes) if not axis]
+  if empty:
+    raise config_file.ConfigFileError(f"{spec}: the sweep has no runs: axis {empty[0]} has no "
+                                      "arms")
   return sweep
 
 
@@ -101,15 +112,24 @@ def expand(sweep: dict, workdir_root: str, overrides: dict | None = None) -> lis
 def tpu_name(template: str, run_name: str) -> str:
   """`template` with {name} as the run's name in what Cloud TPU names allow (lowercase
   letters, digits and hyphens): `grpo_matched-seed0` -> `grpo-matched-seed0`."""
-  return template.format(name=re.sub(r"[^a-z0-9-]+", "-", run_name.lower()))
+  try:
+    return template.format(name=re.sub(r"[^a-z0-9-]+", "-", run_name.lower()))
+  except (KeyError, IndexError) as e:
+    raise ValueError(f"--tpu={template}: only {{name}} (the run's name) is filled in, not "
+                     f"{{{e.args[0]}}}") from None
+
+
+def _entry_args(run: Run) -> list[str]:
+  """The entry point's arguments of `run` (its command after `python -m <module>`)."""
+  return common.entry_command(run.config, run.workdir, run.overrides, module=run.module,
+                              entry_flags=run.flags)[3:]
 
 
 def commands_for(run: Run, launcher: str, *, project=None, zone=None,
                  tpu=None) -> list[list[str]]:
   """The exact commands that start `run` with `launcher`."""
   module = run.module
-  args = common.entry_command(run.config, run.workdir, run.overrides, module=module,
-                              entry_flags=run.flags)[3:]
+  args = _entry_args(run)
   if launcher == "local":
     return [local.build(run.config, run.workdir, run.overrides, module,
                         entry_flags=run.flags)[1]]
@@ -139,19 +159,24 @@ def main(argv):
     if "module" in sweep and sweep["module"] != FLAGS.module:
       raise app.UsageError(f"--module={FLAGS.module}: {FLAGS.sweep} runs {sweep['module']}")
     sweep = {**sweep, "module": FLAGS.module}
-  runs = expand(sweep, FLAGS.workdir_root, common.parse_overrides(FLAGS.override))
+  try:
+    runs = expand(sweep, FLAGS.workdir_root, common.parse_overrides(FLAGS.override))
+    commands = {run.name: commands_for(run, FLAGS.launcher, project=FLAGS.project,
+                                       zone=FLAGS.zone, tpu=FLAGS.tpu) for run in runs}
+  except ValueError as e:  # a bad --override or --tpu, an override the sweep varies
+    raise app.UsageError(f"{FLAGS.sweep}: {e}") from None
   if FLAGS.launcher == "tpu_pod" and len(runs) > 1 and "{name}" not in (FLAGS.tpu or ""):
     raise app.UsageError(f"--tpu={FLAGS.tpu}: {len(runs)} runs would share one slice; put "
                          "{name} in it (e.g. --tpu=sage-{name}) for a slice per run")
   for config in dict.fromkeys(run.config for run in runs):  # before any run starts
     common.check_config(config)
+  for run in runs:  # then every run's command whole
+    common.check_or_exit(run.module, _entry_args(run), run.name)
   for run in runs:
-    commands = commands_for(run, FLAGS.launcher, project=FLAGS.project, zone=FLAGS.zone,
-                            tpu=FLAGS.tpu)
     print(f"# {run.name}")
-    print(common.show(commands))
+    print(common.show(commands[run.name]))
     if not FLAGS.dry_run:
-      for cmd in commands:
+      for cmd in commands[run.name]:
         subprocess.run(cmd, check=True)
 
 

@@ -94,11 +94,11 @@ def main(argv):
   try:  # the entry point's command first: nothing starts when it is wrong
     overrides = common.parse_overrides(FLAGS.override)
     entry_flags = common.parse_entry_flags(FLAGS.flag)
-    common.entry_command(FLAGS.config, FLAGS.workdir, overrides, FLAGS.module,
-                         entry_flags=entry_flags)
+    entry = common.entry_command(FLAGS.config, FLAGS.workdir, overrides, FLAGS.module,
+                                 entry_flags=entry_flags)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  common.check_config(FLAGS.config)
+  common.check_or_exit(FLAGS.module, entry[3:])
   commands = build(project=FLAGS.project, zone=FLAGS.zone, tpu=FLAGS.tpu,
                    config=FLAGS.config, workdir=FLAGS.workdir,
                    overrides=overrides, module=FLAGS.module, entry_flags=entry_flags,

@@ -135,19 +135,29 @@ def parse_flags(argv: list[str]) -> list[str]:
   except ConfigFileError as e:
     sys.exit(str(e))
   except (KeyError, AttributeError) as e:
-    message = e  # ml_collections wraps the KeyError in an AttributeError for keys
-    while isinstance(message, BaseException):
-      message = message.args[0] if message.args else ""
-    message = str(message)
-    for override in (a for a in argv if a.startswith("--config.")):
-      parts = override.partition("=")[0].removeprefix("--").split(".")
-      bad = next((i for i, part in enumerate(parts[1:], 1)
-                  if message.startswith(f"'{part}'") or message == part), None)
-      if bad is not None:
-        if bad > 1:
-          problem = f"config section {'.'.join(parts[1:bad])!r} has no key {parts[bad]!r}"
-        else:
-          problem = f"the config has no {'section' if len(parts) > 2 else 'key'} {parts[1]!r}"
-        hint = message.partition("\n")[2].strip()
-        sys.exit(f"{override}: {problem}" + (f" ({hint})" if hint else "") + ".")
-    raise
+    message = unknown_override(argv, e)
+    if message is None:
+      raise
+    sys.exit(message)
+
+
+def unknown_override(argv: list[str], error: KeyError | AttributeError) -> str | None:
+  """The line naming the `--config.<path>` override of `argv` that `error` (ml_collections'
+  refusal of a section or key the config lacks) is about, with its suggestion; None when the
+  error names none of them."""
+  message = error  # ml_collections wraps the KeyError in an AttributeError for keys
+  while isinstance(message, BaseException):
+    message = message.args[0] if message.args else ""
+  message = str(message)
+  for override in (a for a in argv if a.startswith("--config.")):
+    parts = override.partition("=")[0].removeprefix("--").split(".")
+    bad = next((i for i, part in enumerate(parts[1:], 1)
+                if message.startswith(f"'{part}'") or message == part), None)
+    if bad is not None:
+      if bad > 1:
+        problem = f"config section {'.'.join(parts[1:bad])!r} has no key {parts[bad]!r}"
+      else:
+        problem = f"the config has no {'section' if len(parts) > 2 else 'key'} {parts[1]!r}"
+      hint = message.partition("\n")[2].strip()
+      return f"{override}: {problem}" + (f" ({hint})" if hint else "") + "."
+  return None

@@ -370,3 +370,71 @@ def test_shell_scripts_pass_shellcheck():
   scripts = ["launch/slurm.sbatch", "launch/multinode.sh", ".ci/run"]
   out = subprocess.run(["shellcheck", *scripts], cwd=REPO, capture_output=True, text=True)
   assert out.returncode == 0, out.stdout
+
+
+def _fails(argv, env=None) -> str:
+  """The one line a launcher exits with (after absl's usage text, for a UsageError); it
+  printed no command."""
+  out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **(env or {})})
+  assert out.returncode != 0 and "--workdir=" not in out.stdout, (out.stdout, out.stderr)
+  return out.stderr.strip().splitlines()[-1]
+
+
+def test_a_tuple_of_strings_reaches_the_run_as_that_tuple():
+  from tests.test_sweep_arms import _resolve_command  # noqa: PLC0415
+
+  for stages in [("sft", "rl"), ("rl",)]:
+    argv = common.entry_command("configs/sage.py:demo", "w", {"pipeline.stages": stages})
+    assert _resolve_command(argv[3:]).pipeline.stages == stages
+
+
+@pytest.mark.parametrize("override,line", [
+    ("grpo.gruop_size=4", "run 'k1': --config.grpo.gruop_size=4: config section 'grpo' has no "
+                          "key 'gruop_size'"),
+    ("grpo.group_size=four", "run 'k1': flag --config.grpo.group_size=four: invalid literal"),
+    ("grpo.group_size=1", "run 'k1': ConfigError: config.grpo.group_size"),
+])
+def test_every_run_of_a_sweep_is_checked_before_any_starts(override, line):
+  """A key the entry point would refuse fails the sweep at once, in one line naming the run,
+  instead of N jobs that each start and fail (on a TPU slice: after its setup)."""
+  for launcher in ("local", "slurm"):
+    got = _fails([sys.executable, "launch/sweep.py", "--sweep=configs/sweeps/chain_length.py:demo",
+                  "--workdir_root=r", f"--launcher={launcher}", f"--override={override}",
+                  "--dry_run"])
+    assert got.startswith(line), got
+  got = _fails([sys.executable, "launch/local.py", "--config=configs/sage.py:demo",
+                "--workdir=w", f"--override={override}", "--dry_run"])
+  assert got.startswith(line.removeprefix("run 'k1': ")), got
+  got = _fails(["bash", "launch/multinode.sh", "--config=configs/sage.py:demo", "--workdir=w",
+                f"--config.{override}"], {"HOSTS": "h0 h1", "DRY_RUN": "1"})
+  assert got.startswith(line.removeprefix("run 'k1': ")), got
+
+
+def test_sweep_misuse_fails_in_one_line(tmp_path):
+  base = [sys.executable, "launch/sweep.py", "--workdir_root=r", "--dry_run"]
+  chain = "--sweep=configs/sweeps/chain_length.py:demo"
+  assert _fails(base + [chain, "--override=grpo.group_size=4",
+                        "--override=config.grpo.group_size=8"]).endswith(
+      "override 'grpo.group_size' is given twice ('4', '8')")
+  assert _fails(base + [chain, "--launcher=tpu_pod", "--project=p", "--zone=z",
+                        "--tpu=pod-{name}-{seed}"]).endswith(
+      "only {name} (the run's name) is filled in, not {seed}")
+  assert _fails(base + [chain, "--module=sage_jax.export"]).endswith(
+      "sage_jax.export takes no --config (its own flags go as entry flags)")
+  assert _fails(base + ["--sweep=configs/sweeps/seeds.py:demo:0"]).endswith(
+      "NUM_SEEDS must be at least 1, got 0")
+  bad = tmp_path / "bad.py"
+  bad.write_text("def get_sweep():\n  return {'config': 'configs/sage.py:demo', "
+                 "'axes': {'k1': {'grpo.chain_length': 1}}}\n")
+  assert "get_sweep()['axes'] must be a list of" in _fails(base + [f"--sweep={bad}"])
+  bad.write_text("def get_sweep():\n  return {'config': 'configs/sage.py:demo', 'axes': [{}]}\n")
+  assert _fails(base + [f"--sweep={bad}"]).endswith("the sweep has no runs: axis 0 has no arms")
+
+
+def test_retrieval_sweep_refuses_a_run_without_a_library(tmp_path):
+  run = tmp_path / "run"
+  (run / "checkpoints" / "2").mkdir(parents=True)
+  (run / "config.json").write_text('{"agent": {"use_library": false}, "pipeline": {}}')
+  with pytest.raises(config_file.ConfigFileError, match="keeps no skill library"):
+    sweep.load_sweep(f"configs/sweeps/retrieval.py:{run}")

@@ -30,6 +30,10 @@ def get_sweep(run_dir: str = "", step: str = ""):
   if not run_dir:
     raise ValueError("the retrieval sweep evaluates a trained run: "
                      "--sweep=configs/sweeps/retrieval.py:RUN_DIR[:STEP]")
+  recorded = storage.read_json(storage.path(run_dir) / "config.json") or {}
+  if (recorded.get("agent") or {}).get("use_library") is False:
+    raise ValueError(f"{run_dir}: its agent keeps no skill library (agent.use_library=False), "
+                     "so every retrieval strategy would evaluate alike")
   return {
       "config": "configs/eval.py:run",
       "module": "sage_jax.evaluate",

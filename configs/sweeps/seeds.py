@@ -23,6 +23,8 @@ def _stage(name: str, preset: str):
 def get_sweep(preset: str = "qwen2.5-7b", num_seeds: int | str = 3):
   """`seeds.py[:PRESET[:NUM_SEEDS]]`."""
   num_seeds = int(num_seeds)
+  if num_seeds < 1:
+    raise ValueError(f"NUM_SEEDS must be at least 1, got {num_seeds}")
   sage, baseline = _stage("sage", preset), _stage("grpo", preset)
   sage_episodes = (sage.pipeline.chains_per_step * sage.grpo.group_size
                    * sage.grpo.chain_length)
