@@ -86,10 +86,17 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl",
   model, step = run_checkpoint.restore_model(workdir, run, step, stage)
   summary = storage.read_json(storage.path(workdir) / "summary.json") or {}
   write_model(model, out, run_checkpoint.tokenizer_dir(workdir, run),
-              base_model=config.model.spec, dtype=dtype, text_files={
-                  "sage_jax_config.json": json.dumps(config.to_dict(), indent=2),
-                  "README.md": model_card(config, stage, step, summary)})
+              base_model=config.model.spec, dtype=dtype,
+              text_files=run_files(config, stage, step, summary))
   return {"out": out, "stage": stage, "step": step}
+
+
+def run_files(config: ml_collections.ConfigDict, stage: str, step: int,
+              summary: dict) -> dict[str, str]:
+  """The text files an export of a run holds beside the model: the run's resolved config
+  and a model card."""
+  return {"sage_jax_config.json": json.dumps(config.to_dict(), indent=2),
+          "README.md": model_card(config, stage, step, summary)}
 
 
 def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary: dict) -> str:

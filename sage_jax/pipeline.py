@@ -60,6 +60,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 import jax
+import ml_collections
 from flax import nnx
 
 from sage_jax import (compact_tokenizer, config_file, export, multihost, plot, run_checkpoint,
@@ -462,11 +463,18 @@ class Pipeline:
     self.weight_sync.check_copies_agree(copy)
     self.engine.update_params(copy)
 
-  def export(self) -> str:
+  def export(self, summary: dict) -> str:
+    """Writes the model as trained to workdir/hf, with what `sage_jax.export` writes beside a
+    checkpoint's: the run's config and a model card (`summary`'s evaluations in its table)."""
     self.read_sft_result("the model exported")
     out = os.fspath(self.workdir / "hf")
+    held = self.weights_from or {"stage": "none (the starting weights)", "step": 0}
+    files = export.run_files(ml_collections.ConfigDict(self.config_dict), held["stage"],
+                             held["step"], {"table": summary_table(summary)}
+                             if {"before", "after"} & summary.keys() else {})
     export.write_model(self.model, out, compact_tokenizer.run_tokenizer_dir(
-        self.workdir, self.run.model.vocabulary), base_model=self.run.model.spec)
+        self.workdir, self.run.model.vocabulary), base_model=self.run.model.spec,
+        text_files=files)
     return out
 
 
@@ -523,9 +531,9 @@ def run(config: Any, workdir: str) -> dict:
       if p.eval_train:
         summary["train_after"] = pipe.evaluate("eval_after", training_scenarios=True)
     if p.export and jax.process_index() == 0:
-      summary["export"] = pipe.export()
+      summary["export"] = pipe.export(summary)
     elif p.export:
-      pipe.export()  # every process joins the gathers
+      pipe.export(summary)  # every process joins the gathers
   finally:
     pipe.close()
   if p.plot and multihost.is_lead() and (pipe.workdir / plot.METRICS_FILE).exists():

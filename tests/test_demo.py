@@ -222,6 +222,12 @@ def test_sft_only_config(tmp_path, demo_expert_file):  # noqa: F811
   assert "dev/tgc" in row
   assert not os.path.exists(workdir / "metrics.jsonl")  # no RL steps
   assert (workdir / "hf" / "config.json").exists()
+  # The run's export holds what `sage_jax.export` writes beside a checkpoint's model.
+  card = (workdir / "hf" / "README.md").read_text()
+  step = json.load(open(workdir / "sft" / "done.json"))["step"]
+  assert f"- Checkpoint: sft step {step}" in card and "| tgc |" in card, card
+  assert (json.load(open(workdir / "hf" / "sage_jax_config.json"))
+          == json.load(open(workdir / "config.json")))
 
 
 def test_grpo_baseline_config(tmp_path):
