@@ -122,8 +122,11 @@ def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary
 def main(argv) -> None:
   del argv
   multihost.initialize()
-  result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage,
-                  flags.FLAGS.dtype)
+  try:
+    result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage,
+                    flags.FLAGS.dtype)
+  except (FileNotFoundError, hf.ExportError) as e:  # not a run, no such step, a bad --out
+    raise app.UsageError(str(e)) from e
   multihost.finish()
   if multihost.is_lead():
     print(json.dumps(result))

@@ -165,6 +165,10 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
     raise app.UsageError(f"--step and --stage choose a checkpoint of a training run's workdir; "
                          f"--model={spec} is not one")
   path = loader.resolve(spec)
+  if not os.path.exists(path):
+    raise app.UsageError(f"--model={spec}: no such directory or file (expected an HF checkpoint "
+                         f"directory, a .gguf file, a training run's workdir or "
+                         f"{loader.BUNDLED_0P5B!r})")
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
   return (tokenizer_lib.Tokenizer(tok_dir), *hf.read_generation_config(path),
           lambda: (loader.load_model(path), None))

@@ -59,21 +59,38 @@ def tokenizer_dir(run_dir: str, run: run_config.RunConfig) -> str:
   return os.fspath(compact_tokenizer.run_tokenizer_dir(run_dir, run.model.vocabulary))
 
 
+def _reader(run_dir: str, stage: str) -> Checkpointer:
+  """The run's `stage` checkpoints, read-only: the run may still be training, with a save
+  under way that a cleanup of temporary directories would delete."""
+  return Checkpointer(CheckpointConfig(
+      directory=os.fspath(storage.path(run_dir) / STAGE_DIRS[stage]), keep_best=0,
+      async_save=False, read_only=True))
+
+
+def _stage_steps(run_dir: str, stage: str) -> list[int]:
+  """The finished checkpoint steps of the run's `stage` (process 0's listing)."""
+  checkpointer = _reader(run_dir, stage)
+  try:
+    return list(checkpointer.all_steps())
+  finally:
+    checkpointer.close()
+
+
 def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = None,
                   stage: str = "rl") -> tuple[nnx.Module, int]:
   """(model, step) of checkpoint `step` (default: the latest) of the run's `stage`, its
   weights sharded over every device of this job (however many processes it has, whatever
   mesh trained it). A missing step is an error that lists the steps there are."""
   ckpt_dir = os.fspath(storage.path(run_dir) / STAGE_DIRS[stage])
-  # Read-only: the run may still be training, with a save under way that a cleanup of
-  # temporary directories would delete.
-  checkpointer = Checkpointer(CheckpointConfig(directory=ckpt_dir, keep_best=0,
-                                               async_save=False, read_only=True))
+  checkpointer = _reader(run_dir, stage)
   try:
     steps = checkpointer.all_steps()  # process 0's: every process fails, or none
     if not steps:
-      raise FileNotFoundError(f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist "
-                              "or holds no finished step)")
+      others = [s for s in STAGE_DIRS if s != stage and _stage_steps(run_dir, s)]
+      raise FileNotFoundError(
+          f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist or holds no finished "
+          "step)" + (f"; it has {others[0]} checkpoints: pass --stage={others[0]}"
+                     if others else ""))
     step = steps[-1] if step is None else step
     if step not in steps:
       raise FileNotFoundError(f"{ckpt_dir}: no checkpoint step {step}; available steps: "

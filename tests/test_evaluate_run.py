@@ -129,3 +129,15 @@ def test_generate_samples_the_runs_checkpoint(run_dir, tmp_path):
   assert missing.returncode != 0 and "available steps: [1]" in missing.stderr
   not_a_run = _generate(f"--model={exported}", "--stage=sft")
   assert not_a_run.returncode != 0 and "is not one" in not_a_run.stderr
+  # The stage the run has is named; bad inputs end in one line, not a traceback.
+  other_stage = _generate(f"--model={run_dir}", "--stage=sft")
+  assert other_stage.returncode != 0
+  assert "no sft checkpoints" in other_stage.stderr and "pass --stage=rl" in other_stage.stderr
+  nowhere = _generate(f"--model={tmp_path / 'nowhere'}")
+  assert nowhere.returncode != 0 and "no such directory or file" in nowhere.stderr
+  no_step = subprocess.run([sys.executable, "-m", "sage_jax.export", f"--workdir={run_dir}",
+                            "--step=7", f"--out={tmp_path / 'hf7'}"], cwd=REPO,
+                           capture_output=True, text=True, timeout=600)
+  assert no_step.returncode != 0 and "available steps: [1]" in no_step.stderr
+  for done in (other_stage, nowhere, no_step):
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
