@@ -44,7 +44,7 @@ def evaluate_run(run_dir: str, eval_config, workdir: str, step: int | None = Non
     config = run_checkpoint.read_config(run_dir)
     for name in EVAL_SECTIONS:
       config[name] = eval_config[name]
-    run = run_config.resolve(config, local_devices=jax.local_device_count())
+    run = run_config.resolve(config, local_devices=jax.local_device_count(), trained=True)
   except (FileNotFoundError, run_config.ConfigError) as e:  # not a run; a bad key
     raise app.UsageError(str(e)) from e
   if run.eval.policy != "model":

@@ -318,10 +318,12 @@ def _build(name: str, section: dict) -> Any:
 
 
 def resolve(config: Any, num_devices: int | None = None,
-            local_devices: int | None = None) -> RunConfig:
+            local_devices: int | None = None, trained: bool = False) -> RunConfig:
   """Builds every section and checks the combinations; errors name the offending key.
   `num_devices`: all devices of the run (the training mesh); `local_devices`: those of one
-  host (the sampler's mesh)."""
+  host (the sampler's mesh). `trained`: the config of a run that has trained (its model and
+  SFT data exist, as `evaluate --run` reads them), so what training must build before its
+  model exists is not checked."""
   sections = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   unknown = sorted(set(sections) - set(CONFIG_SECTIONS) - {"seed"})
   if unknown:
@@ -349,11 +351,12 @@ def resolve(config: Any, num_devices: int | None = None,
   if agent.temperature > 0:
     built["grpo"] = dataclasses.replace(built["grpo"], temperature=agent.temperature)
   run = RunConfig(seed=seed, **built)
-  _check(run, num_devices, local_devices)
+  _check(run, num_devices, local_devices, trained)
   return run
 
 
-def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -> None:
+def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
+           trained: bool) -> None:
   rollout, pipeline = run.rollout, run.pipeline
   estimator = run.advantage.estimator
   if rollout.group_size == 1 and "rl" in pipeline.stages:  # every estimator centres
@@ -368,11 +371,11 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None) -
         f"{pipeline.train_split!r}: leave expert.splits unset (the expert plays the scenarios "
         "RL trains on), name only the train split (played whole), or set train_scenarios=0 "
         "(SFT on every task of expert.splits, RL on the whole train split)")
-  if run.model.vocabulary == "compact" and run.expert.source == "self":
+  if run.model.vocabulary == "compact" and run.expert.source == "self" and not trained:
     raise ConfigError("config.model.vocabulary: 'compact' is cut to the SFT corpus, which "
                       "expert.source='self' samples from the model itself; use the gold "
                       "trajectories or the full vocabulary")
-  if (run.model.vocabulary == "compact" and not pipeline.expert_trajectories
+  if (run.model.vocabulary == "compact" and not pipeline.expert_trajectories and not trained
       and run.retrieval.strategy in EMBEDDING_STRATEGIES
       and run.retrieval.embedding_model == "policy"):
     raise ConfigError("config.retrieval.embedding_model: 'policy' embeds with the policy model, "

@@ -8,6 +8,7 @@ then evaluated by the entry point."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -73,6 +74,24 @@ def test_evaluate_run_is_the_runs_last_model(run_dir, tmp_path):
   transcripts = [open(d / "transcripts_dev.jsonl").read()
                  for d in (run_dir / "eval_after", out)]
   assert transcripts[0] == transcripts[1]
+
+
+def test_a_compact_run_evaluates_with_policy_embeddings_whatever_made_its_sft_data(
+    run_dir, tmp_path):
+  """Training refuses policy embeddings with a compact vocabulary cut from SFT data it would
+  still have to make (before its model exists); a trained run has both, so its evaluation
+  retrieves with them even when the run made its SFT data itself."""
+  run = tmp_path / "run"
+  shutil.copytree(run_dir, run)
+  config = json.load(open(run / "config.json"))
+  config["pipeline"]["expert_trajectories"] = ""  # as if the run had played the expert
+  (run / "config.json").write_text(json.dumps(config))
+  done = _evaluate(f"--run={run}", "--config=configs/eval.py:run",
+                   *(f"--config.retrieval.{k}={v}" for k, v in POLICY_RETRIEVAL.items()),
+                   "--config.eval.max_scenarios=1", f"--workdir={tmp_path / 'eval'}")
+  assert done.returncode == 0, done.stderr[-4000:]
+  report = json.load(open(tmp_path / "eval" / "eval_dev.json"))
+  assert report["config"]["retrieval"]["embedding_model"] == "policy"
 
 
 def test_evaluate_run_errors_are_clear(run_dir, tmp_path):

@@ -119,6 +119,9 @@ def test_policy_embeddings_retrieve_for_the_expert_when_the_model_exists_first()
   assert _with({**policy, "model.vocabulary": "full"}).retrieval.embedding_model == "policy"
   _with({**policy, "pipeline.expert_trajectories": "expert.jsonl"})
   _with({**policy, "retrieval.embedding_model": "hashing"})
+  trained = _config("sage", "demo")  # a compact vocabulary the run made: `evaluate --run`
+  trained.retrieval.update(strategy="skill_embedding", embedding_model="policy")
+  assert run_config.resolve(trained, trained=True).retrieval.embedding_model == "policy"
 
 
 def test_the_expert_plays_the_training_scenarios_unless_its_splits_are_named():
