@@ -16,7 +16,7 @@ under the workdir:
                                      of the training scenarios (and eval_after_sft/)
   <workdir>/hf/                      the final model in HF format (LoRA merged in)
   <workdir>/hf/lora_adapter/         a LoRA run's adapters in PEFT's format
-  <workdir>/plots/training.png       curves
+  <workdir>/plots/training.png       curves (RL; sft.png: SFT's)
   <workdir>/summary.json             the before/after table
 
 DIR is a local path or a URL that etils.epath handles, e.g. gs://bucket/run (`sage_jax.storage`;
@@ -536,8 +536,8 @@ def run(config: Any, workdir: str) -> dict:
       pipe.export(summary)  # every process joins the gathers
   finally:
     pipe.close()
-  if p.plot and multihost.is_lead() and (pipe.workdir / plot.METRICS_FILE).exists():
-    summary["plot"] = plot.plot_run(os.fspath(pipe.workdir))
+  if p.plot and multihost.is_lead():
+    summary["plots"] = plot.plot_stages(os.fspath(pipe.workdir))
   summary["elapsed_s"] = round(time.time() - started, 1)
   summary["table"] = summary_table(summary)
   _write_json(pipe.workdir / "summary.json", summary)

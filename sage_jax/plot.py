@@ -1,10 +1,10 @@
 """Training curves and sweep comparisons as PNG files.
 
-  python -m sage_jax.plot --workdir=RUN            # RUN/plots/training.png
+  python -m sage_jax.plot --workdir=RUN            # RUN/plots/training.png (RL), sft.png (SFT)
   python -m sage_jax.plot --sweep_root=SWEEP_DIR   # SWEEP_DIR/comparison.png over its runs
 
 Reads the per-step metrics (`metrics.jsonl`: one JSON object per line with a "step") that the
-training loops write. RUN and SWEEP_DIR may be remote (gs://...; `sage_jax.storage`). Panels group metrics by name, so new metrics appear without edits here.
+training loops write: RL's in the run's workdir, SFT's in its sft/ directory. RUN and SWEEP_DIR may be remote (gs://...; `sage_jax.storage`). Panels group metrics by name, so new metrics appear without edits here.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ PANELS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("tokens per step", ("tokens",), ("compute/generated_tokens",)),
     ("loss", ("loss",), ("loss",)),
 )
-_EXCLUDE = ("tokens_per_s", "time")
+_EXCLUDE = ("tokens_per_s", "time", "rewards_unknown")  # the last: a count, not a reward
+# A run's stages that log metrics: where, under its workdir, and the figure of each.
+STAGE_PLOTS = (("", "training.png"), ("sft", "sft.png"))
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -121,8 +123,18 @@ def _save(fig, title: str, out_path: str) -> str:
   return out_path
 
 
-def plot_run(workdir: str, out_path: str | None = None) -> str:
-  """Writes the training curves of one run; returns the PNG path."""
+def plot_stages(workdir: str) -> list[str]:
+  """Writes the curves of each stage of the run that logged metrics (`STAGE_PLOTS`, under
+  workdir/plots/); returns the PNG paths, none when no stage did."""
+  root = storage.path(workdir)
+  return [plot_run(os.fspath(root / stage), os.fspath(root / "plots" / figure),
+                   title=f"{root.name}: {stage.upper()}" if stage else root.name)
+          for stage, figure in STAGE_PLOTS if (root / stage / METRICS_FILE).exists()]
+
+
+def plot_run(workdir: str, out_path: str | None = None, title: str | None = None) -> str:
+  """Writes the curves of the metrics in `workdir` (default: to its plots/training.png);
+  returns the PNG path."""
   series = _series(read_metrics(workdir))
   panels = _panels(series)
   if not panels:
@@ -136,7 +148,7 @@ def plot_run(workdir: str, out_path: str | None = None) -> str:
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
   root = storage.path(workdir)
-  return _save(fig, root.name, out_path or os.fspath(root / "plots" / "training.png"))
+  return _save(fig, title or root.name, out_path or os.fspath(root / "plots" / "training.png"))
 
 
 def plot_sweep(sweep_root: str, out_path: str | None = None) -> str:
@@ -163,7 +175,14 @@ def main(argv):
   del argv
   if bool(FLAGS.workdir) == bool(FLAGS.sweep_root):
     raise app.UsageError("pass exactly one of --workdir and --sweep_root")
-  print(plot_run(FLAGS.workdir) if FLAGS.workdir else plot_sweep(FLAGS.sweep_root))
+  if FLAGS.sweep_root:
+    print(plot_sweep(FLAGS.sweep_root))
+    return
+  paths = plot_stages(FLAGS.workdir)
+  if not paths:
+    raise app.UsageError(f"{FLAGS.workdir}: neither {METRICS_FILE} nor sft/{METRICS_FILE}: is "
+                         "it a training run's workdir?")
+  print("\n".join(paths))
 
 
 FLAGS = flags.FLAGS

@@ -80,3 +80,26 @@ def test_plot_sweep_command(tmp_path):
 def test_missing_metrics_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="metrics.jsonl does not exist"):
     plot.plot_run(str(tmp_path))
+
+
+def test_every_stage_that_logged_is_plotted(tmp_path):
+  """An SFT-only run (configs/sft.py) logs under sft/: its curves are drawn too."""
+  run = tmp_path / "run"
+  os.makedirs(run / "sft")
+  with open(run / "sft" / plot.METRICS_FILE, "w") as f:
+    for s in range(1, 5):
+      f.write(json.dumps({"step": s, "loss": 2.0 / s, "loss_tokens": 300.0}) + "\n")
+  assert plot.plot_stages(str(run)) == [str(run / "plots" / "sft.png")]
+  _write_run(run, 3)  # then RL
+  assert plot.plot_stages(str(run)) == [str(run / "plots" / "training.png"),
+                                        str(run / "plots" / "sft.png")]
+  assert plot.plot_stages(str(tmp_path / "empty")) == []
+  out = subprocess.run([sys.executable, "-m", "sage_jax.plot", f"--workdir={tmp_path}/empty"],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "neither metrics.jsonl nor sft/metrics.jsonl" in out.stderr
+
+
+def test_a_count_of_unknown_rewards_is_not_drawn_as_a_reward():
+  panels = plot._panels(["reward/mean", "num_rewards_unknown"])
+  assert panels == {"reward": ["reward/mean"]}
