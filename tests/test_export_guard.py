@@ -179,6 +179,11 @@ def test_write_model_exports_in_the_dtype_asked_for(model, tmp_path):
   assert set(os.listdir(tmp_path / "out")) == {
       *index["weight_map"].values(), "config.json", "generation_config.json",
       "model.safetensors.index.json", hf.EXPORT_MARKER, *tokenizer_lib.TOKENIZER_FILES}
+  # Readable as any other file this process creates (safetensors writes its files 0600).
+  umask = os.umask(0)
+  os.umask(umask)
+  for name in os.listdir(tmp_path / "out"):
+    assert os.stat(tmp_path / "out" / name).st_mode & 0o777 == 0o666 & ~umask, name
 
 
 def test_a_remote_output_directory_is_checked_too(gcs_url, model):

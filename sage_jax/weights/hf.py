@@ -326,12 +326,24 @@ def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
     with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
       json.dump({"written_by": "sage_jax", "note": "a later export may replace this directory"},
                 f, indent=2)
+    _with_default_modes(tmp)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   if os.path.exists(out_dir):
     shutil.rmtree(out_dir)
   os.replace(tmp, out_dir)
+
+
+def _with_default_modes(directory: str) -> None:
+  """Gives every file under `directory` the mode a file created by `open` gets (0644 under
+  the usual umask): safetensors writes its files 0600, which other users of a shared
+  filesystem could not read."""
+  umask = os.umask(0)
+  os.umask(umask)
+  for parent, _, names in os.walk(directory):
+    for name in names:
+      os.chmod(os.path.join(parent, name), 0o666 & ~umask)
 
 
 def read_generation_config(directory: str) -> tuple[str | None, dict]:
