@@ -72,9 +72,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def exit_status(returncode: int) -> int:
+  """A process's status as a shell reports it: 128 + N for one that signal N ended."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
 def run_processes(cmd: list[str], envs: list[dict[str, str]], log_dir: str) -> int:
-  """Starts one process per environment and waits for all; returns the first non-zero exit
-  code (0 if all succeed)."""
+  """Starts one process per environment and waits for all; returns the exit status
+  (`exit_status`) of the process that failed first, 0 if all succeed. The others get
+  `FAILURE_GRACE_S` to fail or finish on their own (a collective with the failed one raises
+  in them), then the launcher kills them."""
   procs = []
   for i, env in enumerate(envs):
     if i:
@@ -95,27 +102,38 @@ def run_processes(cmd: list[str], envs: list[dict[str, str]], log_dir: str) -> i
 
   previous = {s: signal.signal(s, forward)
               for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+  first_failed, killed = None, set()
   try:
     failed_at = None
     while any(p.poll() is None for p in procs):
-      codes = [p.poll() for p in procs]
-      if failed_at is None and any(c not in (None, 0) for c in codes):
+      if first_failed is None:
+        first_failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
         failed_at = time.monotonic()
-      if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
-        for p in procs:
+      if first_failed is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+        for i, p in enumerate(procs):
           if p.poll() is None:
             p.kill()
+            killed.add(i)
       time.sleep(0.2)
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
-  codes = [p.returncode for p in procs]
-  for i, code in enumerate(codes):
-    if code:
-      print(f"launch: process {i} exited with {code}"
-            + (f" (log: {os.path.join(log_dir, f'process_{i}.log')})" if i else ""),
-            file=sys.stderr)
-  return next((c for c in codes if c), 0)
+  if first_failed is None:  # all ended between two polls
+    first_failed = next((i for i, p in enumerate(procs) if p.returncode), None)
+  for i, p in enumerate(procs):
+    if not p.returncode:
+      continue
+    if i in killed:
+      how = (f"was stopped by the launcher, {FAILURE_GRACE_S:.0f} s after process "
+             f"{first_failed} failed")
+    else:
+      how = (f"exited with {exit_status(p.returncode)}"
+             + (f" (signal {-p.returncode})" if p.returncode < 0 else "")
+             + (", the first to fail" if i == first_failed and len(procs) > 1 else ""))
+    print(f"launch: process {i} {how}"
+          + (f" (log: {os.path.join(log_dir, f'process_{i}.log')})" if i else ""),
+          file=sys.stderr)
+  return 0 if first_failed is None else exit_status(procs[first_failed].returncode)
 
 
 def main(argv):

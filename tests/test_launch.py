@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launch import common, sweep, tpu_pod
+from launch import common, local, sweep, tpu_pod
 from sage_jax import config_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -438,3 +438,19 @@ def test_retrieval_sweep_refuses_a_run_without_a_library(tmp_path):
   (run / "config.json").write_text('{"agent": {"use_library": false}, "pipeline": {}}')
   with pytest.raises(config_file.ConfigFileError, match="keeps no skill library"):
     sweep.load_sweep(f"configs/sweeps/retrieval.py:{run}")
+
+
+def test_the_launcher_names_the_process_that_failed_first_and_exits_as_it_did(tmp_path,
+                                                                             monkeypatch, capsys):
+  """Process 1 is killed; process 0 would wait on it: the launcher stops it after the grace
+  period and exits with process 1's status (128 + 9), not with that of its own kill."""
+  monkeypatch.setattr(local, "FAILURE_GRACE_S", 1.0)
+  code = ("import os, signal, time\n"
+          "if os.environ['JAX_PROCESS_ID'] == '1':\n  os.kill(os.getpid(), signal.SIGKILL)\n"
+          "time.sleep(120)\n")
+  status = local.run_processes([sys.executable, "-c", code], local.process_envs(2, 1, {}),
+                               str(tmp_path / "logs"))
+  err = capsys.readouterr().err
+  assert status == 137, err
+  assert "launch: process 1 exited with 137 (signal 9), the first to fail" in err
+  assert "launch: process 0 was stopped by the launcher, 1 s after process 1 failed" in err
