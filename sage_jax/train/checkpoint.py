@@ -106,6 +106,10 @@ def _problem(error: BaseException, directory: epath.Path) -> tuple[str | None, s
   return (named[-1] if named else None), text[:500]
 
 
+def _drop_read_only_notice(record: logging.LogRecord) -> bool:
+  return not str(record.msg).startswith("Given directory is read only")
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   """directory: where checkpoints go ("" = no checkpoints). save_every: save after every
@@ -224,10 +228,17 @@ class Checkpointer:
         raise ValueError("a read-only Checkpointer writes no run config")
       # Orbax's read-only manager (create=False) neither creates a missing directory nor
       # raises: each process checks that it exists and lists no step there.
-      options = ocp.CheckpointManagerOptions(read_only=True, create=False,
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
                                              cleanup_tmp_directories=False)
-      self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                            item_names=("state", "meta"))
+      # Orbax warns that the directory "is read only" whenever a reader opens it: the run
+      # opens one at each stage's start, and the warning reads as a storage problem.
+      absl_logger = logging.getLogger("absl")
+      absl_logger.addFilter(_drop_read_only_notice)
+      try:
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_names=("state", "meta"))
+      finally:
+        absl_logger.removeFilter(_drop_read_only_notice)
       return
     if run_config is not None and jax.process_index() == 0:
       storage.write_json(self.directory / CONFIG_FILE, to_jsonable(run_config), sort_keys=True)
