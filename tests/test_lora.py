@@ -136,6 +136,26 @@ def test_grpo_step_moves_only_the_adapters(sharded, no_compilation_cache):
   assert sum(x.size for x in moments) - adapter_numbers * 2 < 8
 
 
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_a_lora_step_under_remat_is_the_step_without_it(remat):
+  """The real-size LoRA presets rematerialise every layer (qwen2.5-32b-lora): the adapters'
+  gradients flow through the rematerialised layers, the frozen base stays where it was."""
+  cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16,),
+                      row_multiple=4)
+  batch = B.make_batch(_records(8, 0), cfg)[0]
+  params = []
+  for mode in ("none", remat):
+    model = _adapted(cfg=CFG.replace(remat=mode))
+    _randomise_b(model)
+    trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()),
+                      opt.OptimizerConfig(learning_rate=1e-2, warmup_steps=0))
+    assert float(trainer.step(batch)["grad_norm"]) > 0
+    params.append(_flat(trainer.params))
+  plain, rematted = params
+  for path, value in plain.items():
+    np.testing.assert_allclose(rematted[path], value, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
 def test_model_section_adds_adapters_on_the_mesh_and_names_bad_keys():
   from sage_jax.weights import loader  # noqa: PLC0415
 

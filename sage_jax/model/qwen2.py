@@ -255,8 +255,17 @@ _REMAT_POLICIES = {
 }
 
 
-def _run_layer(layer, x, positions, mask, kv_cache):
-  return layer(x, positions, mask, kv_cache)
+def _rematerialised_layer(layer, x, positions, mask, policy):
+  """The training forward of `layer` (no cache) under `jax.checkpoint`, as a pure function of
+  the layer's state: nnx's lifted remat writes the state back into the module afterwards,
+  which fails for a module whose parameters come from two traces (LoRA: the adapters traced
+  by the gradient, the frozen base by the step around it)."""
+  graphdef, state = nnx.split(layer)
+
+  def forward(state, x):
+    return nnx.merge(graphdef, state)(x, positions, mask, None)
+
+  return jax.checkpoint(forward, policy=policy)(state, x)
 
 
 # --- Model ------------------------------------------------------------------------------
@@ -318,12 +327,13 @@ class Qwen2(nnx.Module):
     remat_layers = set(cfg.remat_layers) or set(range(cfg.num_hidden_layers))
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      run = _run_layer
       # Remat is for training; sampling with a cache keeps no activations to save.
       if cfg.remat != "none" and cache is None and i in remat_layers:
-        run = nnx.remat(_run_layer, policy=_REMAT_POLICIES[cfg.remat])
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, layer_cache = run(layer, x, positions, mask, layer_cache)
+        x, layer_cache = _rematerialised_layer(layer, x, positions, mask,
+                                               _REMAT_POLICIES[cfg.remat])
+      else:
+        layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+        x, layer_cache = layer(x, positions, mask, layer_cache)
       if cache is not None:
         new_k.append(layer_cache[0])
         new_v.append(layer_cache[1])
