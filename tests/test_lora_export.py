@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import peft
 import pytest
+import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import load_file
@@ -57,6 +58,24 @@ def test_merged_export_reloads_in_transformers_with_same_logits(tmp_path, tied):
   assert not any("lora" in name for name in index["weight_map"])
   np.testing.assert_allclose(hf_logits(_load(str(tmp_path / "merged")), TOKENS), ours,
                              atol=1e-4)
+
+
+def test_a_float32_export_of_a_bfloat16_base_keeps_the_merged_sum(tmp_path):
+  """The adapters train in float32 over a bfloat16 base: exported in float32, base + delta
+  is summed and kept in float32, not rounded back to the base's bfloat16 first."""
+  tiny_hf_model(str(tmp_path / "src"), dtype=torch.bfloat16)
+  model = _adapted(str(tmp_path / "src"))
+  path = ("layers", 0, "mlp", "up_proj", "kernel")
+  kernel = dict(nnx.to_flat_state(nnx.state(model)))[path].get_value()
+  assert kernel.dtype == jnp.bfloat16
+  want = np.asarray(kernel, np.float32) + np.asarray(lora.adapters_by_kernel(model)[path].delta())
+  hf.save_hf(model, str(tmp_path / "f32"), dtype="float32")
+  name = "model.layers.0.mlp.up_proj.weight"
+  index = json.load(open(tmp_path / "f32" / "model.safetensors.index.json"))
+  got = load_file(str(tmp_path / "f32" / index["weight_map"][name]))[name]
+  assert got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  assert not np.array_equal(got, want.astype(jnp.bfloat16).astype(np.float32))
 
 
 def test_peft_adapter_loads_in_peft_with_same_logits(tmp_path):

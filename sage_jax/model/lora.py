@@ -114,10 +114,11 @@ def adapters_by_kernel(model: nnx.Module) -> dict[tuple, Adapter]:
           if getattr(node, "lora", None) is not None and hasattr(node, "kernel")}
 
 
-def merge(kernel: jax.Array, adapter: Adapter) -> jax.Array:
-  """kernel + scale * B . A in the kernel's shape and dtype (summed in float32)."""
+def merge(kernel: jax.Array, adapter: Adapter, dtype=None) -> jax.Array:
+  """kernel + scale * B . A in the kernel's shape, summed in float32 and rounded once to
+  `dtype` (default: the kernel's; an export in float32 of a bfloat16 base keeps the sum)."""
   delta = adapter.delta().reshape(kernel.shape)
-  return (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+  return (kernel.astype(jnp.float32) + delta).astype(dtype or kernel.dtype)
 
 
 def merged_state(model: nnx.Module) -> nnx.State:
