@@ -169,6 +169,12 @@ def test_model_section_adds_adapters_on_the_mesh_and_names_bad_keys():
   assert model.layers[1].mlp.down_proj.lora is None
   with pytest.raises(ValueError, match="targets"):
     loader.ModelSpec(preset="tiny", lora_rank=8, lora_targets=("mlp",))
+  # The keys a user types are named; adapter settings without a rank are not ignored.
+  with pytest.raises(ValueError, match=r"lora_rank=-2; expected 0 \(off\)"):
+    loader.ModelSpec(preset="tiny", lora_rank=-2)
+  for settings in ({"lora_alpha": 64.0}, {"lora_targets": ("q_proj",)}):
+    with pytest.raises(ValueError, match="with lora_rank=0, which adds no adapters"):
+      loader.ModelSpec(preset="tiny", **settings)
 
 
 def test_sampler_runs_unmerged_adapters_like_the_merged_model():

@@ -47,13 +47,18 @@ class LoraConfig:
 
   def __post_init__(self):
     if not isinstance(self.rank, int) or self.rank < 0:
-      raise ValueError(f"lora rank={self.rank!r}; expected 0 (off) or a positive integer")
+      raise ValueError(f"lora_rank={self.rank!r}; expected 0 (off) or a positive integer")
     if self.rank and self.alpha <= 0:
-      raise ValueError(f"lora alpha={self.alpha!r}; expected a positive number")
+      raise ValueError(f"lora_alpha={self.alpha!r}; expected a positive number")
     unknown = sorted(set(self.targets) - set(PROJECTIONS))
     if unknown or not self.targets and self.rank:
-      raise ValueError(f"lora targets={tuple(self.targets)!r}: expected a non-empty subset of "
+      raise ValueError(f"lora_targets={tuple(self.targets)!r}: expected a non-empty subset of "
                        f"{PROJECTIONS}")
+    defaults = LoraConfig.__dataclass_fields__
+    if not self.rank and (self.alpha != defaults["alpha"].default
+                          or tuple(self.targets) != defaults["targets"].default):
+      raise ValueError(f"lora_alpha={self.alpha!r}, lora_targets={tuple(self.targets)!r} with "
+                       "lora_rank=0, which adds no adapters: set lora_rank to train them")
 
   @property
   def enabled(self) -> bool:
