@@ -136,7 +136,10 @@ def sampling_settings(generation_path: str | None, generation: dict[str, Any],
   if ignored:
     logging.warning("%s sets %s, which this sampler does not apply: ignored", generation_path,
                     ", ".join(f"{k}={v}" for k, v in ignored.items()))
-  return SamplingParams(**values), stop
+  try:
+    return SamplingParams(**values), stop
+  except ValueError as e:  # a value out of range (--temperature=-1, --top_p=0, ...)
+    raise app.UsageError(str(e)) from None
 
 
 def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, Any],

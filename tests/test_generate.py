@@ -183,3 +183,13 @@ def test_a_max_length_the_prompt_reaches_fails_unless_max_new_tokens_is_given(ch
           f"{len(prompt)}-token prompt already reaches") in failed.stderr, failed.stderr[-3000:]
   text, _ = _generate(directory, "--max_new_tokens=4")
   assert text == tokenizer_lib.Tokenizer(directory).decode(first[:4])
+
+
+@pytest.mark.parametrize("flag,message", [("--temperature=-1", "temperature=-1.0"),
+                                          ("--top_p=0", "top_p"),
+                                          ("--max_new_tokens=0", "max_new_tokens")])
+def test_a_sampling_value_out_of_range_is_refused_in_one_line(checkpoint, flag, message):
+  directory, _ = checkpoint
+  out = _run(directory, flag)
+  assert out.returncode != 0 and message in out.stderr
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]

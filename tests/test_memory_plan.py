@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from sage_jax.model import get_preset
 from sage_jax.tools import memory_plan
 
@@ -95,6 +97,19 @@ def test_config_command_prints_the_run_plan():
        "--config.grpo.group_size=0"], capture_output=True, text=True, timeout=300)
   assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
       "ConfigError: config.grpo.group_size must be >= 1, got 0"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--preset=tiny", "--mesh=1,-1,1"], "--mesh='1,-1,1': expected data,fsdp,tensor"),
+    (["--preset=tiny", "--mesh=1,x,1"], "--mesh='1,x,1': expected data,fsdp,tensor"),
+    (["--preset=tiny", "--mesh=1,0,1"], "--mesh='1,0,1': expected data,fsdp,tensor"),
+    (["--config=configs/sage.py:demo", "--hosts=0"], "--hosts=0 --devices_per_host=1: each"),
+])
+def test_bad_sizes_are_refused_in_one_line(args, message):
+  """A -1 axis (the configs' "the rest") planned negative bytes; 0 divided by zero."""
+  out = subprocess.run([sys.executable, "-m", "sage_jax.tools.memory_plan", *args],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0 and "Traceback" not in out.stderr and message in out.stderr
 
 
 def test_lora_plan_trains_the_adapters_only():

@@ -260,6 +260,9 @@ def _model_config(spec) -> Qwen2Config:
 def main(argv):
   del argv
   f = flags.FLAGS
+  if f.hosts < 1 or f.devices_per_host < 1:
+    raise app.UsageError(f"--hosts={f.hosts} --devices_per_host={f.devices_per_host}: each "
+                         "must be at least 1")
   if f.config is not None:
     from sage_jax import run_config  # noqa: PLC0415
 
@@ -269,9 +272,13 @@ def main(argv):
     result.update(hosts=f.hosts, devices_per_host=f.devices_per_host)
     print(json.dumps(result, indent=2))
     return
-  mesh_shape = tuple(int(x) for x in f.mesh.split(","))
-  if len(mesh_shape) != 3:
-    raise app.UsageError(f"--mesh={f.mesh!r}: expected data,fsdp,tensor")
+  try:
+    mesh_shape = tuple(int(x) for x in f.mesh.split(","))
+  except ValueError:
+    mesh_shape = ()
+  if len(mesh_shape) != 3 or min(mesh_shape) < 1:
+    raise app.UsageError(f"--mesh={f.mesh!r}: expected data,fsdp,tensor, three sizes of at "
+                         "least 1 (no -1: a plan has no device count to fill it from)")
   cfg = get_preset(f.preset, param_dtype=f.param_dtype)
   result = plan(cfg, mesh_shape, mu_dtype=f.mu_dtype).as_dict()
   result.update(preset=f.preset, param_dtype=f.param_dtype)
