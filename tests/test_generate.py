@@ -181,6 +181,7 @@ def test_a_max_length_the_prompt_reaches_fails_unless_max_new_tokens_is_given(ch
   assert failed.returncode != 0
   assert (f"{directory}/generation_config.json sets max_length={len(prompt)}, which the "
           f"{len(prompt)}-token prompt already reaches") in failed.stderr, failed.stderr[-3000:]
+  assert "Traceback" not in failed.stderr
   text, _ = _generate(directory, "--max_new_tokens=4")
   assert text == tokenizer_lib.Tokenizer(directory).decode(first[:4])
 
@@ -190,6 +191,6 @@ def test_a_max_length_the_prompt_reaches_fails_unless_max_new_tokens_is_given(ch
                                           ("--max_new_tokens=0", "max_new_tokens")])
 def test_a_sampling_value_out_of_range_is_refused_in_one_line(checkpoint, flag, message):
   directory, _ = checkpoint
-  out = _run(directory, flag)
+  out = _run(directory, flag, generation={})  # the module's checkpoint, without settings
   assert out.returncode != 0 and message in out.stderr
   assert "Traceback" not in out.stderr, out.stderr[-3000:]
