@@ -121,8 +121,8 @@ def sampling_settings(generation_path: str | None, generation: dict[str, Any],
     max_length = generation["max_length"]
     if values["max_new_tokens"] < 1:
       raise app.UsageError(f"{generation_path} sets max_length={max_length}, which the "
-                       f"{prompt_length}-token prompt already reaches: no room for new tokens "
-                       "(--max_new_tokens asks for some)")
+                           f"{prompt_length}-token prompt already reaches: no room for new "
+                           "tokens (--max_new_tokens asks for some)")
     origins["max_new_tokens"] = (f"{generation_path}'s max_length={max_length} less the "
                                  f"{prompt_length}-token prompt")
   stop = eos_ids(generation, tok)

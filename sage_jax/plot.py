@@ -4,7 +4,9 @@
   python -m sage_jax.plot --sweep_root=SWEEP_DIR   # SWEEP_DIR/comparison.png over its runs
 
 Reads the per-step metrics (`metrics.jsonl`: one JSON object per line with a "step") that the
-training loops write: RL's in the run's workdir, SFT's in its sft/ directory. RUN and SWEEP_DIR may be remote (gs://...; `sage_jax.storage`). Panels group metrics by name, so new metrics appear without edits here.
+training loops write: RL's in the run's workdir, SFT's in its sft/ directory. RUN and
+SWEEP_DIR may be remote (gs://...; `sage_jax.storage`). Panels group metrics by name, so new
+metrics appear without edits here.
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
   """(model, step) of checkpoint `step` (default: the latest) of the run's `stage`, its
   weights sharded over every device of this job (however many processes it has, whatever
   mesh trained it). A missing step is an error that lists the steps there are."""
-  ckpt_dir = os.fspath(storage.path(run_dir) / STAGE_DIRS[stage])
   checkpointer = _reader(run_dir, stage)
+  ckpt_dir = os.fspath(checkpointer.directory)
   try:
     steps = checkpointer.all_steps()  # process 0's: every process fails, or none
     if not steps:
