@@ -13,7 +13,8 @@ gradients, AdamW moments; with LoRA, gradients and moments of the adapters only)
 training mesh over every device, the frozen KL reference
 when KL is on, the activations of one micro-batch (an estimate, see `activation_bytes`), and
 on each host the sampler's copy of the weights and its KV cache (slots x max_len), which
-live on the same devices as the train state.
+live on the same devices as the train state. With --device_memory_gib, a run that does not
+fit exits with status 1 after its plan, naming the keys that shrink each part.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -235,16 +237,21 @@ def check_fits(run, device: jax.Device) -> RunPlan | None:
   result = run_plan(run, hosts=jax.process_count(), devices_per_host=jax.local_device_count(),
                     device_memory_gib=stats["bytes_limit"] / 2**30)
   if not result.fits:
-    gib = result.as_dict()["gib_per_device"]
-    raise MemoryError(
-        f"the run needs {gib['total']} GiB per device, more than the "
-        f"{result.as_dict()['device_memory_gib']} GiB of {device.device_kind}: {gib}. The "
-        f"sampler's weights ({gib['sampler_weights']} GiB) and KV cache ({gib['kv_cache']} "
-        f"GiB) live on each host: raise config.sampler_mesh.tensor (now "
-        f"{run.sampler_mesh.tensor}, at most the host's {jax.local_device_count()} devices) "
-        f"or lower config.engine.num_slots / config.engine.max_len; the train state shrinks "
-        f"with more hosts (config.mesh), the activations with config.batch.micro_batch_tokens.")
+    raise MemoryError(shortfall(run, result, device.device_kind, jax.local_device_count()))
   return result
+
+
+def shortfall(run, result: RunPlan, device_kind: str, devices_per_host: int) -> str:
+  """What a plan that does not fit needs, and the config keys that shrink each part."""
+  d = result.as_dict()
+  gib = d["gib_per_device"]
+  return (f"the run needs {gib['total']} GiB per device, more than the "
+          f"{d['device_memory_gib']} GiB of {device_kind}: {gib}. The "
+          f"sampler's weights ({gib['sampler_weights']} GiB) and KV cache ({gib['kv_cache']} "
+          f"GiB) live on each host: raise config.sampler_mesh.tensor (now "
+          f"{run.sampler_mesh.tensor}, at most the host's {devices_per_host} devices) "
+          f"or lower config.engine.num_slots / config.engine.max_len; the train state shrinks "
+          f"with more hosts (config.mesh), the activations with config.batch.micro_batch_tokens.")
 
 
 def _model_config(spec) -> Qwen2Config:
@@ -266,11 +273,20 @@ def main(argv):
   if f.config is not None:
     from sage_jax import run_config  # noqa: PLC0415
 
+    ignored = [name for name in ("preset", "mesh", "param_dtype", "mu_dtype")
+               if f[name].present]
+    if ignored:
+      raise app.UsageError(
+          f"--{', --'.join(ignored)} with --config: the run's config sets the model and mesh; "
+          "override them there (e.g. --config.mesh.fsdp=8 --config.model.param_dtype=bfloat16)")
     run = run_config.resolve(f.config, f.hosts * f.devices_per_host, f.devices_per_host)
-    result = run_plan(run, hosts=f.hosts, devices_per_host=f.devices_per_host,
-                      device_memory_gib=f.device_memory_gib).as_dict()
+    plan_ = run_plan(run, hosts=f.hosts, devices_per_host=f.devices_per_host,
+                     device_memory_gib=f.device_memory_gib)
+    result = plan_.as_dict()
     result.update(hosts=f.hosts, devices_per_host=f.devices_per_host)
     print(json.dumps(result, indent=2))
+    if plan_.fits is False:
+      sys.exit(f"does not fit: {shortfall(run, plan_, 'the device', f.devices_per_host)}")
     return
   try:
     mesh_shape = tuple(int(x) for x in f.mesh.split(","))
