@@ -106,14 +106,15 @@ def test_config_command_exits_1_naming_the_keys_when_the_run_does_not_fit():
   assert "config.sampler_mesh.tensor" in out.stderr
 
 
-@pytest.mark.parametrize("flag", ["--mesh=1,2,1", "--preset=qwen2.5-7b", "--param_dtype=bfloat16"])
+@pytest.mark.parametrize("flag", ["--mesh=1,2,1", "--preset=qwen2.5-7b", "--param_dtype=bfloat16",
+                                  "--mu_dtype=bfloat16"])
 def test_config_command_refuses_the_preset_flags(flag):
   """They were ignored with --config: a plan of another mesh than the one asked for."""
   out = subprocess.run(
       [sys.executable, "-m", "sage_jax.tools.memory_plan", "--config=configs/sage.py:demo", flag],
       capture_output=True, text=True, timeout=300)
   assert out.returncode != 0 and "Traceback" not in out.stderr
-  assert f"{flag.split('=')[0]} with --config: the run's config sets the model" in out.stderr
+  assert f"{flag.split('=')[0]} with --config: the plan follows the run's config" in out.stderr
   refused = subprocess.run(
       [sys.executable, "-m", "sage_jax.tools.memory_plan", "--config=configs/sage.py:qwen2.5-7b",
        "--config.grpo.group_size=0"], capture_output=True, text=True, timeout=300)

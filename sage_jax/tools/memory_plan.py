@@ -277,8 +277,9 @@ def main(argv):
                if f[name].present]
     if ignored:
       raise app.UsageError(
-          f"--{', --'.join(ignored)} with --config: the run's config sets the model and mesh; "
-          "override them there (e.g. --config.mesh.fsdp=8 --config.model.param_dtype=bfloat16)")
+          f"--{', --'.join(ignored)} with --config: the plan follows the run's config (its "
+          "model, mesh and optimizer, whose moments take the params' dtype); override it there "
+          "(e.g. --config.mesh.fsdp=8 --config.model.param_dtype=bfloat16)")
     run = run_config.resolve(f.config, f.hosts * f.devices_per_host, f.devices_per_host)
     plan_ = run_plan(run, hosts=f.hosts, devices_per_host=f.devices_per_host,
                      device_memory_gib=f.device_memory_gib)
