@@ -143,7 +143,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def unknown_override(argv: list[str], error: KeyError | AttributeError) -> str | None:
   """The line naming the `--config.<path>` override of `argv` that `error` (ml_collections'
-  refusal of a section or key the config lacks) is about, with its suggestion; None when the
+  refusal of a section or key the config lacks) is about, with its suggestion, or the other
+  sections that have the key (`eval.temperature` for `agent.temperature`); None when the
   error names none of them."""
   message = error  # ml_collections wraps the KeyError in an AttributeError for keys
   while isinstance(message, BaseException):
@@ -159,5 +160,33 @@ def unknown_override(argv: list[str], error: KeyError | AttributeError) -> str |
       else:
         problem = f"the config has no {'section' if len(parts) > 2 else 'key'} {parts[1]!r}"
       hint = message.partition("\n")[2].strip()
+      if not hint and bad == len(parts) - 1:
+        holders = _sections_with_key(_config_of(argv, parts[0]), parts[bad])
+        if holders:
+          hint = "the config has " + ", ".join(f"{parts[0]}.{h}.{parts[bad]}" for h in holders)
       return f"{override}: {problem}" + (f" ({hint})" if hint else "") + "."
   return None
+
+
+def _config_of(argv: list[str], name: str) -> ml_collections.ConfigDict | None:
+  """The config the `--<name>=` flag of `argv` names, if it loads."""
+  spec = next((a.partition("=")[2] for a in argv if a.startswith(f"--{name}=")), None)
+  try:
+    return load(spec) if spec else None
+  except ConfigFileError:
+    return None
+
+
+def _sections_with_key(config: ml_collections.ConfigDict | None, key: str,
+                       path: str = "") -> list[str]:
+  """The dotted paths of `config`'s sections that hold a key `key` (not a section)."""
+  if config is None:
+    return []
+  found = []
+  for name, value in config.items():
+    inner = f"{path}.{name}" if path else name
+    if isinstance(value, ml_collections.ConfigDict):
+      found += _sections_with_key(value, key, inner)
+    elif name == key and path:
+      found.append(path)
+  return found

@@ -232,6 +232,9 @@ def test_component_seeds_derive_from_the_run_seed():
     ("--config.grpo.group_sise=4", "config section 'grpo' has no key 'group_sise' "
                                    "(Did you mean \"group_size\" instead of \"group_sise\"?)"),
     ("--config.rollout.nothing_like_it=4", "config section 'rollout' has no key 'nothing_like_it'"),
+    ("--config.sft.temperature=0.5", "config section 'sft' has no key 'temperature' (the config "
+                                     "has config.agent.temperature, config.eval.temperature, "
+                                     "config.grpo.temperature)"),
     ("--config.nope=4", "the config has no key 'nope'")])
 def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_path):
   # The pipeline's own entry point (sage_jax.train delegates to it).
