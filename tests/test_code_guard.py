@@ -78,6 +78,14 @@ print("never called my_skill")
     "import yaml\nyaml.unsafe_load('!!python/object/apply:print [1]')",
     "import yaml\nyaml.load('!!python/object/apply:print [1]', Loader=yaml.Loader)",
     "from yaml import *",
+    # what AppWorld runs is the block stripped: with blank space before it, it parses only so
+    " import sys\nprint(sys.gettrace())",
+    "\n\timport sys",
+    # IPython's shell runs text as code
+    "ip = get_ipython()\nip.ev('1')",
+    # a module's attribute is read by annotations and by AppWorld's own code
+    "import typing\ntyping.T = 'print(1)'",
+    "import json\nsetattr(json, 'loads', print)",
 ])
 def test_interpreter_reaching_code_is_refused(code):
   assert code_guard.refusal(code) is not None
@@ -181,3 +189,22 @@ def test_a_forged_skill_use_is_refused_in_a_world(mini_root, tmp_path):  # noqa:
   tracker = SkillTracker({"my_skill": analyze(LIBRARY).functions[0].calls})
   tracker.observe(FORGE_USE, BlockTrace.from_dict(trace))
   assert tracker.events().used == ()
+
+
+def test_a_string_annotation_made_at_run_time_is_checked_in_a_world(mini_root, tmp_path):  # noqa: F811
+  """A string bound to a name reaches pydantic as an annotation without being written in
+  one: typing's evaluation of it is checked as the code is, and a harmless one still
+  works."""
+  forged = ("from appworld.apps.model_lib import PydanticModel\n"
+            "T = \"print(__import__('sys').gettrace())\"\nclass M(PydanticModel):\n    x: T\n")
+  harmless = ("from appworld.apps.model_lib import PydanticModel\nS = 'int'\n"
+              "class N(PydanticModel):\n    x: S\n\nprint(N(x='3').x + 1)")
+  assert code_guard.refusal(forged) is None  # nothing in its text is refused
+  config = pool_config(mini_root, str(tmp_path / "outputs"), num_workers=1)
+  with appworld.EnvPool(config) as pool:
+    with pool.episode(all_task_ids(mini_root)[0], "forward_reference") as ep:
+      refused = ep.execute(forged).result()
+      ran = ep.execute(harmless).result()
+  assert refused.startswith("Execution failed.") and "CallTracer" not in refused
+  assert "is not evaluated: the attribute 'gettrace' is not allowed" in refused
+  assert ran.strip() == "4"

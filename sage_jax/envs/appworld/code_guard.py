@@ -9,7 +9,8 @@ either. Such a block is refused before it runs, the way AppWorld refuses an impo
 observation says "Execution failed" and why, and nothing of it executes.
 
 What is refused: the names `__import__`, `__builtins__`, `globals`, `locals`, `vars`,
-`eval`, `exec`, `compile`, `breakpoint`; attributes (also in `match` class patterns and
+`eval`, `exec`, `compile`, `breakpoint`, and IPython's `get_ipython` (its shell runs text as
+code); attributes (also in `match` class patterns and
 imported names) that start with an underscore, other than a few everyday ones (`__init__`,
 `__name__`, `__doc__`, namedtuple methods), or that lead to frames, tracing, modules or code
 run from text (`f_back`, `gi_frame`, `gettrace`, `sys`, `modules`, `bltns`, `types`,
@@ -22,10 +23,14 @@ and `from ... import *`; and
 `getattr`/`setattr`/`delattr`/`hasattr` other than called with a literal name that passes
 the same rule. A string annotation is code too (pydantic evaluates one where a class or a
 validated function is made; `typing` where hints are read): the expression it holds is
-checked by the same rules. AppWorld's own objects (`apis`, `requester`) are not changed:
-no attribute of theirs is set or deleted (`requester.request_tracker = None` broke every
-later block's bookkeeping, which would count as the environment's failure, not the
-agent's). Ordinary task code (API calls, data handling, function definitions) never
+checked by the same rules, and so is every string that `typing` evaluates as an annotation
+while the code runs (`guard_forward_references`: `x: T` with `T = "..."` hands pydantic a
+string that no check of the code's text sees). AppWorld's own objects (`apis`, `requester`) and the modules the code imports
+are not changed: no attribute of theirs is set or deleted (`requester.request_tracker =
+None` broke every later block's bookkeeping, which would count as the environment's
+failure, not the agent's; a module's attribute is what annotations and AppWorld's own code
+read). The code checked is what AppWorld runs: the block without its surrounding blank
+space. Ordinary task code (API calls, data handling, function definitions) never
 needs any of them. A static check raises the bar rather than closing every door: the
 packages AppWorld imports hold deserialisers and name resolvers of their own, and those
 found by walking the attributes that allowed imports reach are refused above.
@@ -34,10 +39,11 @@ found by walking the attributes that allowed imports reach are refused above.
 from __future__ import annotations
 
 import ast
+import typing
 
 FORBIDDEN_NAMES = frozenset({
     "__import__", "__builtins__", "__loader__", "__spec__", "globals", "locals", "vars",
-    "eval", "exec", "compile", "breakpoint"})
+    "eval", "exec", "compile", "breakpoint", "get_ipython"})
 ALLOWED_PRIVATE = frozenset({
     "__init__", "__name__", "__doc__", "_asdict", "_replace", "_fields", "_make"})
 FORBIDDEN_ATTRIBUTES = frozenset({
@@ -73,8 +79,6 @@ FORBIDDEN_ATTRIBUTES = frozenset({
 FORBIDDEN_MODULES = frozenset({"builtins", "unittest"})
 # The names under which AppWorld hands agent code its objects.
 ENVIRONMENT_OBJECTS = frozenset({"apis", "requester"})
-_CHANGED_ENVIRONMENT = (f"AppWorld's objects ({', '.join(sorted(ENVIRONMENT_OBJECTS))}) are not "
-                        "to be changed: call their APIs instead")
 ATTRIBUTE_FUNCTIONS = frozenset({"getattr", "setattr", "delattr", "hasattr"})
 
 
@@ -117,11 +121,34 @@ def _annotation_refusal(annotation: ast.expr) -> str | None:
   return None
 
 
+def _changed(root: str) -> str:
+  if root in ENVIRONMENT_OBJECTS:
+    return (f"AppWorld's objects ({', '.join(sorted(ENVIRONMENT_OBJECTS))}) are not to be "
+            "changed: call their APIs instead")
+  return f"the module {root!r} is not to be changed: keep your own values in your own names"
+
+
+def guard_forward_references() -> None:
+  """Makes `typing` refuse to evaluate a string annotation that `refusal` refuses, wherever
+  the string comes from (pydantic evaluates one where a class or a validated function is
+  made). For the process that runs agent code, before any runs."""
+  evaluate = typing.ForwardRef._evaluate
+
+  def checked(self, *args, **kwargs):
+    if why := refusal(self.__forward_arg__):
+      raise TypeError(f"the string annotation {self.__forward_arg__[:60]!r} is not "
+                      f"evaluated: {why}")
+    return evaluate(self, *args, **kwargs)
+
+  typing.ForwardRef._evaluate = checked
+
+
 def refusal(code: str) -> str | None:
-  """Why `code` may not run, or None. Code that does not parse is left to AppWorld, which
-  reports the syntax error."""
+  """Why `code` may not run, or None. Checks what AppWorld runs, `code.strip()` (a block
+  that starts with blank space parses only without it). Code that does not parse is left to
+  AppWorld, which reports the syntax error."""
   try:
-    tree = ast.parse(code)
+    tree = ast.parse(code.strip())
   except (SyntaxError, ValueError):
     return None
   return _refusal(tree)
@@ -130,6 +157,9 @@ def refusal(code: str) -> str | None:
 def _refusal(tree: ast.AST) -> str | None:
   calls_by_name = {id(n.func): n for n in ast.walk(tree)
                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+  imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+  unchanged = ENVIRONMENT_OBJECTS | imported
   for node in ast.walk(tree):
     for annotation in _annotations(node):
       if why := _annotation_refusal(annotation):
@@ -146,14 +176,13 @@ def _refusal(tree: ast.AST) -> str | None:
         if why := _attribute_refusal(name.value):
           return why
         if (node.id in ("setattr", "delattr") and call.args
-            and _root_name(call.args[0]) in ENVIRONMENT_OBJECTS):
-          return _CHANGED_ENVIRONMENT
+            and _root_name(call.args[0]) in unchanged):
+          return _changed(_root_name(call.args[0]))
     elif isinstance(node, ast.Attribute):
       if why := _attribute_refusal(node.attr):
         return why
-      if (isinstance(node.ctx, (ast.Store, ast.Del))
-          and _root_name(node.value) in ENVIRONMENT_OBJECTS):
-        return _CHANGED_ENVIRONMENT
+      if isinstance(node.ctx, (ast.Store, ast.Del)) and _root_name(node.value) in unchanged:
+        return _changed(_root_name(node.value))
     elif isinstance(node, ast.MatchClass):
       for name in node.kwd_attrs:
         if why := _attribute_refusal(name):
@@ -169,6 +198,8 @@ def _refusal(tree: ast.AST) -> str | None:
           return "`from ... import *` is not allowed: import the names you use"
         if alias.name in FORBIDDEN_NAMES:
           return f"{alias.name!r} is not allowed (it reaches the interpreter's internals)"
-        if why := _attribute_refusal(alias.name.rsplit(".", 1)[-1]):
-          return why
+        if _attribute_refusal(alias.name.rsplit(".", 1)[-1]):
+          what = "module" if isinstance(node, ast.Import) else "name"
+          return (f"importing the {what} {alias.name!r} is not allowed (it reaches the "
+                  "interpreter's internals)")
   return None

@@ -99,6 +99,8 @@ class Session:
                      timeout_seconds=s["timeout_seconds"], random_seed=s["random_seed"],
                      load_ground_truth=False)
     _saves_only_in(world, os.getpid())
+    if s["code_guard"]:
+      code_guard.guard_forward_references()
     self.world = world
     self.tracer = calltrace.CallTracer()
     descriptions = world.requester.request("api_docs", "show_app_descriptions", track=False)
