@@ -11,7 +11,10 @@ forks (imports stay warm):
   is killed with its process, and the episode ends there. So is an episode whose directory
   grows past its disk budget (checked while its code runs and after each request; one file
   can never exceed the budget: RLIMIT_FSIZE). Every file descriptor but its channel to the
-  worker is closed, so it cannot answer the pool in the worker's name.
+  worker is closed, so it cannot answer the pool in the worker's name. The channel itself is
+  within the code's reach: each request carries a fresh random token that only a true
+  answer repeats, and an answer is read with a size limit and under the request's deadline,
+  so a message the code writes there ends the episode instead of being taken as an answer.
 - an *evaluation process* per evaluation, which scores the world's state that the episode
   process saved with AppWorld's own evaluator (evaluation.py). That state is the agent's to
   forge, so this process is confined too (it reads the task, the data it needs and the saved
@@ -28,10 +31,12 @@ import fcntl
 import json
 import os
 import resource
+import secrets
 import select
 import signal
 import socket
 import stat
+import struct
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -50,13 +55,18 @@ class EvaluationTimeout(Exception):
 
 
 class EpisodeEnded(Exception):
-  """The episode process is gone: killed at its deadline (timed_out), killed because its
-  directory outgrew the disk budget (over_budget), or its code ended it."""
+  """The episode process is gone, killed for `cause`: "timeout" (still running at its
+  deadline), "disk" (its directory outgrew the disk budget), "channel" (its code wrote to
+  the channel to the worker), or None (its code ended it)."""
 
-  def __init__(self, message: str, timed_out: bool = False, over_budget: bool = False):
+  def __init__(self, message: str, cause: str | None = None):
     super().__init__(message)
-    self.timed_out = timed_out
-    self.over_budget = over_budget
+    self.cause = cause
+
+
+# The largest answer read from an episode process: an output is truncated to
+# max_output_chars before it is sent, so only a message the code wrote comes near it.
+MAX_ANSWER_BYTES = 256 * 2**20
 
 
 # How often the worker measures an episode's directory while its code runs.
@@ -194,8 +204,9 @@ class EpisodeProcess:
     its disk budget (while the request runs or once it is answered), or dies."""
     if self._status is not None:
       raise EpisodeEnded(_describe_exit(self._status))
+    token = secrets.token_hex(16)
     try:
-      self._conn.send_bytes(json.dumps(request).encode())
+      self._conn.send_bytes(json.dumps({**request, "token": token}).encode())
       deadline = None if timeout is None else time.monotonic() + timeout
       while True:
         left = None if deadline is None else deadline - time.monotonic()
@@ -204,13 +215,29 @@ class EpisodeProcess:
         answered = self._conn.poll(None if left is None else max(left, 0.0))
         self._check_disk()
         if answered:
-          return json.loads(self._conn.recv_bytes())
+          return self._answer(token, deadline)
         if deadline is not None and time.monotonic() >= deadline:
           self.kill()
-          raise EpisodeEnded(f"still running {timeout:g} s after it started", timed_out=True)
-    except (EOFError, OSError, ValueError) as e:
+          raise EpisodeEnded(f"still running {timeout:g} s after it started", cause="timeout")
+    except (EOFError, OSError) as e:
       self.kill()
       raise EpisodeEnded(_describe_exit(self._status)) from e
+
+  def _answer(self, token: str, deadline: float | None) -> dict:
+    """The answer to the request sent with `token`; anything else on the channel is the
+    code's, and ends the episode."""
+    try:
+      answer = json.loads(_read_message(self._conn.fileno(), deadline, MAX_ANSWER_BYTES))
+      forged = not isinstance(answer, dict) or answer.pop("token", None) != token
+      why = "a message that is not the answer" if forged else None
+    except _BadMessage as e:
+      why = str(e)
+    except ValueError:  # not JSON (UnicodeDecodeError is one too)
+      why = "a message that is not the answer"
+    if why is not None:
+      self.kill()
+      raise EpisodeEnded(why, cause="channel")
+    return answer
 
   def _check_disk(self) -> None:
     if self.max_write_bytes is None:
@@ -219,7 +246,7 @@ class EpisodeProcess:
     if used > self.max_write_bytes:
       self.kill()
       raise EpisodeEnded(f"its directory took {used / 2**20:.1f} MB, more than its "
-                         f"{self.max_write_bytes / 2**20:g} MB budget", over_budget=True)
+                         f"{self.max_write_bytes / 2**20:g} MB budget", cause="disk")
 
   def kill(self) -> None:
     """Kills the process and everything it forked; idempotent."""
@@ -314,6 +341,37 @@ def run_in_fork(function: Callable[[], Any], *, read_paths: list[str], write_dir
   if not answer["ok"]:
     raise RuntimeError(answer["error"])
   return answer["value"]
+
+
+class _BadMessage(Exception):
+  """A message on an episode's channel that no answer can be (its size, or its end)."""
+
+
+def _read_message(fd: int, deadline: float | None, limit: int) -> bytes:
+  """One message in `multiprocessing.connection`'s framing (a 4-byte big-endian size, or -1
+  and an 8-byte one), read directly from `fd`: of at most `limit` bytes, whole before
+  `deadline` (a true answer is written at once; a size the code wrote with no message
+  behind it would block `recv_bytes` for good). Raises EOFError at the channel's end."""
+  size = struct.unpack("!i", _read_exactly(fd, 4, deadline))[0]
+  if size == -1:
+    size = struct.unpack("!Q", _read_exactly(fd, 8, deadline))[0]
+  if not 0 <= size <= limit:
+    raise _BadMessage(f"a message of {size} bytes (an answer holds at most {limit})")
+  return _read_exactly(fd, size, deadline)
+
+
+def _read_exactly(fd: int, size: int, deadline: float | None) -> bytes:
+  chunks, missing = [], size
+  while missing:
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    if not select.select([fd], [], [], left)[0]:
+      raise _BadMessage(f"a message cut short ({size - missing} of its {size} bytes came)")
+    chunk = os.read(fd, min(missing, 1 << 20))
+    if not chunk:
+      raise EOFError("the episode process closed its channel")
+    chunks.append(chunk)
+    missing -= len(chunk)
+  return b"".join(chunks)
 
 
 def _read_until(fd: int, deadline: float) -> bytes | None:

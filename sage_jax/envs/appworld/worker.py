@@ -157,14 +157,17 @@ class Session:
         request = json.loads(channel.recv_bytes())
       except EOFError:
         return
-      op = request.pop("op")
+      op, token = request.pop("op"), request.pop("token")
       try:
         answer = {"ok": True, **{"start": self.start, "install": self.install,
                                  "execute": self.execute}[op](**request)}
+      except MemoryError as e:  # in AppWorld's handling of what the code made (its output)
+        answer = {"ok": False, "out_of_memory": True,
+                  "error": "MemoryError" + (f": {e}" if str(e) else "")}
       except Exception as e:  # noqa: BLE001 - AppWorld's refusals go back to the pool
         answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
       _end_if_forked_from(own_pid)  # a fork of agent code must not answer for the episode
-      channel.send_bytes(json.dumps(answer).encode())
+      channel.send_bytes(json.dumps({**answer, "token": token}).encode())
 
 
 def _raised_in(error: BaseException, functions: tuple[str, ...]) -> bool:
@@ -223,17 +226,26 @@ class Worker:
     s = self.settings
     try:
       answer = self.episode.call(request, s["timeout_seconds"] + s["kill_grace_s"])
+      if answer.get("out_of_memory"):
+        raise episode_process.EpisodeEnded(answer["error"], cause="memory")
     except episode_process.EpisodeEnded as e:
       self._end_episode_process()
-      if e.timed_out:
+      if e.cause == "timeout":
         why = (f"Execution timed out after {s['timeout_seconds']} seconds; the code was "
                f"still running {s['kill_grace_s']:g} s later and was stopped with its process")
-      elif e.over_budget:
+      elif e.cause == "disk":
         why = (f"The episode's files took too much disk: {e}; the code was stopped with its "
                "process")
         # Its disk is freed now, whatever keep_outputs says; there is no state left to score.
         shutil.rmtree(self.output_directory, ignore_errors=True)
         self.refused = f"the episode wrote more than its disk budget ({e})"
+      elif e.cause == "channel":
+        why = (f"The code wrote to the episode's channel to the environment ({e}); it was "
+               "stopped with its process")
+        self.refused = f"the episode's code wrote to its channel to the environment ({e})"
+      elif e.cause == "memory":
+        why = (f"What the code made outgrew the episode's memory ({e}; the limit is "
+               f"{s['memory_limit_mb']} MB); the code was stopped with its process")
       else:
         why = f"The code ended its own process ({e})"
       self.ended = f"{FAILED_PREFIX} Traceback:\n{why}. This episode has ended."
