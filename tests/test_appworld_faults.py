@@ -50,7 +50,7 @@ FAULTS = {
   "disguised_exec": ("getattr(__import__('pos' + 'ix'), 'exe' + 'cv')('/bin/true', ['true'])",
                      "PermissionError"),
   # AppWorld patches os.system to a no-op; posix.system is the real one. Exit status 127:
-  # the shell itself could not be executed.
+  # the shell could not be started (no new process, no exec).
   "disguised_os_system": ("print(getattr(__import__('pos' + 'ix'), 'sys' + 'tem')('true'))",
                           "32512"),
   "raise_memory_limit": ("r = __import__('reso' + 'urce')\n"
@@ -61,10 +61,11 @@ FAULTS = {
   # posix.* are the real system calls behind AppWorld's patched os.* names.
   "kill_the_worker": ("o = __import__('pos' + 'ix')\ngetattr(o, 'ki' + 'll')(o.getppid(), 9)",
                       "PermissionError"),
+  # No process to kill it from: the fork is refused (seccomp).
   "fork_and_kill_the_worker": (
     "o = __import__('pos' + 'ix')\nparent = o.getppid()\n"
     "if getattr(o, 'fo' + 'rk')() == 0:\n    getattr(o, 'ki' + 'll')(parent, 9)\n"
-    "    getattr(o, '_ex' + 'it')(0)\nprint('forked')", "forked"),
+    "    getattr(o, '_ex' + 'it')(0)\nprint('forked')", "PermissionError"),
 }
 # The kernel features the escapes above meet (sandbox.py).
 needs_signal_scoping = pytest.mark.skipif(sandbox.landlock_abi() < 6,
@@ -217,22 +218,35 @@ def test_an_episode_over_its_disk_budget_ends_and_its_files_are_removed(pool, mi
   _check_gold_still_passes(pool, mini_root, all_task_ids(mini_root)[1], f"after_disk_{flood}")
 
 
-def test_processes_forked_by_agent_code_end_with_the_episode(pool, mini_root):  # noqa: F811
+@pytest.fixture
+def unconfined_pool(mini_root, tmp_path):  # noqa: F811
+  """A pool with sandbox="off": confined agent code starts no process at all
+  (tests/test_sandbox_syscalls.py), unconfined code can, and the worker still ends it.
+  Closed after its test: the tests below count this module's pool's processes."""
+  config = pool_config(mini_root, str(tmp_path), num_workers=1, sandbox="off",
+                       code_guard=False)
+  with appworld.EnvPool(config) as pool:
+    yield pool
+
+
+def test_processes_forked_by_agent_code_end_with_the_episode(unconfined_pool,
+                                                            mini_root):  # noqa: F811
   code = ("o = __import__('pos' + 'ix')\npid = getattr(o, 'fo' + 'rk')()\n"
           "if pid == 0:\n    o.setsid()  # a session of its own, out of the process group\n"
           "    while True:\n        pass\nprint('PID', pid)")
-  with pool.episode(all_task_ids(mini_root)[0], "left_behind") as ep:
+  with unconfined_pool.episode(all_task_ids(mini_root)[0], "left_behind") as ep:
     pid = int(ep.execute(code).result().split()[1])
     assert os.path.exists(f"/proc/{pid}")
   assert not os.path.exists(f"/proc/{pid}")
 
 
-def test_a_fork_that_returns_from_agent_code_never_answers_for_the_episode(pool, mini_root):  # noqa: F811
+def test_a_fork_that_returns_from_agent_code_never_answers_for_the_episode(unconfined_pool,
+                                                                        mini_root):  # noqa: F811
   # The child returns from agent code into the episode process's own code: it must end there,
   # not save over the episode's databases or send the pool a second answer.
   code = ("o = __import__('pos' + 'ix')\npid = getattr(o, 'fo' + 'rk')()\n"
           "print('child' if pid == 0 else 'parent')")
-  with pool.episode(all_task_ids(mini_root)[0], "fork_returns") as ep:
+  with unconfined_pool.episode(all_task_ids(mini_root)[0], "fork_returns") as ep:
     for i in range(3):
       assert "parent" in ep.execute(code).result()
       assert f"step {i}" in ep.execute(f"print('step {i}')").result()

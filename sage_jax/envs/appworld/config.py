@@ -44,8 +44,9 @@ class EnvPoolConfig:
   # How the process that runs agent code is confined (sandbox.py): "landlock" (the kernel
   # lets it read only the system and its own task's public files, write only beneath its
   # experiment directory, run no program, open no TCP connection and signal nothing outside;
-  # the pool refuses to start where Landlock is missing) or "off" (AppWorld's own Python-level
-  # guards only: agent code can then read every task's answers).
+  # seccomp refuses it every other socket and every new process but a thread; the pool
+  # refuses to start where either is missing) or "off" (AppWorld's own Python-level guards
+  # only: agent code can then read every task's answers).
   sandbox: str = "landlock"
   # Refuse agent code that reaches into the interpreter (frames, dunder attributes, the
   # builtins namespace; code_guard.py) before it runs: in-process, it could forge the call

@@ -116,7 +116,7 @@ def main() -> None:
 
   data = os.path.dirname(os.path.realpath(os.path.join(outputs_root, "data")))
   apps = get_all_apps()
-  confine = sandbox.landlock_abi() >= 1  # without it, the pool ran with sandbox="off"
+  confine = sandbox.unavailable() is None  # else the pool ran with sandbox="off"
   metric = Metric()
   for task_id in task_ids:
     saved = os.path.join(outputs_root, "experiments", "outputs", experiment, "tasks", task_id,

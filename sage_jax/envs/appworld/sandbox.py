@@ -1,4 +1,5 @@
-"""OS confinement of the process that runs agent code: Landlock, no new privileges, no caps.
+"""OS confinement of the process that runs agent code: Landlock, seccomp, no new privileges,
+no capabilities.
 
 Python-level guards (AppWorld's blocked names) fall to a disguised import; these limits are
 set by the kernel on the episode process before any agent code runs and cannot be lifted by
@@ -6,19 +7,25 @@ it or by any process it starts:
 
 - files: read only the Python installation and the paths granted (the task's own public
   files); write only beneath the episode's experiment directory; execute no program;
-- network: no TCP bind or connect (Landlock ABI >= 4);
+- network: no TCP bind or connect (Landlock ABI >= 4), and no socket but TCP over IPv4 or
+  IPv6 (seccomp): Landlock governs only TCP, so UDP, MPTCP, raw, netlink and UNIX sockets
+  would reach whatever listens outside; no io_uring either, whose operations bypass both;
+- processes: none started (seccomp: no fork, vfork, clone but of a thread, exec), since the
+  memory limit (RLIMIT_AS) holds per process and root ignores RLIMIT_NPROC; threads work;
 - signals and abstract UNIX sockets: none to processes outside the sandbox, so agent code
   cannot stop its supervisor or the trainer (Landlock ABI >= 6);
 - privileges: no_new_privs, and every capability dropped, so a process running as root
   cannot raise its resource limits again or bypass file modes.
 
-Landlock needs Linux >= 5.13 with it enabled (no root needed). `protections()` says what
-the running kernel gives; the pool reports it and refuses to start without file confinement
-unless `EnvPoolConfig.sandbox` is "off".
+Landlock needs Linux >= 5.13 with it enabled (no root needed), seccomp an x86_64 or aarch64
+kernel with seccomp filters. `protections()` says what the running kernel gives; the pool
+reports it and refuses to start without either unless `EnvPoolConfig.sandbox` is "off".
 """
 
 import ctypes
+import errno
 import os
+import socket
 import sys
 import sysconfig
 
@@ -28,6 +35,22 @@ _RULE_PATH_BENEATH = 1
 _PR_SET_NO_NEW_PRIVS = 38
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}.get(os.uname().machine)
 _CAP_VERSION_3 = 0x20080522
+
+# seccomp: the audit arch a filter checks first and the system calls it knows, by machine.
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_SECCOMP_ARCH = {
+  "x86_64": (_AUDIT_ARCH_X86_64, dict(
+    seccomp=317, socket=41, socketpair=53, clone=56, clone3=435, fork=57, vfork=58, execve=59,
+    execveat=322, io_uring_setup=425)),
+  "aarch64": (0xC00000B7, dict(  # aarch64 has no fork or vfork: glibc calls clone
+    seccomp=277, socket=198, socketpair=199, clone=220, clone3=435, execve=221, execveat=281,
+    io_uring_setup=425)),
+}.get(os.uname().machine)
+_X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 calls share its audit arch: all refused
+_SECCOMP_SET_MODE_FILTER, _SECCOMP_GET_ACTION_AVAIL = 1, 2
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_LD_ABS, _JEQ, _JGE, _JSET, _AND, _RET = 0x20, 0x15, 0x35, 0x45, 0x54, 0x06  # BPF opcodes
+_CLONE_THREAD, _SOCK_TYPE_MASK = 0x10000, 0xF
 
 # Landlock file-system rights (bit = 1 << n) and the ABI that introduced them.
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1, 2, 4, 8
@@ -46,6 +69,10 @@ WRITE = READ | WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_DIR | MAKE_REG | REF
 UNAVAILABLE = ("Landlock is not available on this kernel (needs Linux >= 5.13 with landlock "
                "in its LSM list); set EnvPoolConfig.sandbox='off' to run agent code "
                "unconfined, where it can read every task's answers.")
+NO_SECCOMP = (f"seccomp filters are not available on this {os.uname().machine} kernel (needs "
+              "x86_64 or aarch64 with CONFIG_SECCOMP_FILTER), so agent code could open "
+              "non-TCP sockets and start processes; set EnvPoolConfig.sandbox='off' to run "
+              "agent code unconfined, where it can read every task's answers.")
 
 
 class SandboxError(RuntimeError):
@@ -60,6 +87,15 @@ class _RulesetAttr(ctypes.Structure):
 class _PathBeneathAttr(ctypes.Structure):
   _pack_ = 1
   _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _SockFilter(ctypes.Structure):
+  _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+              ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+  _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -83,17 +119,38 @@ def landlock_abi() -> int:
     return 0
 
 
+def seccomp_available() -> bool:
+  """Whether this kernel and machine take confine()'s seccomp filter."""
+  if _SECCOMP_ARCH is None:
+    return False
+  action = ctypes.c_uint32(_RET_ERRNO)
+  try:
+    _syscall(_SECCOMP_ARCH[1]["seccomp"], ctypes.c_uint(_SECCOMP_GET_ACTION_AVAIL),
+             ctypes.c_uint(0), ctypes.byref(action))
+  except OSError:
+    return False
+  return True
+
+
+def unavailable() -> str | None:
+  """Why confine() would refuse on this machine; None when it can confine."""
+  if landlock_abi() < 1:
+    return UNAVAILABLE
+  return None if seccomp_available() else NO_SECCOMP
+
+
 def protections(abi: int | None = None) -> list[str]:
-  """What confine() enforces on this kernel, in words (empty: nothing)."""
+  """What confine() enforces on this kernel, in words (empty: nothing, it refuses)."""
   abi = landlock_abi() if abi is None else abi
-  if abi < 1:
+  if abi < 1 or not seccomp_available():
     return []
   found = ["files (read: system + task's public files; write: episode directory; no exec)"]
   if abi >= 4:
     found.append("no TCP")
   if abi >= 6:
     found.append("no signals or abstract sockets out of the sandbox")
-  return found + ["no new privileges, no capabilities"]
+  return found + ["no socket but TCP, no io_uring", "no new processes (threads only)",
+                  "no new privileges, no capabilities"]
 
 
 def system_read_paths() -> list[str]:
@@ -127,14 +184,66 @@ def _drop_capabilities() -> None:
   _syscall(_SYS_CAPSET, header, data)
 
 
+def _seccomp_program(arch: int, calls: dict[str, int]) -> list[tuple[int, int, int, int]]:
+  """The filter, as BPF (code, jt, jf, k). It refuses with EPERM every socket but TCP over
+  IPv4/IPv6 (which Landlock governs), socketpair but AF_UNIX, io_uring, exec, and every
+  clone but a thread's; clone3 (whose flags the filter cannot read) gets ENOSYS, so that
+  glibc falls back to clone for threads. Foreign arches and x32 calls are refused."""
+  def load_arg(i: int) -> tuple:  # its low 32 bits (little-endian): all these are ints
+    return (_LD_ABS, 16 + 8 * i)
+
+  # (code, k, label if true, label if false); a label names the instruction after it.
+  listing = [(_LD_ABS, 4), (_JEQ, arch, None, "eperm"), (_LD_ABS, 0)]
+  if arch == _AUDIT_ARCH_X86_64:
+    listing.append((_JGE, _X32_SYSCALL_BIT, "eperm", None))
+  listing += [(_JEQ, calls["socket"], "socket", None),
+              (_JEQ, calls["socketpair"], "socketpair", None),
+              (_JEQ, calls["clone"], "clone", None), (_JEQ, calls["clone3"], "enosys", None)]
+  listing += [(_JEQ, calls[name], "eperm", None) for name in
+              ("fork", "vfork", "execve", "execveat", "io_uring_setup") if name in calls]
+  listing += [
+    (_RET, _RET_ALLOW),
+    "socket", load_arg(0), (_JEQ, socket.AF_INET, "type", None),
+    (_JEQ, socket.AF_INET6, None, "eperm"),
+    "type", load_arg(1), (_AND, _SOCK_TYPE_MASK), (_JEQ, socket.SOCK_STREAM, None, "eperm"),
+    load_arg(2), (_JEQ, 0, "allow", None), (_JEQ, socket.IPPROTO_TCP, "allow", "eperm"),
+    "socketpair", load_arg(0), (_JEQ, socket.AF_UNIX, "allow", "eperm"),
+    "clone", load_arg(0), (_JSET, _CLONE_THREAD, "allow", "eperm"),
+    "allow", (_RET, _RET_ALLOW),
+    "eperm", (_RET, _RET_ERRNO | errno.EPERM),
+    "enosys", (_RET, _RET_ERRNO | errno.ENOSYS)]
+  labels, program = {}, []
+  for item in listing:
+    if isinstance(item, str):
+      labels[item] = len(program)
+    else:
+      program.append(item + (None, None)[len(item) - 2:])
+
+  def jump(label: str | None, i: int) -> int:
+    return 0 if label is None else labels[label] - i - 1
+
+  return [(code, jump(yes, i), jump(no, i), k) for i, (code, k, yes, no) in enumerate(program)]
+
+
+def _install_seccomp() -> None:
+  arch, calls = _SECCOMP_ARCH
+  program = _seccomp_program(arch, calls)
+  instructions = (_SockFilter * len(program))(*(_SockFilter(*op) for op in program))
+  fprog = _SockFprog(len(program), instructions)
+  _syscall(calls["seccomp"], ctypes.c_uint(_SECCOMP_SET_MODE_FILTER), ctypes.c_uint(0),
+           ctypes.byref(fprog))
+
+
 def confine(read_paths: list[str], write_paths: list[str]) -> None:
   """Restricts this process (and every process it starts) for good; see the module doc.
 
-  Paths must exist. A file path grants only file rights on that file.
+  Paths must exist. A file path grants only file rights on that file. Call it while this
+  process has one thread: both Landlock and seccomp bind the calling thread (and what it
+  starts) only.
   """
+  if (why := unavailable()) is not None:
+    raise SandboxError(why)
   abi = landlock_abi()
-  if abi < 1:
-    raise SandboxError(UNAVAILABLE)
   fs = max(v for k, v in _FS_BY_ABI.items() if k <= abi)
   attr = _RulesetAttr(handled_access_fs=fs,
                       handled_access_net=_NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0,
@@ -160,3 +269,4 @@ def confine(read_paths: list[str], write_paths: list[str]) -> None:
   finally:
     os.close(ruleset)
   _drop_capabilities()
+  _install_seccomp()

@@ -366,8 +366,8 @@ def _init_template(settings: dict[str, Any]) -> tuple[str, list[str]]:
   data_root.check(data, DB_VERSION, apps)
   os.environ["APPWORLD_ROOT"] = _outputs_root(data, settings["outputs_root"])
   if settings["sandbox"] != "off":
-    if sandbox.landlock_abi() < 1:
-      raise sandbox.SandboxError(sandbox.UNAVAILABLE)
+    if (why := sandbox.unavailable()) is not None:
+      raise sandbox.SandboxError(why)
     for secret in (data, os.environ["APPWORLD_ROOT"]):
       sandbox.check_secret_not_readable(episode_process.sandbox_read_paths(), secret)
   # The first world of a process pays for lazy imports (~seconds): pay it now, once for
