@@ -306,6 +306,15 @@ def test_kl_clamp():
   k3 = np.exp(log_ratio) - log_ratio - 1
   np.testing.assert_allclose(stats["kl"], np.minimum(k3, 2.0), rtol=1e-5)
   assert k3[0] > 2.0
+  # k3 clips its log-ratio before the exp: a token 94 nats likelier under the reference gives
+  # a finite estimate and gradient (unclipped: inf, and NaN under the clamp).
+  new, far = jnp.asarray([-95.0, -1.0]), jnp.asarray([-1.0, -95.0])
+  for clamp in (None, 10.0):
+    kl, grad = jax.value_and_grad(lambda lp: jnp.sum(jnp.clip(
+        grpo.kl_penalty(lp, far), -(clamp or jnp.inf), clamp or jnp.inf)))(new)
+    assert np.isfinite(float(kl)) and np.isfinite(np.asarray(grad)).all()
+  np.testing.assert_allclose(grpo.kl_penalty(new, far), [np.exp(20) - 21, np.exp(-20) + 19],
+                             rtol=1e-6)
   with pytest.raises(ValueError, match="kl_clamp"):
     grpo.GRPOConfig(kl_clamp=0.0)
   with pytest.raises(ValueError, match="ratio_level"):

@@ -15,8 +15,9 @@ Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_ol
   dual clip (A < 0 only): pg = min(pg, -A * c), c = dual_clip_c > 1
   negative weight (A < 0 only, optional): pg *= negative_weight (0: positive samples only)
   truncated importance weight (optional): pg *= min(pi_old / pi_sampler, tis_cap), no gradient
-  KL to a frozen reference (optional, k3): kl = exp(ref - logp) - (ref - logp) - 1,
-    optionally clamped to [-kl_clamp, kl_clamp] (verl clamps k3 to [-10, 10]); off the mask
+  KL to a frozen reference (optional, k3): kl = exp(d) - d - 1, d = ref - logp clipped to
+    [-20, 20] as verl does (a token 89 nats likelier under the reference overflows the exp
+    to inf, and the step is skipped as non-finite), optionally clamped to [-kl_clamp, kl_clamp] (verl clamps k3 to [-10, 10]); off the mask
     it is 0 before the exp, so a very unlikely prompt token cannot overflow it (its gradient
     would be NaN even though the mask drops its value)
   loss_t = pg + kl_coef * kl - entropy_coef * entropy
@@ -44,6 +45,7 @@ from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl.batch import AGGREGATIONS, Aggregation, TrainBatch
 
 KLEstimator = Literal["k1", "k2", "k3"]
+K3_LOG_RATIO_BOUND = 20.0
 RATIO_LEVELS = ("token", "sequence", "sequence-token")
 MAX_LOG_RATIO = 20.0  # |log pi_theta / pi_old| beyond it is clamped (exp(20) ~ 5e8)
 MAX_SEQUENCE_LOG_RATIO = 10.0  # a sequence's mean log-ratio, clamped from above (verl's GSPO)
@@ -155,6 +157,7 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
   if estimator == "k2":
     return 0.5 * log_ratio ** 2
   if estimator == "k3":
+    log_ratio = jnp.clip(log_ratio, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
     return jnp.exp(log_ratio) - log_ratio - 1.0
   raise ValueError(f"unknown KL estimator {estimator!r}")
 
