@@ -22,6 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from sage_jax.configurable import ConfigError
+from sage_jax.storage import WorkdirError
 
 
 class ConfigFileError(Exception):
@@ -112,14 +113,14 @@ def define_flag(name: str, help_string: str, flag_values: flags.FlagValues = fla
 def run(main: Callable[[list[str]], Any]) -> None:
   """`app.run(main)` for an entry point that takes `--config` and `--config.<path>`
   overrides: flags parse with `parse_flags`, and a ConfigError (a value the schema refuses,
-  a workdir that cannot resume under this config) exits with its message alone; the
-  traceback would only say where it was checked."""
+  a workdir that cannot resume under this config) or a WorkdirError (a workdir that cannot
+  be used) exits with its message alone; the traceback would only say where it was checked."""
 
   def checked(argv: list[str]) -> Any:
     try:
       return main(argv)
-    except ConfigError as e:
-      sys.exit(f"ConfigError: {e}")
+    except (ConfigError, WorkdirError) as e:
+      sys.exit(f"{type(e).__name__}: {e}")
 
   app.run(checked, flags_parser=parse_flags)
 

@@ -17,7 +17,7 @@ under the workdir:
   <workdir>/hf/                      the final model in HF format (LoRA merged in)
   <workdir>/hf/lora_adapter/         a LoRA run's adapters in PEFT's format
   <workdir>/plots/training.png       curves (RL; sft.png: SFT's)
-  <workdir>/summary.json             the before/after table
+  <workdir>/summary.json             the before/after table, and the checkpoint it is of
 
 DIR is a local path or a URL that etils.epath handles, e.g. gs://bucket/run (`sage_jax.storage`;
 AppWorld's working files then stay on each host).
@@ -195,10 +195,18 @@ class Pipeline:
     """Whether the SFT stage has steps to run: it has not finished, or it finished short of
     an `sft.total_steps` raised since (an epoch-counted SFT, total_steps 0, has its own end).
     Refuses a rerun whose SFT stage would change the model that RL already trained from (SFT
-    added to a run whose RL started without it, or total_steps changed since)."""
+    added to a run whose RL started without it, or total_steps changed since), and one whose
+    RL went past an `rl.total_steps` lowered since (its checkpoints, metrics and export would
+    describe steps the config says were never run)."""
+    rl = self.saved_steps("rl")
+    if rl and rl[-1] > self.run.rl.total_steps and "rl" in self.run.pipeline.stages:
+      raise run_config.ConfigError(
+          f"--workdir {workdir}: its RL stage is at step {rl[-1]}, past "
+          f"config.rl.total_steps={self.run.rl.total_steps}; keep it (or raise it to train "
+          "on), or use a new --workdir")
     if "sft" not in self.run.pipeline.stages:
       return False
-    rl, finished = self.saved_steps("rl"), self.sft_result_step()
+    finished = self.sft_result_step()
     if rl and finished is None:
       raise run_config.ConfigError(
           f"--workdir {workdir} holds RL checkpoints (steps {rl}) of a run that did not start "
@@ -500,12 +508,16 @@ def _number(x: float) -> str:
 
 
 def run(config: Any, workdir: str) -> dict:
-  """Runs the configured stages; returns the summary (also written to summary.json), or,
-  when a signal stopped a stage (its checkpoint saved), what was done with `preempted`
-  naming the stage and `stop_signal` the signal this process caught (None: another's)."""
+  """Runs the configured stages; returns the summary (also written to summary.json, with the
+  checkpoint its results are of), or, when a signal stopped a stage (its checkpoint saved),
+  what was done with `preempted` naming the stage and `stop_signal` the signal this process
+  caught (None: another's). A rerun moves the summary of the run before it to
+  summary.previous.json as it starts: it describes weights the rerun may change."""
   started = time.time()
   pipe = Pipeline(config, workdir)
   p = pipe.run.pipeline
+  if multihost.is_lead() and (pipe.workdir / "summary.json").exists():
+    (pipe.workdir / "summary.json").replace(pipe.workdir / "summary.previous.json")
   summary: dict[str, Any] = {"workdir": os.fspath(pipe.workdir)}
   try:
     if p.eval_before:
@@ -538,6 +550,7 @@ def run(config: Any, workdir: str) -> dict:
     pipe.close()
   if p.plot and multihost.is_lead():
     summary["plots"] = plot.plot_stages(os.fspath(pipe.workdir))
+  summary["weights"] = pipe.weights_from or {"stage": None, "step": 0}
   summary["elapsed_s"] = round(time.time() - started, 1)
   summary["table"] = summary_table(summary)
   _write_json(pipe.workdir / "summary.json", summary)

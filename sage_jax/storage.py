@@ -73,7 +73,12 @@ def open_workdir(workdir: PathLike, flag: str = "") -> epath.Path:
 def _open_dir(workdir: PathLike) -> epath.Path:
   root = path(workdir)
   if not is_remote(root):
-    root.mkdir(parents=True, exist_ok=True)
+    if root.exists() and not root.is_dir():
+      raise WorkdirError(f"{workdir}: not a directory")
+    try:
+      root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise WorkdirError(f"{workdir}: cannot be made: {e.strerror or e}") from e
     return root
   scheme, rest = os.fspath(root).split("://", 1)
   bucket = epath.Path(f"{scheme}://{rest.split('/', 1)[0]}")

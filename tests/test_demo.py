@@ -92,6 +92,7 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
           in stdout)
   summary = storage.read_json(root / "summary.json")
   assert summary["workdir"] == workdir
+  assert summary["weights"] == {"run": workdir, "stage": "rl", "step": 1}
   for stage in ("before", "after", "train_before", "train_after_sft", "train_after"):
     assert set(summary[stage]) >= {"tgc", "sgc", "avg_steps", "avg_generated_tokens"}, stage
   # The training scenario's evaluations are of the train split, the dev ones of dev.
@@ -124,6 +125,9 @@ def test_demo_trains_resumes_evaluates_and_exports_with_a_gs_workdir(gcs_url, tm
   assert evaluated("eval_after") == {"run": workdir, "stage": "rl", "step": 2}
   assert evaluated("eval_after_sft", "train") == {"run": workdir, "stage": "sft", "step": 1}
   assert evaluated("eval_after", "train") == {"run": workdir, "stage": "rl", "step": 2}
+  # The rerun's summary is of step 2; the one of step 1 was moved aside as it started.
+  assert storage.read_json(root / "summary.json")["weights"]["step"] == 2
+  assert storage.read_json(root / "summary.previous.json")["weights"]["step"] == 1
   metrics = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
   rows = metrics(root)
   assert [r["step"] for r in rows] == [1, 2]

@@ -135,6 +135,13 @@ def test_a_resumed_rl_stage_without_kl_needs_no_sft_checkpoint(
   summary = pipeline.run(c, str(workdir))
   assert "preempted" not in summary and _rl_steps(workdir) == [1, 2]
   assert not (workdir / "sft" / "checkpoints").exists()
+  # Fewer RL steps than the run has trained: refused before config.json records them.
+  recorded = (workdir / "config.json").read_text()
+  c.rl.total_steps = 1
+  with pytest.raises(ConfigError, match=r"its RL stage is at step 2, past "
+                                        r"config.rl.total_steps=1; keep it"):
+    pipeline.Pipeline(c, str(workdir))
+  assert (workdir / "config.json").read_text() == recorded
 
 
 def test_a_resumed_rl_stage_with_kl_names_the_missing_sft_checkpoint(

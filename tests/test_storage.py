@@ -3,6 +3,8 @@ mirrors of growing files, staged directories, and the checks a workdir gets at s
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -80,3 +82,17 @@ def test_bad_workdirs_are_named(gcs_url):
     storage.open_workdir("gs://no-such-bucket/run")
   with pytest.raises(storage.WorkdirError, match=r"^--workdir=foo://x/run: unknown scheme"):
     storage.open_workdir("foo://x/run", flag="--workdir")
+
+
+def test_a_workdir_that_is_a_file_ends_the_run_in_one_line(tmp_path):
+  (tmp_path / "a_file").write_text("x")
+  with pytest.raises(storage.WorkdirError, match=r"a_file: not a directory$"):
+    storage.open_workdir(tmp_path / "a_file")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                         f"--workdir={tmp_path / 'a_file'}"], capture_output=True, text=True,
+                        timeout=300, cwd=repo,
+                        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+  assert done.returncode != 0 and "Traceback" not in done.stderr
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"WorkdirError: --workdir={tmp_path / 'a_file'}: not a directory")

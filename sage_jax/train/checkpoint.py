@@ -440,7 +440,13 @@ class Checkpointer:
         state, meta = self.restore(abstract_state, step)
       except CheckpointError as e:
         if multihost.from_lead(lambda: self._recorded_intact(step)):
-          raise
+          older = [s for s in self.all_steps() if s < step]
+          if not older:
+            raise
+          raise CheckpointError(e.step, e.path, (
+              f"{e.problem}. Its files are all there at their sizes, so it is not taken for "
+              f"damaged; if their contents are (a read error such as a failed decompression), "
+              f"move {self.step_directory(step)} aside to resume from step {older[-1]}")) from e
         damaged.append(e)
         continue
       if damaged:

@@ -330,9 +330,15 @@ def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  # The previous export is renamed away, not removed, before the new one takes its name: a
+  # kill partway through a removal would leave a part of it that later exports refuse.
+  old = None
   if os.path.exists(out_dir):
-    shutil.rmtree(out_dir)
+    old = f"{out_dir}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.replace(out_dir, old)
   os.replace(tmp, out_dir)
+  if old is not None:
+    shutil.rmtree(old)
 
 
 def _with_default_modes(directory: str) -> None:
