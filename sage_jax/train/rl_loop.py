@@ -29,6 +29,7 @@ against the same pi_old (the rollout's logprobs, or recomputed before the first 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -212,6 +213,10 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
       if missing <= 0:
         break
     episodes = [r for group in kept for r in group]
+    if failed := [r for r in sampled if r.env_failed]:  # the errors are in no metric
+      logging.warning("step %d: the environment failed under %d of this process's %d episodes "
+                      "(left out of training); the first, %s: %s", step, len(failed),
+                      len(sampled), failed[0].task_id, "; ".join(failed[0].errors)[:2000])
     everyone = gather_episodes(sampled)
     values = {f"rollout/{k}": float(v) for k, v in metrics_lib.task_metrics(
         everyone, unit="chain").items() if v is not None}
