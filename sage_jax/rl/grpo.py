@@ -76,7 +76,11 @@ class GRPOConfig:
     reinforcement, which sharpens the policy (Zhu et al. 2025, "The Surprising Effectiveness
     of Negative Reinforcement in LLM Reasoning", weigh the two sides against each other).
   tis_cap: truncated importance sampling against the sampler's logprobs: tokens are
-    weighted by min(pi_old / pi_sampler, tis_cap); None = off.
+    weighted by min(pi_old / pi_sampler, tis_cap); None = off. pi_old is the sampler's own
+    model logprob unless recomputed by the trainer (`recompute_old_logprobs`, or a sampling
+    temperature other than 1), so without a recompute it corrects only what sampling
+    changed of the model's distribution (top-p, top-k, the repetition penalty), as verl's
+    rollout correction does against the trainer's recomputed logprobs.
   num_mini_batches: optimiser updates per rollout batch (1 = strictly on-policy).
   shuffle_mini_batches: shuffle sequences before splitting them into mini-batches.
   recompute_old_logprobs: recompute pi_old with the trainer's forward before the first
