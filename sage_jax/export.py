@@ -91,15 +91,16 @@ def export(workdir: str, out: str, step: int | None = None, stage: str = "rl",
   return {"out": out, "stage": stage, "step": step}
 
 
-def run_files(config: ml_collections.ConfigDict, stage: str, step: int,
+def run_files(config: ml_collections.ConfigDict, stage: str | None, step: int,
               summary: dict) -> dict[str, str]:
   """The text files an export of a run holds beside the model: the run's resolved config
-  and a model card."""
+  and a model card (of checkpoint `stage` `step`; stage None: no stage trained)."""
   return {"sage_jax_config.json": json.dumps(config.to_dict(), indent=2),
           "README.md": model_card(config, stage, step, summary)}
 
 
-def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary: dict) -> str:
+def model_card(config: ml_collections.ConfigDict, stage: str | None, step: int,
+               summary: dict) -> str:
   method = ("GRPO baseline (single-task rollouts)" if config.grpo.single_task
             else f"SAGE, reward '{config.reward.variant}', chain length "
                  f"{config.grpo.chain_length}")
@@ -110,7 +111,8 @@ def model_card(config: ml_collections.ConfigDict, stage: str, step: int, summary
       "# Tool-using agent trained with sage_jax", "",
       f"- Base model: {base}",
       f"- Method: {method}; group size {config.grpo.group_size}",
-      f"- Checkpoint: {stage} step {step}",
+      f"- Checkpoint: {stage} step {step}" if stage else
+      "- Checkpoint: none (the base model's weights, untrained)",
       f"- Data: {config.pipeline.data} (train split '{config.pipeline.train_split}')", "",
   ]
   if summary.get("table"):

@@ -476,7 +476,7 @@ class Pipeline:
     checkpoint's: the run's config and a model card (`summary`'s evaluations in its table)."""
     self.read_sft_result("the model exported")
     out = os.fspath(self.workdir / "hf")
-    held = self.weights_from or {"stage": "none (the starting weights)", "step": 0}
+    held = self.weights_from or {"stage": None, "step": 0}
     files = export.run_files(ml_collections.ConfigDict(self.config_dict), held["stage"],
                              held["step"], {"table": summary_table(summary)}
                              if {"before", "after"} & summary.keys() else {})

@@ -197,3 +197,14 @@ def test_a_remote_output_directory_is_checked_too(gcs_url, model):
   export.write_model(model, "gs://exports/hf", tokenizer_lib.ensure_qwen25_tokenizer_dir())
   assert storage.read_json(f"gs://exports/hf/{hf.EXPORT_MARKER}")["written_by"] == "sage_jax"
   assert storage.path("gs://exports/run/checkpoints/precious").read_text() == "step 100"
+
+
+def test_the_model_card_of_untrained_weights_says_no_stage_trained():
+  """A run's export before any stage trained (stages=() or eval only) holds the base model."""
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from configs import sage as sage_configs  # noqa: PLC0415
+
+  config = sage_configs.get_config("demo")
+  card = export.model_card(config, None, 0, {})
+  assert "- Checkpoint: none (the base model's weights, untrained)" in card
+  assert "- Checkpoint: rl step 3" in export.model_card(config, "rl", 3, {})
