@@ -383,6 +383,30 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
                       "but a 'compact' vocabulary builds that model from the SFT data; use "
                       "'minilm' or 'hashing', the full vocabulary, or "
                       "pipeline.expert_trajectories")
+  episode_limit = min(run.agent.max_episode_tokens, run.engine.max_len)
+  if run.agent.max_episode_tokens > run.engine.max_len:
+    raise ConfigError(
+        f"config.agent.max_episode_tokens: {run.agent.max_episode_tokens} is more than "
+        f"engine.max_len {run.engine.max_len}, the sampler's cache, where every episode "
+        "would end (as token_limit); lower it, or raise engine.max_len")
+  if "rl" in pipeline.stages and run.batch.length_buckets[-1] < episode_limit - 1:
+    raise ConfigError(
+        f"config.batch.length_buckets: the largest, {run.batch.length_buckets[-1]}, holds "
+        f"fewer positions than an episode of agent.max_episode_tokens {episode_limit} needs "
+        f"({episode_limit - 1}); the first update with such an episode would fail. Add a "
+        "bucket that large")
+  if not run.pool.keep_outputs and run.eval.appworld_check:
+    raise ConfigError(
+        "config.pool.keep_outputs: False removes each episode's saved state when it closes, "
+        "which eval.appworld_check (AppWorld's own scoring of the saved outputs) reads; set "
+        "eval.appworld_check=False too, or keep the outputs")
+  if not trained and run.eval.policy != "model":
+    raise ConfigError(f"config.eval.policy: {run.eval.policy!r}; a training run evaluates its "
+                      "own model ('model'): run `python -m sage_jax.evaluate` for the "
+                      "scripted policy")
+  if not trained and run.checkpoint.read_only:
+    raise ConfigError("config.checkpoint.read_only: True writes no checkpoint, which a "
+                      "training run does")
   if rollout.single_task and rollout.chain_length != 1:
     raise ConfigError(f"config.grpo.chain_length: {rollout.chain_length} with "
                       "grpo.single_task=True, whose rollouts are single tasks (K = 1, the "

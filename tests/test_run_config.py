@@ -106,6 +106,14 @@ def _with(overrides, devices=1):
      r"pipeline.train_scenarios=3, which keeps for SFT only the first 3 scenarios of "
      r"pipeline.train_split 'train': leave expert.splits unset"),
     ({"expert.splits": ("train", "dev")}, 1, r"config.expert.splits: \('train', 'dev'\)"),
+    # the combinations that failed only at the first episode, update or evaluation
+    ({"agent.max_episode_tokens": 4096}, 1, r"config.agent.max_episode_tokens: 4096 is more "
+                                            r"than engine.max_len 2048"),
+    ({"batch.length_buckets": (512, 1024)}, 1, r"config.batch.length_buckets: the largest, "
+                                               r"1024, holds fewer positions than an episode"),
+    ({"pool.keep_outputs": False}, 1, r"config.pool.keep_outputs: False removes"),
+    ({"eval.policy": "scripted"}, 1, r"config.eval.policy: 'scripted'; a training run"),
+    ({"checkpoint.read_only": True}, 1, r"config.checkpoint.read_only: True writes no"),
 ])
 def test_bad_configs_name_the_key(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):
@@ -362,7 +370,7 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
   # per workdir).
   for key, value in (("pipeline.data", "/data/appworld"), ("pipeline.stages", ("rl",)),
                      ("pipeline.train_scenarios", 5),
-                     ("engine.max_len", 1024), ("pool.max_output_chars", 100),
+                     ("engine.max_len", 4096), ("pool.max_output_chars", 100),
                      ("sampler_mesh.param_dtype", "bfloat16"), ("trainer.seed", 3),
                      ("agent.max_observation_chars", 100), ("agent.use_library", False),
                      ("retrieval.strategy", "query_ngram")):

@@ -204,7 +204,7 @@ def activation_bytes(cfg: Qwen2Config, rows_per_device: int, row_len: int, tenso
 def run_plan(run, *, hosts: int, devices_per_host: int,
              device_memory_gib: float | None = None) -> RunPlan:
   """The plan of a resolved run config (`run_config.RunConfig`) on `hosts` x
-  `devices_per_host` devices (the largest length bucket that fits the engine's sequences)."""
+  `devices_per_host` devices (rows of the length bucket that the longest episode takes)."""
   cfg = _model_config(run.model)
   data, fsdp, tensor = run.mesh.resolve(hosts * devices_per_host)
   train = plan(cfg, (data, fsdp, tensor))
@@ -214,7 +214,9 @@ def run_plan(run, *, hosts: int, devices_per_host: int,
   sampling_dtype = ("bfloat16" if run.sampler_mesh.param_dtype == "auto"
                     else run.sampler_mesh.param_dtype)
   sampler = plan(cfg.replace(param_dtype=sampling_dtype), (sampler_data, 1, sampler_tensor))
-  row_len = max(b for b in run.batch.length_buckets if b <= run.engine.max_len)
+  longest = min(run.agent.max_episode_tokens, run.engine.max_len) - 1  # positions of one
+  row_len = min((b for b in run.batch.length_buckets if b >= longest),
+                default=run.batch.length_buckets[-1])
   rows = run.batch.rows_per_micro_batch(row_len)
   return RunPlan(
       train=train,
