@@ -172,8 +172,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
                                         seed=ev.seed, first_index=share.start))
     if ev.appworld_check:
       checked = [r.task_id for r in appworld_checked(records)]
-      own_scores = (metrics_lib.appworld_scores(pool.outputs_root, ev.experiment, checked)
-                    if checked else None)
+      own_scores = (metrics_lib.appworld_scores(
+          pool.outputs_root, ev.experiment, checked,
+          evaluation_timeout_s=pool.config.evaluation_timeout_s) if checked else None)
   finally:
     if own_pool and pool is not None:
       pool.close()
