@@ -189,6 +189,26 @@ def test_gaming_attempts_are_not_use(pool, gold):
   assert e.used == () and e.updated == (SKILL,) and e.saved == (SKILL,)
 
 
+def test_a_block_is_read_as_appworld_runs_it_and_builtin_names_are_not_saved(pool):
+  """AppWorld runs a block stripped, so a leading \r (a line break to Python, not to a
+  count of newlines) shifted every recorded line by one: the version of `f` that never ran
+  was saved. A skill named like a builtin would turn ordinary code into skill use."""
+  shifted = "\rdef f(x): return 'A: never ran'\ndef f(x): return 'B: ran'\nprint(f(1))\n"
+  outputs = []
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [shifted], outputs=outputs)
+  assert outputs[0].strip() == "B: ran"
+  assert "B: ran" in tracker.saved_functions()["f"].source
+  shadowing = block("""
+      def len(items):
+          return 0
+
+      print(len([1, 2]))
+      """)
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [shadowing])
+  e = tracker.events()
+  assert e.saved == e.generated == () and e.failed_definitions == ("len",)
+
+
 # --- rewards on whole chains -----------------------------------------------------------------
 
 def test_the_worker_records_reach_the_skill_events(pool):

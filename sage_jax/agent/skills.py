@@ -13,7 +13,8 @@ task was shown and had installed):
   (a call of that definition returned), in a definition that can be saved (below).
 - updated: a library skill redefined in the task and then called successfully (likewise).
 - saved: for each generated or updated name, the last definition (in execution order) that
-  was called successfully; the rollout adds it to the library when the task ends, with the
+  was called successfully, unless the name is a builtin's (`len`: ordinary code calling the
+  builtin would count as a use where it is installed); the rollout adds it to the library when the task ends, with the
   imports of its block and what it reads of the task's other imports and literal constants
   (`LIMIT = 20`), as bound by the end of the last block in which it ran successfully, so
   that it runs as it did where it is installed. A value computed by code (`token = apis...`)
@@ -393,8 +394,9 @@ class SkillTracker:
 
   def observe(self, code: str, trace: BlockTrace | None) -> CodeAnalysis:
     """Records one executed block and the worker's call records of it (None when the
-    environment failed under it: nothing ran that can be credited)."""
-    analysis = analyze(code)
+    environment failed under it: nothing ran that can be credited). The code is read as
+    AppWorld runs it, stripped (the records' lines count from its first line)."""
+    analysis = analyze(code.strip())
     order = self._blocks
     self._blocks += 1
     if not analysis.syntax_ok:
@@ -458,9 +460,12 @@ class SkillTracker:
 
   def saved_functions(self) -> dict[str, FunctionInfo]:
     """The definitions to save: each generated or updated name's last definition that was
-    called successfully."""
+    called successfully, but none named like a builtin (`len`, `print`): a call to it could
+    not be told from the builtin's where it is installed."""
     latest: dict[str, tuple[tuple[int, int], FunctionInfo]] = {}
     for key, f in self._ran.items():
+      if f.name in _BUILTINS:
+        continue
       order = self._definitions[key][0]
       if f.name not in latest or order > latest[f.name][0]:
         latest[f.name] = (order, f)

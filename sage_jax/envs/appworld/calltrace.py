@@ -13,7 +13,7 @@ What is recorded, per world:
   cell's module code), registered when that code starts. Functions nested in functions,
   lambdas, comprehensions and class bodies are not recorded.
 - A call is recorded by code object identity: (defining block, line of the definition in the
-  block as given, name) with how many of its calls returned and how many raised. A call
+  block as AppWorld runs it, stripped of surrounding blank space, name) with how many of its calls returned and how many raised. A call
   from code compiled elsewhere (e.g. `exec` of copied source) is not a call of the block's
   function.
 - Returned vs raised: at CPython's "return" trace event, the frame's last instruction is a
@@ -129,7 +129,6 @@ class CallTracer:
     self._next_block = 0
     self._functions: dict[int, _Function] = {}  # id(code) -> function (keeps the code alive)
     self._block: Any = None
-    self._line_offset = 0
     self._touched: dict[int, tuple[int, int, int]] = {}  # id(code) -> counts at block start
     self._stack: list[_Running] = []  # recorded calls in progress, innermost last
     self._generators: dict[int, _Generator] = {}  # id(frame) -> the block's started ones
@@ -142,10 +141,7 @@ class CallTracer:
       block_id = LIBRARY_BLOCK
     else:
       block_id, self._next_block = self._next_block, self._next_block + 1
-    self._block = block_id
-    # AppWorld strips the code before IPython compiles it: lines shift by the blank lines
-    # it removed at the start.
-    self._line_offset = code[:len(code) - len(code.lstrip())].count("\n")
+    self._block = block_id  # lines are of `code.strip()`, which AppWorld compiles
     self._touched, self._stack, self._generators = {}, [], {}
     previous = sys.gettrace()
     sys.settrace(self._global)
@@ -272,5 +268,4 @@ class CallTracer:
     for const in module.co_consts:
       if (isinstance(const, types.CodeType) and const.co_flags & _NEW_LOCALS
           and not const.co_name.startswith("<")):
-        self._functions[id(const)] = _Function(const, self._block,
-                                               const.co_firstlineno + self._line_offset)
+        self._functions[id(const)] = _Function(const, self._block, const.co_firstlineno)
