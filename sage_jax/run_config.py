@@ -383,6 +383,9 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
                       "but a 'compact' vocabulary builds that model from the SFT data; use "
                       "'minilm' or 'hashing', the full vocabulary, or "
                       "pipeline.expert_trajectories")
+  if run.agent.top_k > run.engine.max_top_k:
+    raise ConfigError(f"config.agent.top_k: {run.agent.top_k} is more than engine.max_top_k "
+                      f"{run.engine.max_top_k}, the candidates the sampler keeps")
   episode_limit = min(run.agent.max_episode_tokens, run.engine.max_len)
   if run.agent.max_episode_tokens > run.engine.max_len:
     raise ConfigError(

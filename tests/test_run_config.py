@@ -114,6 +114,11 @@ def _with(overrides, devices=1):
     ({"pool.keep_outputs": False}, 1, r"config.pool.keep_outputs: False removes"),
     ({"eval.policy": "scripted"}, 1, r"config.eval.policy: 'scripted'; a training run"),
     ({"checkpoint.read_only": True}, 1, r"config.checkpoint.read_only: True writes no"),
+    ({"agent.top_p": 0.0}, 1, r"config.agent: top_p=0.0 must be in \(0, 1\]"),
+    ({"agent.top_k": 1000}, 1, r"config.agent.top_k: 1000 is more than engine.max_top_k 64"),
+    ({"agent.stop_strings": ("",)}, 1, r"config.agent: stop_strings holds an empty string"),
+    ({"eval.temperature": -1.0}, 1, r"config.eval: temperature=-1.0 must be >= 0"),
+    ({"optimizer.b1": 2.0}, 1, r"config.optimizer: b1=2.0 and b2=0.999 must be in \[0, 1\)"),
 ])
 def test_bad_configs_name_the_key(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):

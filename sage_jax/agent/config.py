@@ -46,9 +46,14 @@ class AgentConfig:
       raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
     if self.max_turn_tokens < 1 or self.max_episode_tokens < 2:
       raise ValueError("max_turn_tokens must be >= 1 and max_episode_tokens >= 2")
-    if self.max_observation_chars < 1:
-      raise ValueError("max_observation_chars must be >= 1")
+    if self.max_observation_chars < 1 or self.max_library_chars < 0:
+      raise ValueError("max_observation_chars must be >= 1 and max_library_chars >= 0")
+    if not 0 < self.top_p <= 1 or self.top_k < 0 or self.temperature < 0:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1], top_k={self.top_k} and "
+                       f"temperature={self.temperature} >= 0")
     object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+    if "" in self.stop_strings:
+      raise ValueError("stop_strings holds an empty string, which every turn contains")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,6 +76,8 @@ class EvalConfig:
       raise ValueError(f"policy={self.policy!r}; expected one of {POLICIES}")
     if self.max_concurrent_scenarios < 0 or self.max_scenarios < 0:
       raise ValueError("max_concurrent_scenarios and max_scenarios must be >= 0")
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
 
   def agent(self, agent: AgentConfig) -> AgentConfig:
     """The agent settings evaluation samples with."""

@@ -54,9 +54,9 @@ class SFTConfig:
 
   def __post_init__(self):
     if (self.batch_size < 1 or self.total_steps < 0 or self.num_epochs < 1
-        or self.save_every < 0):
-      raise ValueError(f"{self}: batch_size and num_epochs must be >= 1, total_steps and "
-                       "save_every >= 0")
+        or self.save_every < 0 or self.eval_every < 0 or self.logprob_chunk < 0):
+      raise ValueError(f"{self}: batch_size and num_epochs must be >= 1, total_steps, "
+                       "save_every, eval_every and logprob_chunk >= 0")
     if self.loss_aggregation not in ("token-mean", "seq-mean-token-mean"):
       raise ValueError(f"loss_aggregation={self.loss_aggregation!r}; SFT uses token-mean or "
                        "seq-mean-token-mean")

@@ -51,6 +51,11 @@ class OptimizerConfig:
       raise ValueError(f"weight_decay_mask={self.weight_decay_mask!r}; expected all or matrices")
     if self.max_grad_norm < 0:
       raise ValueError(f"max_grad_norm={self.max_grad_norm} must be >= 0")
+    if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.eps > 0 and self.weight_decay >= 0
+            and 0 <= self.end_lr_ratio <= 1):
+      raise ValueError(f"b1={self.b1} and b2={self.b2} must be in [0, 1), eps={self.eps} > 0, "
+                       f"weight_decay={self.weight_decay} >= 0, end_lr_ratio="
+                       f"{self.end_lr_ratio} in [0, 1]")
 
 
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
