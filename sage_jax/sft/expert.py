@@ -83,7 +83,8 @@ class ExpertConfig:
   default): the tasks the run trains on, `pipeline.train_split` cut to
   `pipeline.train_scenarios` (a cut refuses other splits than the train split: SFT keeps only
   the training scenarios' examples). The functions below play the task ids they are given.
-  num_workers: AppWorld worker processes.
+  num_workers: AppWorld worker processes of the `sft.expert` command's own pool (a training
+    run plays in its pool: pool.num_workers).
   outputs_root: where AppWorld writes episode outputs (None: a temporary directory).
   experiment_prefix: AppWorld experiment names. selection: "scenario" (keep a scenario's
   successful tasks when its first `scenario_tasks` tasks succeeded; the paper's rule) or

@@ -49,7 +49,8 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-  """seed: the train state's RNG seed. skip_empty_micro_batches: do not compute micro-batches
+  """seed: the train state's RNG seed (split every step for the loss; the losses here draw
+  nothing from it: no dropout). skip_empty_micro_batches: do not compute micro-batches
   without loss tokens (in the step and in `Trainer.logprobs`), and only the forward pass of
   those without a gradient position (both exact: they contribute no gradient; the second still
   gives its statistics). The logits' chunk belongs to the loss (grpo.logprob_chunk,
