@@ -57,7 +57,8 @@ class EvaluationTimeout(Exception):
 class EpisodeEnded(Exception):
   """The episode process is gone, killed for `cause`: "timeout" (still running at its
   deadline), "disk" (its directory outgrew the disk budget), "channel" (its code wrote to
-  the channel to the worker), or None (its code ended it)."""
+  the channel to the worker), "memory" (what its code made outgrew the process's memory, in
+  AppWorld's handling of it), or None (its code ended it)."""
 
   def __init__(self, message: str, cause: str | None = None):
     super().__init__(message)
