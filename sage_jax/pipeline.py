@@ -437,6 +437,10 @@ class Pipeline:
     trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
                                    mesh=self.mesh)
     task_ids = self.train_task_ids()
+    k = run.rollout.effective_chain_length
+    if short := [s for s, ids in appworld.group_by_scenario(task_ids).items() if len(ids) < k]:
+      logging.warning("%d training scenario(s) have fewer than the %d tasks of a chain and are "
+                      "never drawn: %s", len(short), k, ", ".join(short[:10]))
     ctx = rollout.RolloutContext(self.policy, self.pool, self.tokenizer, run.agent,
                                  self.retriever(), self.root)
     collect = rl_loop.appworld_rollout(ctx, task_ids, run.rollout, run.reward, run.advantage,

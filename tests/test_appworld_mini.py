@@ -275,7 +275,18 @@ def test_split_helpers_reject_bad_input(tmp_path):
   with pytest.raises(FileNotFoundError, match="train"):
     appworld.read_split(str(tmp_path), "train")
   # AppWorld's split lines may carry a tag (`<task_id>:<tag>`), which its loader drops.
+  # A byte-order mark, as editors on some systems write, is not part of the first id.
   (tmp_path / "data" / "datasets").mkdir(parents=True)
-  (tmp_path / "data" / "datasets" / "train.txt").write_text(
-      "82e2fac_1:reviewed\n82e2fac_2\r\n\n 07b42fd_3 \n")
+  for task_id in ("82e2fac_1", "82e2fac_2", "07b42fd_3"):
+    (tmp_path / "data" / "tasks" / task_id).mkdir(parents=True)
+  split = tmp_path / "data" / "datasets" / "train.txt"
+  split.write_text("\ufeff82e2fac_1:reviewed\n82e2fac_2\r\n\n 07b42fd_3 \n", encoding="utf-8")
   assert appworld.read_split(str(tmp_path), "train") == ["82e2fac_1", "82e2fac_2", "07b42fd_3"]
+  # A task listed without its directory fails here, naming the file, not at its episode.
+  split.write_text("82e2fac_1\n82e2fac_4\n")
+  with pytest.raises(FileNotFoundError, match=rf"{split} names 1 task\(s\) with no directory "
+                                              r"under .*: 82e2fac_4$"):
+    appworld.read_split(str(tmp_path), "train")
+  split.write_text("# the train split\n82e2fac_1\n")
+  with pytest.raises(ValueError, match=rf"^{split}: Not an AppWorld task id"):
+    appworld.read_split(str(tmp_path), "train")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import collections
 import copy
+import dataclasses
 import json
 import keyword
 import os
@@ -37,6 +38,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from sage_jax.agent.config import AgentConfig
 from sage_jax.agent.policy import PolicyTurn, TaskContext, TurnRequest
 from sage_jax.agent.skills import module_scope_bindings, source_lines
 from sage_jax.tokenizer import Tokenizer
@@ -435,6 +437,20 @@ def expert_turns_for_task(appworld_root: str, task_id: str,
               if t != task_id and t.rsplit("_", 1)[0] == scenario]
   return expert_turns(read_solution(appworld_root, task_id), library,
                       instruction=read_instruction(appworld_root, task_id), siblings=siblings)
+
+
+# The budgets a scripted play (gold or replayed turns) gets at least. Its turns are fixed,
+# not sampled: cut by a run's budget (48 tokens a turn in the tests, 512 by default) a gold
+# solution of real AppWorld size (often longer: the official form's imports and helpers)
+# fails on the syntax error the cut leaves.
+SCRIPTED_BUDGET_FLOORS = {"max_steps": 10, "max_turn_tokens": 4096, "max_episode_tokens": 32768}
+
+
+def scripted_agent(agent: AgentConfig) -> AgentConfig:
+  """The agent a scripted play runs as: `agent` (whose prompt SFT trains on) with budgets of
+  at least `SCRIPTED_BUDGET_FLOORS`."""
+  return dataclasses.replace(agent, **{key: max(getattr(agent, key), floor)
+                                       for key, floor in SCRIPTED_BUDGET_FLOORS.items()})
 
 
 class TextTurnsSession:

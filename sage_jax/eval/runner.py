@@ -30,7 +30,7 @@ from typing import Any
 
 from sage_jax import configurable, multihost, storage
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
-from sage_jax.agent.gold_solutions import ScriptedPolicy
+from sage_jax.agent.gold_solutions import ScriptedPolicy, scripted_agent
 from sage_jax.agent.library import SkillLibrary
 from sage_jax.agent.retrieval import Retriever, make_embedder
 from sage_jax.envs import appworld
@@ -140,7 +140,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   driver = None
   if policy is None:
     if ev.policy == "scripted":
-      policy = ScriptedPolicy(root, tokenizer)
+      policy, agent_cfg = ScriptedPolicy(root, tokenizer), scripted_agent(agent_cfg)
     else:
       from sage_jax.sampler import AsyncEngine, Engine, EngineConfig
 

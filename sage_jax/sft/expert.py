@@ -26,9 +26,9 @@ Every play runs as the agent it is given, the skills each task sees picked by th
 it is given; a run gives its own `agent` and `retrieval` (`Pipeline.expert_trajectories`),
 so the prompt SFT trains on is the one RL and evaluation show: the same format
 (`agent.use_library`), skills, and cuts of the listing and of execution outputs. Scripted
-plays (gold, replayed) keep budgets of at least `AgentConfig`'s defaults (`scripted_agent`):
-their turns are fixed, and a run's short turns would cut them to failures, leaving no SFT
-data. Self-distillation samples as the run's agent, budgets, stop strings, top_p and top_k
+plays (gold, replayed) keep budgets of at least `gold_solutions.SCRIPTED_BUDGET_FLOORS`
+(`scripted_agent`): their turns are fixed, and a run's short turns would cut them to
+failures, leaving no SFT data. Self-distillation samples as the run's agent, budgets, stop strings, top_p and top_k
 included, at each try's temperature. The command plays as the agent and retrieval of
 `--config` (a run's config file and overrides, as the training command takes them: a file
 made for the run, given as `pipeline.expert_trajectories`, then holds the prompts its own
@@ -59,7 +59,7 @@ from absl import app, flags
 
 from sage_jax import config_file, multihost
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
-from sage_jax.agent.gold_solutions import ScriptedPolicy, TextTurnsSession
+from sage_jax.agent.gold_solutions import ScriptedPolicy, TextTurnsSession, scripted_agent
 from sage_jax.agent.policy import TaskContext
 from sage_jax.agent.retrieval import EMBEDDING_STRATEGIES, Retriever
 from sage_jax.envs import appworld
@@ -191,18 +191,6 @@ def record_to_trajectory(record: Any, tokenizer: Tokenizer,
 def _chains(task_ids: Iterable[str]) -> list[rollout.Chain]:
   return rollout.scenario_chains(sorted(set(task_ids)))
 
-
-# The budgets a scripted play gets at least: those of AgentConfig's defaults.
-SCRIPTED_BUDGETS = ("max_steps", "max_turn_tokens", "max_episode_tokens")
-
-
-def scripted_agent(agent: AgentConfig) -> AgentConfig:
-  """The agent a scripted play (gold or replayed turns) runs as: `agent`, whose prompt SFT
-  trains on, with budgets of at least the defaults. Fixed turns are not sampled under a
-  budget: cut by a run's short turns (48 tokens in the tests), the gold plays would fail."""
-  defaults = AgentConfig()
-  return dataclasses.replace(agent, **{key: max(getattr(agent, key), getattr(defaults, key))
-                                       for key in SCRIPTED_BUDGETS})
 
 
 def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,

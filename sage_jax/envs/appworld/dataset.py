@@ -14,15 +14,29 @@ def scenario_id(task_id: str) -> str:
 
 def read_split(root: str, split: str) -> list[str]:
   """Task ids listed in <root>/data/datasets/<split>.txt, in file order; a line's tag
-  (`<task_id>:<tag>`) is dropped, as AppWorld's `load_task_ids` drops it."""
+  (`<task_id>:<tag>`) is dropped, as AppWorld's `load_task_ids` drops it. A line that is no
+  task id, or names a task without a directory under data/tasks, fails here, naming the
+  file (a missing task failed at its episode, mid-run; a byte-order mark made an id of its
+  own)."""
   path = os.path.join(root, "data", "datasets", f"{split}.txt")
   if not os.path.exists(path):
     available = sorted(f.removesuffix(".txt")
                        for f in os.listdir(os.path.dirname(path))) if os.path.isdir(
                          os.path.dirname(path)) else []
     raise FileNotFoundError(f"No split {split!r} at {path}; available: {available}")
-  with open(path) as f:
-    return [line.strip().split(":")[0] for line in f if line.strip()]
+  with open(path, encoding="utf-8-sig") as f:
+    task_ids = [line.strip().split(":")[0] for line in f if line.strip()]
+  for task_id in task_ids:
+    try:
+      scenario_id(task_id)
+    except ValueError as e:
+      raise ValueError(f"{path}: {e}") from None
+  tasks = os.path.join(root, "data", "tasks")
+  missing = [t for t in task_ids if not os.path.isdir(os.path.join(tasks, t))]
+  if missing:
+    raise FileNotFoundError(f"{path} names {len(missing)} task(s) with no directory under "
+                            f"{tasks}: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+  return task_ids
 
 
 def first_scenarios(task_ids: list[str], n: int) -> list[str]:
