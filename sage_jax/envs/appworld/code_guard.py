@@ -10,30 +10,29 @@ observation says "Execution failed" and why, and nothing of it executes.
 
 What is refused: the names `__import__`, `__builtins__`, `globals`, `locals`, `vars`,
 `eval`, `exec`, `compile`, `breakpoint`, and IPython's `get_ipython` (its shell runs text as
-code); attributes (also in `match` class patterns and
-imported names) that start with an underscore, other than a few everyday ones (`__init__`,
-`__name__`, `__doc__`, namedtuple methods), or that lead to frames, tracing, modules or code
-run from text (`f_back`, `gi_frame`, `gettrace`, `sys`, `modules`, `bltns`, `types`,
-`attrgetter`, `get_field`, `get_type_hints`, YAML's unsafe loaders, ...); the modules that
-AppWorld lets code import but that hand it the interpreter (`builtins`: its `exec` and
-`getattr` as attributes; `unittest`: `mock.patch` sets any attribute named by a string), the
-helpers of `appworld` that get attributes or modules by a name in a string (`getter_plus`,
-`import_module_file`, ...; its solutions and agents import its date and paging helpers),
-and `from ... import *`; and
-`getattr`/`setattr`/`delattr`/`hasattr` other than called with a literal name that passes
-the same rule. A string annotation is code too (pydantic evaluates one where a class or a
-validated function is made; `typing` where hints are read): the expression it holds is
+code); attributes (also in `match` class patterns and imported names) that start with an
+underscore, other than a few everyday ones (`__init__`, `__name__`, `__doc__`, namedtuple
+methods), or that lead to frames, tracing, modules or code run from text (`f_back`,
+`gi_frame`, `gettrace`, `sys`, `modules`, `bltns`, `types`, `attrgetter`, `get_field`,
+`get_type_hints`, YAML's unsafe loaders, ...); the modules that AppWorld lets code import but
+that hand it the interpreter (`builtins`: its `exec` and `getattr` as attributes;
+`unittest`: `mock.patch` sets any attribute named by a string), the helpers of `appworld`
+that get attributes or modules by a name in a string (`getter_plus`, `import_module_file`,
+...; its solutions and agents import its date and paging helpers), and `from ... import *`;
+and `getattr`/`setattr`/`delattr`/`hasattr` other than called with a literal name that
+passes the same rule. A string annotation is code too (pydantic evaluates one where a class
+or a validated function is made; `typing` where hints are read): the expression it holds is
 checked by the same rules, and so is every string that `typing` evaluates as an annotation
 while the code runs (`guard_forward_references`: `x: T` with `T = "..."` hands pydantic a
-string that no check of the code's text sees). AppWorld's own objects (`apis`, `requester`) and the modules the code imports
-are not changed: no attribute of theirs is set or deleted (`requester.request_tracker =
-None` broke every later block's bookkeeping, which would count as the environment's
-failure, not the agent's; a module's attribute is what annotations and AppWorld's own code
-read). The code checked is what AppWorld runs: the block without its surrounding blank
-space. Ordinary task code (API calls, data handling, function definitions) never
-needs any of them. A static check raises the bar rather than closing every door: the
-packages AppWorld imports hold deserialisers and name resolvers of their own, and those
-found by walking the attributes that allowed imports reach are refused above.
+string that no check of the code's text sees). AppWorld's own objects (`apis`,
+`requester`) and the modules the code imports are not changed: no attribute of theirs is set
+or deleted (`requester.request_tracker = None` broke every later block's bookkeeping, which
+would count as the environment's failure, not the agent's; a module's attributes are read by
+annotations and by AppWorld's own code). The code checked is what AppWorld runs: the block
+without its surrounding blank space. Ordinary task code (API calls, data handling, function
+definitions) never needs any of them. A static check raises the bar rather than closing
+every door: the packages AppWorld imports hold deserialisers and name resolvers of their
+own, and those found by walking the attributes that allowed imports reach are refused above.
 """
 
 from __future__ import annotations
