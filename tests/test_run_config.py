@@ -164,6 +164,12 @@ def test_unknown_section_and_seed_type():
     run_config.resolve({**config, "seed": 1.5})
 
 
+def test_the_schema_defaults_resolve():
+  """The defaults agree with each other (the agent's episodes fit the engine's cache)."""
+  run = run_config.resolve(run_config.defaults())
+  assert run.agent.max_episode_tokens <= run.engine.max_len
+
+
 def test_the_grpo_knobs_are_in_the_grpo_section():
   """G, K, single-task rollouts, the advantage estimator, the loss type and KL: one section;
   set anywhere else, or wrong, the error names the key in config.grpo."""

@@ -32,7 +32,7 @@ class AgentConfig:
   use_library: bool = True
   max_steps: int = 10
   max_turn_tokens: int = 512
-  max_episode_tokens: int = 8192
+  max_episode_tokens: int = 4096  # the sampler cache's default length (engine.max_len)
   max_observation_chars: int = 3000
   stop_strings: tuple[str, ...] = ()
   max_library_chars: int = 6000
