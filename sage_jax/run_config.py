@@ -386,17 +386,17 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
   if run.agent.top_k > run.engine.max_top_k:
     raise ConfigError(f"config.agent.top_k: {run.agent.top_k} is more than engine.max_top_k "
                       f"{run.engine.max_top_k}, the candidates the sampler keeps")
-  episode_limit = min(run.agent.max_episode_tokens, run.engine.max_len)
   if run.agent.max_episode_tokens > run.engine.max_len:
     raise ConfigError(
         f"config.agent.max_episode_tokens: {run.agent.max_episode_tokens} is more than "
         f"engine.max_len {run.engine.max_len}, the sampler's cache, where every episode "
         "would end (as token_limit); lower it, or raise engine.max_len")
-  if "rl" in pipeline.stages and run.batch.length_buckets[-1] < episode_limit - 1:
+  episode = run.agent.max_episode_tokens  # at most engine.max_len (above)
+  if "rl" in pipeline.stages and run.batch.length_buckets[-1] < episode - 1:
     raise ConfigError(
         f"config.batch.length_buckets: the largest, {run.batch.length_buckets[-1]}, holds "
-        f"fewer positions than an episode of agent.max_episode_tokens {episode_limit} needs "
-        f"({episode_limit - 1}); the first update with such an episode would fail. Add a "
+        f"fewer positions than an episode of agent.max_episode_tokens {episode} needs "
+        f"({episode - 1}); the first update with such an episode would fail. Add a "
         "bucket that large")
   if not run.pool.keep_outputs and run.eval.appworld_check:
     raise ConfigError(

@@ -14,14 +14,15 @@ task was shown and had installed):
 - updated: a library skill redefined in the task and then called successfully (likewise).
 - saved: for each generated or updated name, the last definition (in execution order) that
   was called successfully, unless the name is a builtin's (`len`: ordinary code calling the
-  builtin would count as a use where it is installed); the rollout adds it to the library when the task ends, with the
-  imports of its block and what it reads of the task's other imports and literal constants
-  (`LIMIT = 20`), as bound by the end of the last block in which it ran successfully, so
-  that it runs as it did where it is installed. A value computed by code (`token = apis...`)
-  is not carried: it would run again; nor is a constant bound inside an `if`, a loop or an
-  `except` (the text does not say which value the name held). A definition whose decorators,
-  default values or annotations read anything else (a task function or class, a computed
-  value) cannot be saved: its `def` would fail where it is installed.
+  builtin would count as a use where it is installed); the rollout adds it to the library
+  when the task ends, with the imports of its block and what it reads of the task's other
+  imports and literal constants (`LIMIT = 20`), as bound by the end of the last block in
+  which it ran successfully, so that it runs as it did where it is installed. A value
+  computed by code (`token = apis...`) is not carried: it would run again; nor is a constant
+  bound inside an `if`, a loop or an `except` (the text does not say which value the name
+  held). A definition whose decorators, default values or annotations read anything else (a
+  task function or class, a computed value) cannot be saved: its `def` would fail where it
+  is installed.
 
 So a define-only block saves nothing, a block whose skill call returned but whose last line
 failed still saves the skill, and a library skill that raised (even inside `try/except`),

@@ -17,9 +17,10 @@ Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_ol
   truncated importance weight (optional): pg *= min(pi_old / pi_sampler, tis_cap), no gradient
   KL to a frozen reference (optional, k3): kl = exp(d) - d - 1, d = ref - logp clipped to
     [-20, 20] as verl does (a token 89 nats likelier under the reference overflows the exp
-    to inf, and the step is skipped as non-finite), optionally clamped to [-kl_clamp, kl_clamp] (verl clamps k3 to [-10, 10]); off the mask
-    it is 0 before the exp, so a very unlikely prompt token cannot overflow it (its gradient
-    would be NaN even though the mask drops its value)
+    to inf, and the step is skipped as non-finite), optionally clamped to [-kl_clamp,
+    kl_clamp] (verl clamps k3 to [-10, 10]); off the mask it is 0 before the exp, so a very
+    unlikely prompt token cannot overflow it (its gradient would be NaN even though the mask
+    drops its value)
   loss_t = pg + kl_coef * kl - entropy_coef * entropy
 
 The batch loss is sum_t weight_t * loss_t with weights from `rl.batch.loss_weights` (verl's

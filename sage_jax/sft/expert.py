@@ -28,13 +28,13 @@ so the prompt SFT trains on is the one RL and evaluation show: the same format
 (`agent.use_library`), skills, and cuts of the listing and of execution outputs. Scripted
 plays (gold, replayed) keep budgets of at least `gold_solutions.SCRIPTED_BUDGET_FLOORS`
 (`scripted_agent`): their turns are fixed, and a run's short turns would cut them to
-failures, leaving no SFT data. Self-distillation samples as the run's agent, budgets, stop strings, top_p and top_k
-included, at each try's temperature. The command plays as the agent and retrieval of
-`--config` (a run's config file and overrides, as the training command takes them: a file
-made for the run, given as `pipeline.expert_trajectories`, then holds the prompts its own
-plays would), its expert section giving `--selection`, `--rewrites` and `--firsts` where the
-command line leaves them; without `--config`, as the default agent (`--use_library`) with the
-default retrieval (the skills of the task's scenario).
+failures, leaving no SFT data. Self-distillation samples as the run's agent, budgets, stop
+strings, top_p and top_k included, at each try's temperature. The command plays as the agent
+and retrieval of `--config` (a run's config file and overrides, as the training command
+takes them: a file made for the run, given as `pipeline.expert_trajectories`, then holds the
+prompts its own plays would), its expert section giving `--selection`, `--rewrites` and
+`--firsts` where the command line leaves them; without `--config`, as the default agent
+(`--use_library`) with the default retrieval (the skills of the task's scenario).
 
 Selection (`ExpertConfig.selection`): "scenario" (default, the paper's rule) keeps a
 scenario's trajectories only when its first `scenario_tasks` (2) tasks succeeded, so that

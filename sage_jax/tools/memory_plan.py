@@ -214,7 +214,7 @@ def run_plan(run, *, hosts: int, devices_per_host: int,
   sampling_dtype = ("bfloat16" if run.sampler_mesh.param_dtype == "auto"
                     else run.sampler_mesh.param_dtype)
   sampler = plan(cfg.replace(param_dtype=sampling_dtype), (sampler_data, 1, sampler_tensor))
-  longest = min(run.agent.max_episode_tokens, run.engine.max_len) - 1  # positions of one
+  longest = run.agent.max_episode_tokens - 1  # its positions (resolve kept it <= max_len)
   row_len = min((b for b in run.batch.length_buckets if b >= longest),
                 default=run.batch.length_buckets[-1])
   rows = run.batch.rows_per_micro_batch(row_len)

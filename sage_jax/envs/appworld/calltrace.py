@@ -13,9 +13,9 @@ What is recorded, per world:
   cell's module code), registered when that code starts. Functions nested in functions,
   lambdas, comprehensions and class bodies are not recorded.
 - A call is recorded by code object identity: (defining block, line of the definition in the
-  block as AppWorld runs it, stripped of surrounding blank space, name) with how many of its calls returned and how many raised. A call
-  from code compiled elsewhere (e.g. `exec` of copied source) is not a call of the block's
-  function.
+  block as AppWorld runs it, stripped of surrounding blank space, name) with how many of its
+  calls returned and how many raised. A call from code compiled elsewhere (e.g. `exec` of
+  copied source) is not a call of the block's function.
 - Returned vs raised: at CPython's "return" trace event, the frame's last instruction is a
   return when the call returned; anything else means an exception is leaving the frame. A
   call counts as returned only once every recorded call around it returned too: a skill that

@@ -34,8 +34,9 @@ def read_split(root: str, split: str) -> list[str]:
   tasks = os.path.join(root, "data", "tasks")
   missing = [t for t in task_ids if not os.path.isdir(os.path.join(tasks, t))]
   if missing:
+    more = " ..." if len(missing) > 10 else ""
     raise FileNotFoundError(f"{path} names {len(missing)} task(s) with no directory under "
-                            f"{tasks}: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+                            f"{tasks}: {', '.join(missing[:10])}{more}")
   return task_ids
 
 
