@@ -141,6 +141,9 @@ class Qwen2Config:
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     check_remat(self.remat)
+    if outside := [i for i in self.remat_layers if not 0 <= i < self.num_hidden_layers]:
+      raise ValueError(f"remat_layers={tuple(self.remat_layers)}: layers {outside} are not among "
+                       f"the model's {self.num_hidden_layers} (0-{self.num_hidden_layers - 1})")
     check_attention_block(self.attention_block)
     check_implementation(self.attention_impl)
     ragged_decode.check_implementation(self.decode_attention_impl)

@@ -165,6 +165,9 @@ class ModelSpec:
         except ValueError as e:
           raise ValueError(f"{key}={getattr(self, key)!r}: {e}") from None
     check_remat(self.remat)
+    if self.remat_layers and self.remat == "none":
+      raise ValueError(f"remat_layers={tuple(self.remat_layers)} with remat='none' remats no "
+                       "layer; set remat='full' or 'dots'")
     check_attention_block(self.attention_block)
     check_implementation(self.attention_impl)
     ragged_decode.check_implementation(self.decode_attention_impl)
