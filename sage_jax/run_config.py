@@ -21,6 +21,7 @@ from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.retrieval import EMBEDDING_STRATEGIES
 from sage_jax.configurable import ConfigError, build
 from sage_jax.envs.appworld.config import EnvPoolConfig
+from sage_jax.eval import metrics as eval_metrics
 from sage_jax.eval.runner import EvalConfig
 from sage_jax.multihost import SamplerMeshConfig
 from sage_jax.rl.advantages import AdvantageConfig
@@ -417,6 +418,28 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
   if rollout.effective_chain_length > TASKS_PER_SCENARIO:
     raise ConfigError(f"config.grpo.chain_length: {rollout.chain_length} exceeds the "
                       f"{TASKS_PER_SCENARIO} tasks of an AppWorld scenario")
+  if rollout.single_task and run.agent.use_library and "rl" in pipeline.stages:
+    raise ConfigError("config.agent.use_library: True with grpo.single_task=True, whose "
+                      "rollouts keep no library (the GRPO baseline): SFT and evaluation would "
+                      "show the agent a library that RL never does; set use_library=False, as "
+                      "configs/grpo.py does")
+  # The library's install is an execution too (`worker.Session.install`).
+  executions = run.agent.max_steps + int(run.agent.use_library)
+  if run.pool.max_interactions < executions:
+    raise ConfigError(
+        f"config.pool.max_interactions: {run.pool.max_interactions} is fewer than the "
+        f"{executions} executions an episode may make (agent.max_steps {run.agent.max_steps}"
+        + (" and the library's install" if run.agent.use_library else "") + "); AppWorld "
+        "would refuse the later ones. Raise it, or lower agent.max_steps")
+  _check_evaluation_split(run, trained)
+  best = run.checkpoint.best_metric
+  reported = best.startswith("dev/") and eval_metrics.reports(best.removeprefix("dev/"))
+  if not trained and run.checkpoint.keep_best and not reported:
+    raise ConfigError(
+        f"config.checkpoint.best_metric: {best!r} is not a number the dev evaluation reports, "
+        "so no checkpoint would be kept as the best; expected 'dev/' and one of "
+        f"{', '.join(eval_metrics.reported_numbers())} (or a per-position rate, "
+        "'dev/no_code_rate/pos1'), or keep_best=0")
   if num_devices is not None:
     try:
       data, fsdp, _ = run.mesh.resolve(num_devices)
@@ -437,3 +460,22 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
       raise ConfigError(f"config.engine.num_slots: {run.engine.num_slots} slots do not split "
                         f"over the sampler's data axis ({slots_split} = a host's devices / "
                         f"sampler_mesh.tensor)")
+
+
+def _check_evaluation_split(run: RunConfig, trained: bool) -> None:
+  """A training run's dev evaluation may not score a split it trains on: the expert's SFT
+  data holds those tasks' gold solutions, RL their rewards."""
+  pipeline = run.pipeline
+  if trained or not (pipeline.eval_after or run.sft.eval_every or run.rl.eval_every):
+    return
+  sources = []
+  if "sft" in pipeline.stages and not pipeline.expert_trajectories:
+    sources.append(("expert.splits", run.expert.splits or (pipeline.train_split,)))
+  if "rl" in pipeline.stages:
+    sources.append(("pipeline.train_split", (pipeline.train_split,)))
+  if keys := [key for key, splits in sources if run.eval.split in splits]:
+    raise ConfigError(
+        f"config.eval.split: {run.eval.split!r} is a split the run trains on ("
+        f"{' and '.join(keys)}): its evaluations would score tasks whose gold solutions or "
+        "rewards the model learned from; evaluate on another split (pipeline.eval_train=True "
+        "scores the training scenarios apart)")

@@ -119,6 +119,21 @@ def _with(overrides, devices=1):
     ({"agent.stop_strings": ("",)}, 1, r"config.agent: stop_strings holds an empty string"),
     ({"eval.temperature": -1.0}, 1, r"config.eval: temperature=-1.0 must be >= 0"),
     ({"optimizer.b1": 2.0}, 1, r"config.optimizer: b1=2.0 and b2=0.999 must be in \[0, 1\)"),
+    ({"grpo.single_task": True, "grpo.chain_length": 1}, 1,
+     r"config.agent.use_library: True with grpo.single_task=True, whose rollouts keep no "),
+    ({"pool.max_interactions": 1}, 1, r"config.pool.max_interactions: 1 is fewer than the 2 "
+     r"executions an episode may make \(agent.max_steps 1 and the library's install\)"),
+    ({"pool.max_interactions": 3, "agent.max_steps": 4, "agent.use_library": False}, 1,
+     r"config.pool.max_interactions: 3 is fewer than the 4 executions .*max_steps 4\); "),
+    ({"pipeline.train_split": "dev", "expert.splits": ()}, 1, r"config.eval.split: 'dev' is a "
+     r"split the run trains on \(expert.splits and pipeline.train_split\): its evaluations"),
+    ({"expert.splits": ("train", "dev"), "pipeline.train_scenarios": 0}, 1,
+     r"config.eval.split: 'dev' is a split the run trains on \(expert.splits\)"),
+    ({"checkpoint.best_metric": "dev/TGC"}, 1, r"config.checkpoint.best_metric: 'dev/TGC' is "
+     r"not a number the dev evaluation reports.*one of num_tasks, num_scenarios, tgc, sgc"),
+    ({"checkpoint.best_metric": "tgc"}, 1, r"config.checkpoint.best_metric: 'tgc' is not"),
+    ({"model.remat_layers": (1,)}, 1, r"config.model: remat_layers=\(1,\) with remat='none' "
+     r"remats no layer"),
 ])
 def test_bad_configs_name_the_key(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):
@@ -143,9 +158,10 @@ def test_the_expert_plays_the_training_scenarios_unless_its_splits_are_named():
   with RL on every scenario, or unused with SFT data given; a `train_scenarios` cut refuses
   other splits (test_bad_configs_name_the_key)."""
   assert ExpertConfig().splits == () and _with({}).expert.splits == ("train",)
-  _with({"pipeline.train_split": "dev", "expert.splits": ()})
-  _with({"pipeline.train_split": "dev", "expert.splits": ("dev",)})
-  _with({"expert.splits": ("dev",), "pipeline.train_scenarios": 0})
+  elsewhere = {"eval.split": "test"}  # the demo evaluates on dev
+  _with({**elsewhere, "pipeline.train_split": "dev", "expert.splits": ()})
+  _with({**elsewhere, "pipeline.train_split": "dev", "expert.splits": ("dev",)})
+  _with({**elsewhere, "expert.splits": ("dev",), "pipeline.train_scenarios": 0})
   _with({"expert.splits": ("dev",), "pipeline.expert_trajectories": "expert.jsonl"})
 
 
@@ -226,6 +242,10 @@ def test_remat_and_attention_block_reach_the_model():
   for preset in ("qwen2.5-coder-0.5b", "qwen2.5-7b", "qwen2.5-32b"):
     spec = run_config.resolve(_config("sage", preset)).model
     assert (spec.remat, spec.attention_block) == ("full", 1024)
+  # The layers to remat are checked against the model's (tiny: 2), not silently ignored.
+  with pytest.raises(ValueError, match=r"remat_layers=\(1, 2\): layers \[2\] are not among "
+                                       r"the model's 2 \(0-1\)"):
+    build_model(ModelSpec(preset="tiny", remat="full", remat_layers=(1, 2)))
 
 
 def test_component_seeds_derive_from_the_run_seed():
@@ -391,8 +411,8 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
     with pytest.raises(ConfigError, match=rf"config.{key}: "):
       run_config.check_resume(recorded, _recorded(changed), "run/config.json")
   changed = _config("sage", "demo")
-  changed.pipeline.train_split = changed.eval.split
-  changed.expert.splits = (changed.eval.split,)  # the demo names its train split
+  changed.pipeline.train_split = "test"
+  changed.expert.splits = ("test",)  # the demo names its train split
   with pytest.raises(ConfigError, match=r"config.pipeline.train_split: "):
     run_config.check_resume(recorded, _recorded(changed), "run/config.json")
   # RL added after an SFT-only run.

@@ -13,12 +13,23 @@ from collections.abc import Sequence
 from sage_jax.envs.appworld.config import EnvPoolConfig
 from sage_jax.envs.appworld.process import child_environment
 from sage_jax.rl.episode import EpisodeRecord
-from sage_jax.rl.metrics import task_metrics
+from sage_jax.rl.metrics import PER_POSITION, task_metrics
 
 
 def summarize(records: Sequence[EpisodeRecord]) -> dict:
   return {**task_metrics(records, unit="scenario"),
           "end_reasons": dict(collections.Counter(r.end_reason for r in records))}
+
+
+def reported_numbers() -> list[str]:
+  """The numbers an evaluation reports (`summarize`'s, without the per-position rates)."""
+  return [k for k, v in summarize([]).items() if not isinstance(v, dict)]
+
+
+def reports(name: str) -> bool:
+  """Whether an evaluation reports a number called `name` ("tgc", "no_code_rate/pos1")."""
+  rate, _, position = name.rpartition("/pos")
+  return name in reported_numbers() or (rate in PER_POSITION and position.isdigit())
 
 
 def evaluation_metrics(records: Sequence[EpisodeRecord]) -> dict:

@@ -46,6 +46,8 @@ from sage_jax.rl.episode import EpisodeRecord, trained_on
 from sage_jax.rl.rewards import generation_credited
 
 UNITS = ("scenario", "chain")
+# Rates also reported per chain position, as "<rate>/pos<k>": rate -> the record's flag.
+PER_POSITION = {"no_code_rate": "no_code", "truncation_rate": "truncated"}
 
 
 def _pct(num: float, den: float) -> float | None:
@@ -104,8 +106,8 @@ def task_metrics(records: Sequence[EpisodeRecord], *, unit: str = "scenario") ->
   }
   for k in sorted({r.chain_position for r in records}):
     at = [r for r in records if r.chain_position == k]
-    out[f"no_code_rate/pos{k}"] = _pct(sum(r.no_code for r in at), len(at))
-    out[f"truncation_rate/pos{k}"] = _pct(sum(r.truncated for r in at), len(at))
+    for rate, flag in PER_POSITION.items():
+      out[f"{rate}/pos{k}"] = _pct(sum(getattr(r, flag) for r in at), len(at))
   return out
 
 
