@@ -333,6 +333,7 @@ def _demo_run(**pipeline_keys):
   c = sage_configs.get_config("demo")
   c.pipeline.update(**pipeline_keys)
   c.expert.splits = ()
+  c.eval.split = "test"  # most of these runs train on dev
   c.pool.num_workers = 2
   c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
   return c
@@ -448,6 +449,44 @@ def test_command_line_stops_on_a_bad_input_file_before_playing(tmp_path):
                            f"--input={given}"], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and named in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "gold" not in done.stdout and not out.exists()
+
+
+def test_a_bad_gold_file_stops_the_expert_before_any_play(mini_root, tok, tmp_path,
+                                                          monkeypatch):
+  """A task whose gold solution or spec cannot be read fails naming the file before the
+  first task is played, in the library and on the command line, not when its scenario's turn
+  comes."""
+  import shutil  # noqa: PLC0415
+  root = tmp_path / "root"
+  shutil.copytree(mini_root, root, symlinks=True)
+  task_ids = appworld.read_split(str(root), "dev")
+  last = root / "data" / "tasks" / task_ids[-1]
+  played = []
+  monkeypatch.setattr(expert, "play", lambda *args, **kwargs: played.append(args))
+  config = expert.ExpertConfig(appworld_root=str(root))
+  breakages = (
+      ("specs.json", b'{"instruction": ', r"specs.json: not a task spec with an instruction "
+       r"\(JSONDecodeError"),
+      ("specs.json", b'{"task": "x"}', r"specs.json: not a task spec.*KeyError"),
+      ("ground_truth/solution.py", b"print('\xff\xfe')\n\xff", r"solution.py: the gold "
+       r"solution is not UTF-8 text"),
+  )
+  for name, text, message in breakages:
+    saved = (last / name).read_bytes()
+    (last / name).write_bytes(text)
+    with pytest.raises(ValueError, match=message):
+      expert.gold_trajectories(task_ids, config, tok, pool=None)
+    (last / name).write_bytes(saved)
+  (last / "ground_truth" / "solution.py").unlink()
+  with pytest.raises(FileNotFoundError, match=rf"{last}/ground_truth: no gold solution"):
+    expert.gold_trajectories(task_ids, config, tok, pool=None)
+  assert played == []
+  out = tmp_path / "out.jsonl"
+  done = subprocess.run([sys.executable, "-m", "sage_jax.sft.expert", f"--out={out}",
+                         f"--appworld_root={root}", "--splits=dev"],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode != 0 and f"--splits: {last}/ground_truth: no gold" in done.stderr
+  assert "Traceback" not in done.stderr and not out.exists()
 
 
 def test_command_line_without_verification(gold, tmp_path):

@@ -408,8 +408,11 @@ def read_solution(appworld_root: str, task_id: str) -> str:
   for name in SOLUTION_FILES:
     path = os.path.join(truth, name)
     if os.path.exists(path):
-      with open(path) as f:
-        source = _CANARY.sub("", f.read())
+      try:
+        with open(path, encoding="utf-8") as f:
+          source = _CANARY.sub("", f.read())
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: the gold solution is not UTF-8 text ({e})") from None
       inputs = _generator_inputs(source)
       if inputs:
         raise ValueError(
@@ -422,8 +425,24 @@ def read_solution(appworld_root: str, task_id: str) -> str:
 
 
 def read_instruction(appworld_root: str, task_id: str) -> str:
-  with open(os.path.join(appworld_root, "data", "tasks", task_id, "specs.json")) as f:
-    return json.load(f)["instruction"]
+  path = os.path.join(appworld_root, "data", "tasks", task_id, "specs.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      instruction = json.load(f)["instruction"]
+  except (ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON or UTF-8
+    raise ValueError(f"{path}: not a task spec with an instruction "
+                     f"({type(e).__name__}: {e})") from None
+  if not isinstance(instruction, str):
+    raise ValueError(f"{path}: the instruction is a {type(instruction).__name__}, not text")
+  return instruction
+
+
+def check_readable(appworld_root: str, task_ids: Iterable[str]) -> None:
+  """Reads every task's gold solution and instruction as a play would: a missing or malformed
+  file fails here, naming it, before any task is played rather than partway through."""
+  for task_id in task_ids:
+    read_solution(appworld_root, task_id)
+    read_instruction(appworld_root, task_id)
 
 
 def expert_turns_for_task(appworld_root: str, task_id: str,

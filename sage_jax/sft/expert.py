@@ -59,7 +59,8 @@ from absl import app, flags
 
 from sage_jax import config_file, multihost
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
-from sage_jax.agent.gold_solutions import ScriptedPolicy, TextTurnsSession, scripted_agent
+from sage_jax.agent.gold_solutions import (ScriptedPolicy, TextTurnsSession, check_readable,
+                                          scripted_agent)
 from sage_jax.agent.policy import TaskContext
 from sage_jax.agent.retrieval import EMBEDDING_STRATEGIES, Retriever
 from sage_jax.envs import appworld
@@ -251,6 +252,7 @@ def gold_trajectories(task_ids: Sequence[str], config: ExpertConfig, tokenizer: 
   format when `agent.use_library`), skills picked by `retriever`; successes only."""
   root = appworld.resolve_root(config.appworld_root or "mini")
   config = dataclasses.replace(config, appworld_root=root)
+  check_readable(root, task_ids)
   chains = _chains(task_ids)
   scripted = scripted_agent(agent)
   out, stats = play(ScriptedPolicy(root, tokenizer), chains, tokenizer, config, "gold", pool,
@@ -399,8 +401,13 @@ def main(argv) -> None:
       raise app.UsageError(f"--input: {e}") from e
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
+  task_ids = [t for split in (f.splits if f.gold else ())
+              for t in appworld.read_split(config.appworld_root, split)]
+  try:  # a bad gold file stops the command before any play too
+    check_readable(config.appworld_root, task_ids)
+  except (OSError, ValueError) as e:
+    raise app.UsageError(f"--splits: {e}") from e
   if f.gold:
-    task_ids = [t for split in f.splits for t in appworld.read_split(config.appworld_root, split)]
     trajectories, stats = gold_trajectories(task_ids, config, tokenizer, agent=agent,
                                             retriever=retriever)
     kept += trajectories
