@@ -277,6 +277,27 @@ def _launch_entry(workdir, *command):
   return done.stdout
 
 
+def test_an_evaluation_that_retrieves_across_scenarios_keeps_one_library(tmp_path):
+  """Retrieval across scenarios shows a task the skills of every scenario played before it. As
+  2 processes the evaluation shows each task what one process shows it (process 0 plays
+  every scenario, with one library); each process playing its share from an empty library
+  showed the second scenario's first task nothing."""
+  def visible(out):
+    report = json.load(open(out / "eval_dev.json"))
+    return [(r["task_id"], r["visible_skills"]) for r in report["records"]]
+
+  evaluate = ["-m", "sage_jax.evaluate", "--config=configs/eval.py:demo",
+              "--config.eval.max_scenarios=2", "--config.retrieval.strategy=query_ngram",
+              "--config.pool.num_workers=1", "--config.eval.appworld_check=false"]
+  _launch_entry(tmp_path / "two", *evaluate, f"--workdir={tmp_path / 'two'}")
+  subprocess.run([sys.executable, *evaluate, f"--workdir={tmp_path / 'one'}"],
+                 env={**_env(), "JAX_PLATFORMS": "cpu"}, cwd=REPO, capture_output=True,
+                 text=True, timeout=600, check=True)
+  one = visible(tmp_path / "one")
+  assert len(one) == 6 and one[3][1]  # the second scenario's first task sees skills
+  assert visible(tmp_path / "two") == one
+
+
 def test_every_process_decides_on_the_workdir_as_process_0_reads_it(tmp_path):
   """The workdir records that SFT finished at step 9, past the 2 steps of the rerun, and
   process 1's storage does not show that record yet (NFS, an object store): both processes

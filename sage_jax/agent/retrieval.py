@@ -28,6 +28,8 @@ from sage_jax.agent.library import Skill, SkillLibrary
 
 _WORD = re.compile(r"[a-z0-9]+")
 EMBEDDING_STRATEGIES = ("query_embedding", "skill_embedding")
+# Strategies that show a task only skills of its own scenario: scenarios are independent.
+SCENARIO_LOCAL_STRATEGIES = ("same_scenario", "none")
 
 
 def words(text: str) -> list[str]:

@@ -32,7 +32,7 @@ from sage_jax import configurable, multihost, storage
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.gold_solutions import ScriptedPolicy, scripted_agent
 from sage_jax.agent.library import SkillLibrary
-from sage_jax.agent.retrieval import Retriever, make_embedder
+from sage_jax.agent.retrieval import SCENARIO_LOCAL_STRATEGIES, Retriever, make_embedder
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics as metrics_lib
 from sage_jax.rl import rollout
@@ -53,7 +53,8 @@ class EvalConfig:
   built on first use) or an APPWORLD_ROOT. policy: "model" or "scripted". experiment:
   AppWorld experiment name of the outputs. max_concurrent_scenarios: scenarios run at once
   (0: all when retrieval is per scenario, one at a time otherwise, so the library a task
-  sees does not depend on timing). max_scenarios: evaluate only the first N scenarios
+  sees does not depend on timing; retrieval across scenarios also keeps a multi-process
+  evaluation on process 0, with its one library). max_scenarios: evaluate only the first N scenarios
   (0: all). appworld_check: also score the outputs with AppWorld's own evaluator (child
   process) and fail if TGC/SGC disagree (on the episodes the environment did not fail
   under: AppWorld scores whatever such an episode saved, we count it as failed). seed:
@@ -134,7 +135,12 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   root = appworld.resolve_root(ev.data)
   task_ids = appworld.first_scenarios(appworld.read_split(root, ev.split), ev.max_scenarios)
   scenarios = list(appworld.group_by_scenario(task_ids).values())
-  share = multihost.share(len(scenarios))
+  across = retrieval_cfg.strategy not in SCENARIO_LOCAL_STRATEGIES
+  # Retrieval across scenarios shows a task the skills of every scenario played before it:
+  # one library, so process 0 plays them all, as one process would (the others' shares would
+  # start from an empty library and make the scores depend on the number of processes).
+  share = (slice(0, len(scenarios) if multihost.is_lead() else 0) if across
+           else multihost.share(len(scenarios)))
   own_task_ids = [t for ids in scenarios[share] for t in ids]
   tokenizer = tokenizer or Tokenizer()
   driver = None
@@ -155,8 +161,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
       policy = rollout.SamplerPolicy(driver, agent_cfg)
   embedder = make_embedder(retrieval_cfg, engine=engine, tokenizer=tokenizer)
   retriever = Retriever(retrieval_cfg, embedder)
-  max_concurrent = ev.max_concurrent_scenarios or (
-      0 if retrieval_cfg.strategy in ("same_scenario", "none") else 1)
+  max_concurrent = ev.max_concurrent_scenarios or (1 if across else 0)
   pool_cfg = s["pool"]
   if pool is None:  # several processes: each pool keeps its outputs on its own host
     pool_cfg = dataclasses.replace(pool_cfg, outputs_root=multihost.outputs_root(
