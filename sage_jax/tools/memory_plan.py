@@ -182,11 +182,12 @@ def kv_cache_bytes(cfg: Qwen2Config, num_slots: int, max_len: int, data: int,
 
 def activation_bytes(cfg: Qwen2Config, rows_per_device: int, row_len: int, tensor: int,
                      logprob_chunk: int) -> int:
-  """An estimate of one micro-batch's training activations per device: with remat, each
-  layer's input [rows, T, hidden] is kept and one layer's working set is live during its
-  recomputation (MLP [T, 3 x intermediate / tensor], attention scores [heads / tensor, T,
-  block or T] in float32); without remat every layer's working set is kept. Plus one chunk of
-  logits [chunk, vocab / tensor] in float32, with its gradient."""
+  """An estimate of one micro-batch's training activations per device: each layer's input
+  [rows, T, hidden] is kept, and its working set (MLP [T, 3 x intermediate / tensor],
+  attention scores [heads / tensor, T, block or T] in float32) too unless the layer is
+  rematted (`remat_layers`, all when empty): then it is live only during the layer's
+  recomputation, one layer at a time. Plus one chunk of logits [chunk, vocab / tensor] in
+  float32, with its gradient."""
   item = np.dtype(cfg.jnp_dtype).itemsize
   tokens = rows_per_device * row_len
   block = cfg.attention_block or row_len
@@ -196,7 +197,8 @@ def activation_bytes(cfg: Qwen2Config, rows_per_device: int, row_len: int, tenso
            + tokens * 4 * cfg.hidden_size * item)
   kept = tokens * cfg.hidden_size * item
   layers = cfg.num_hidden_layers
-  stored = layers * kept + layer if cfg.remat != "none" else layers * (kept + layer)
+  rematted = 0 if cfg.remat == "none" else len(set(cfg.remat_layers)) or layers
+  stored = layers * kept + (layers - rematted) * layer + (layer if rematted else 0)
   chunk = min(logprob_chunk or tokens, tokens)
   return stored + 2 * chunk * _shard(cfg.vocab_size, tensor) * 4
 
@@ -261,7 +263,7 @@ def _model_config(spec) -> Qwen2Config:
   from sage_jax.weights import loader  # noqa: PLC0415
 
   dtypes = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype)) if v}
-  return loader.architecture(spec).replace(remat=spec.remat,
+  return loader.architecture(spec).replace(remat=spec.remat, remat_layers=spec.remat_layers,
                                            attention_block=spec.attention_block,
                                            lora=spec.lora_config, **dtypes)
 
