@@ -30,7 +30,9 @@ import logging
 import math
 import os
 import pickle
+import signal
 import sys
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -84,6 +86,13 @@ def initialize() -> None:
     jax.distributed.initialize(local_device_ids=_slurm_node_gpus())
   else:
     return
+  # jax.distributed's own SIGTERM handler only records a preemption notice for the step loops
+  # to meet at a sync point: outside them (setup, expert plays, evaluations) the signal went
+  # unheeded, and a resumed loop never met the notice's step and trained on. A signal stops a
+  # process as in a single-process run: at once outside the loops, within them after the
+  # step, with a checkpoint (their `PreemptionGuard`), every process together.
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
   # Gloo (CPU collectives) connects a group of devices at its first collective and gives up
   # when a peer is 30 s late there. Right after joining, processes are seconds apart: the
   # groups of JAX's host gathers (over the processes x local devices grid of

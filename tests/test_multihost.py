@@ -158,6 +158,30 @@ def test_a_signal_stops_every_process_after_one_step_and_resume_changes_process_
   _assert_same_params(resumed["params"], one_process["params"])
 
 
+def test_a_signal_before_the_step_loop_stops_its_process_at_once(tmp_path):
+  """SIGTERM to a process that has joined the run but not reached its step loop (its setup,
+  an evaluation) stops it at once, as in a single-process run, and the launcher stops the
+  other: jax.distributed's handler took the signal for a preemption notice, and the process
+  went on into a loop that never met the notice's step and trained to the end."""
+  out = tmp_path / "run"
+  proc = _launch(2, 2, str(out), f"--steps={STEPS}", "--late_start_s=60", wait=False)
+  pids = []
+  while len(pids) < 2:
+    line = proc.stdout.readline()
+    assert line, "launcher ended before starting its processes"
+    if line.startswith("launch: process"):
+      pids.append(int(line.split()[-1]))
+  log = out / "logs" / "process_1.log"
+  deadline = time.monotonic() + 300
+  while not (log.exists() and "process 1 of 2" in log.read_text()):  # joined, then sleeps
+    assert time.monotonic() < deadline and proc.poll() is None, _failure(proc.stdout.read())
+    time.sleep(0.2)
+  os.kill(pids[1], signal.SIGTERM)
+  output, _ = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and "launch: process 1 exited" in output, _failure(output)
+  assert not (out / "result.json").exists()
+
+
 @pytest.fixture(scope="module")
 def two_saved_steps(tmp_path_factory):
   """The checkpoint directory of a 2-process run that saved steps 1 and 2."""
