@@ -188,6 +188,29 @@ def allgather_objects(value: Any) -> list[Any]:
   return [pickle.loads(gathered[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
 
 
+class ProcessFailed(RuntimeError):
+  """A process's part of an `all_succeed` raised; every process raises this, naming it."""
+
+
+def all_succeed(compute: Callable[[], Any]) -> Any:
+  """`compute()`, this process's part of work that every process does before its next
+  collective (its share of rollouts, of an evaluation): if it raises on any process, every
+  process raises ProcessFailed naming that error (the failed process's raised from it) at
+  once. The others would otherwise wait in their next collective until the runtime gave up
+  on the failed process, minutes later, with an error that names neither."""
+  if jax.process_count() == 1:
+    return compute()
+  value, failure, error = None, None, None
+  try:
+    value = compute()
+  except Exception as e:  # noqa: BLE001 - whatever it is, every process must hear of it
+    failure, error = e, f"{type(e).__name__}: {e}"
+  failed = [(i, e) for i, e in enumerate(allgather_objects(error)) if e is not None]
+  if failed:
+    raise ProcessFailed("; ".join(f"process {i} failed: {e}" for i, e in failed)) from failure
+  return value
+
+
 class LeadFailed(RuntimeError):
   """Process 0's part of a `from_lead` raised; every process raises this, with its message."""
 

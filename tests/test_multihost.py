@@ -322,6 +322,21 @@ def test_an_evaluation_that_retrieves_across_scenarios_keeps_one_library(tmp_pat
   assert visible(tmp_path / "two") == one
 
 
+def test_a_process_that_cannot_start_its_episodes_stops_every_process_with_its_error(tmp_path):
+  """An evaluation whose process 1 cannot start AppWorld episodes: every process fails at once,
+  naming process 1's error. Process 0 waited in the gather of the records until the runtime
+  (or a launcher) gave up on process 1, and its log named no cause."""
+  out = tmp_path / "run"
+  done = _run_entry(out, os.path.join(REPO, "tests", "failing_start.py"), "sage_jax.evaluate",
+                    "--config=configs/eval.py:demo", "--config.eval.max_scenarios=2",
+                    "--config.pool.num_workers=1", f"--workdir={out}")
+  log = (out / "logs" / "process_1.log").read_text()
+  assert done.returncode != 0
+  for text in (done.stdout + done.stderr, log):
+    assert "ProcessFailed: process 1 failed: EpisodeError: Cannot start" in text, _failure(
+        done.stdout, done.stderr, log)
+
+
 def test_every_process_decides_on_the_workdir_as_process_0_reads_it(tmp_path):
   """The workdir records that SFT finished at step 9, past the 2 steps of the rerun, and
   process 1's storage does not show that record yet (NFS, an object store): both processes

@@ -169,24 +169,29 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   pool_cfg = dataclasses.replace(pool_cfg, appworld_root=root)
   library = SkillLibrary()
   started = time.time()
-  own_pool = pool is None
-  try:
-    if own_pool:
-      pool = appworld.EnvPool(pool_cfg).start()
-    ctx = rollout.RolloutContext(policy, pool, tokenizer, agent_cfg, retriever, root)
-    records = asyncio.run(run_scenarios(ctx, own_task_ids, experiment=ev.experiment,
-                                        library=library, max_concurrent=max_concurrent,
-                                        seed=ev.seed, first_index=share.start))
-    if ev.appworld_check:
-      checked = [r.task_id for r in appworld_checked(records)]
-      own_scores = (metrics_lib.appworld_scores(
+
+  def play(pool: appworld.EnvPool | None) -> tuple[list[EpisodeRecord], list[str], Any]:
+    """This process's share: its records, the tasks AppWorld's check scored, its scores."""
+    own_pool = pool is None
+    try:
+      if own_pool:
+        pool = appworld.EnvPool(pool_cfg).start()
+      ctx = rollout.RolloutContext(policy, pool, tokenizer, agent_cfg, retriever, root)
+      records = asyncio.run(run_scenarios(ctx, own_task_ids, experiment=ev.experiment,
+                                          library=library, max_concurrent=max_concurrent,
+                                          seed=ev.seed, first_index=share.start))
+      checked = [r.task_id for r in appworld_checked(records)] if ev.appworld_check else []
+      scores = (metrics_lib.appworld_scores(
           pool.outputs_root, ev.experiment, checked,
           evaluation_timeout_s=pool.config.evaluation_timeout_s) if checked else None)
-  finally:
-    if own_pool and pool is not None:
-      pool.close()
-    if driver is not None:
-      driver.close()
+      return records, checked, scores
+    finally:
+      if own_pool and pool is not None:
+        pool.close()
+      if driver is not None:
+        driver.close()
+
+  records, checked, own_scores = multihost.all_succeed(lambda: play(pool))
   elapsed = time.time() - started
   records = [r for part in multihost.allgather_objects(records) for r in part]
   metrics = metrics_lib.evaluation_metrics(records)

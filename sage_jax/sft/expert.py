@@ -218,8 +218,8 @@ def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
                                          experiment_prefix=config.experiment_prefix,
                                          seed=seed)
   share = multihost.share(len(chains))
-  batch = asyncio.run(rollout.run_groups(ctx, chains[share], rollout_config,
-                                         first_group=share.start))
+  batch = multihost.all_succeed(lambda: asyncio.run(rollout.run_groups(
+      ctx, chains[share], rollout_config, first_group=share.start)))
   stats = ExpertStats()
   out = []
   for group in (g for part in multihost.allgather_objects(batch.records) for g in part):
