@@ -203,6 +203,8 @@ def all_succeed(compute: Callable[[], Any]) -> Any:
   value, failure, error = None, None, None
   try:
     value = compute()
+  except ProcessFailed:  # every process raised it already
+    raise
   except Exception as e:  # noqa: BLE001 - whatever it is, every process must hear of it
     failure, error = e, f"{type(e).__name__}: {e}"
   failed = [(i, e) for i, e in enumerate(allgather_objects(error)) if e is not None]
@@ -211,7 +213,7 @@ def all_succeed(compute: Callable[[], Any]) -> Any:
   return value
 
 
-class LeadFailed(RuntimeError):
+class LeadFailed(ProcessFailed):
   """Process 0's part of a `from_lead` raised; every process raises this, with its message."""
 
 

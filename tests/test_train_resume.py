@@ -225,3 +225,29 @@ def test_a_signal_during_a_step_saves_before_the_evaluation_due(tmp_path):
                           metrics=MetricsConfig(log_dir="", progress=False))
   assert (result.end_step, result.preempted, result.stop_signal) == (2, True, signal.SIGTERM)
   assert evaluated == [] and ckpt.Checkpointer(config).all_steps() == [2]
+
+
+def test_a_failed_evaluation_keeps_its_step_and_a_rerun_goes_on_after_it(tmp_path):
+  """The evaluation due after step 2 fails (AppWorld's scoring disagreed, say): the step's
+  update is saved before the error ends the loop, so a rerun resumes after it rather than
+  training step 2 again into the same evaluation."""
+  config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), save_every=100,
+                                 async_save=False)
+
+  def failing(step):
+    raise RuntimeError(f"the evaluation at step {step} failed")
+
+  def run(evaluate):
+    trainer = rl_loop.grpo_trainer(init_model(get_preset("tiny").replace(vocab_size=VOCAB)),
+                                   GRPO, OPTIM)
+    return loop.run_steps(trainer, lambda step, _: {"loss": 1.0}, total_steps=4,
+                          eval_every=2, evaluate=evaluate,
+                          checkpointer=ckpt.Checkpointer(config),
+                          metrics=MetricsConfig(log_dir="", progress=False))
+
+  with pytest.raises(RuntimeError, match="the evaluation at step 2 failed"):
+    run(failing)
+  assert ckpt.Checkpointer(config).all_steps() == [2]
+  evaluated = []
+  resumed = run(lambda step: evaluated.append(step) or {"tgc": 1.0})
+  assert (resumed.start_step, resumed.end_step, evaluated) == (2, 4, [4])

@@ -9,8 +9,9 @@ steps; with the peak memory so far, `memory/*`), evaluates every `eval_every` st
 SIGTERM / SIGINT (or orbax's multi-host preemption notice) saves, waits for the save to land,
 and returns. With several processes, a signal to any one of them stops all of them after the
 same step, with one checkpoint. A signal that comes while the last step is being saved lets
-that save land and still counts as a stop, so that what follows the loop does not start. A
-save that fails raises `CheckpointSaveError` at the next save, or for the last one (at the end
+that save land and still counts as a stop, so that what follows the loop does not start. An
+evaluation that fails saves its step before the error ends the loop: a rerun resumes after
+it. A save that fails raises `CheckpointSaveError` at the next save, or for the last one (at the end
 or at a stop) before the loop returns: a run whose checkpoint did not land is never reported
 done or stopped.
 """
@@ -112,9 +113,17 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         dev = {}
         if evaluate is not None and eval_every and step % eval_every == 0 and not preempted:
           t1 = time.perf_counter()
-          # The evaluation's numbers: rates with an empty denominator are None, breakdowns nest.
-          dev = {f"dev/{k}": float(v) for k, v in evaluate(step).items()
-                 if isinstance(v, numbers.Real)}
+          try:
+            # The evaluation's numbers: rates with an empty denominator are None, breakdowns
+            # nest. A failure is every process's (all_succeed), and so is the save below.
+            dev = {f"dev/{k}": float(v)
+                   for k, v in multihost.all_succeed(lambda: evaluate(step)).items()
+                   if isinstance(v, numbers.Real)}
+          except Exception:
+            if checkpointer is not None:  # the step's update is kept: a rerun goes on after
+              checkpointer.save(step, trainer.state,  # it, not into the same evaluation
+                                meta={**extra_meta, "step": step, "seed": seed})
+            raise
           values.update(dev)
           values["time/eval_s"] = time.perf_counter() - t1
         values = writer.write(step, values)
