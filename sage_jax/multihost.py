@@ -155,9 +155,15 @@ def outputs_root(configured: str | None, run_default: str) -> str | None:
   directory."""
   if jax.process_count() == 1:
     return configured or run_default
-  if configured:
-    return os.path.join(configured, f"process_{jax.process_index()}")
-  return None
+  return process_subdir(configured)
+
+
+def process_subdir(path: str | None) -> str | None:
+  """For files that each process writes on its own (AppWorld outputs, worker logs):
+  `path`/process_<i> with several processes, `path` with one; None stays None."""
+  if not path or jax.process_count() == 1:
+    return path or None
+  return os.path.join(path, f"process_{jax.process_index()}")
 
 
 # --- Collectives ----------------------------------------------------------------------------

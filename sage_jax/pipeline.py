@@ -155,7 +155,8 @@ class Pipeline:
           self.batch_config.row_multiple, self.mesh.shape["data"] * self.mesh.shape["fsdp"]))
     pool_cfg = dataclasses.replace(
         self.run.pool, appworld_root=self.root, outputs_root=multihost.outputs_root(
-            self.run.pool.outputs_root, storage.local_subdir(self.workdir, "appworld")))
+            self.run.pool.outputs_root, storage.local_subdir(self.workdir, "appworld")),
+        log_dir=multihost.process_subdir(self.run.pool.log_dir))
     self.pool = appworld.EnvPool(pool_cfg).start()
     self.tokenizer = Tokenizer()
     compact = self.run.model.vocabulary == "compact"

@@ -406,7 +406,8 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path, demo_expert_file):  # noq
                "--config.eval.max_scenarios=1", "--config.pool.num_workers=2",
                "--config.checkpoint.save_every=1", "--config.agent.max_turn_tokens=48",
                "--config.pipeline.train_scenarios=1", "--config.grpo.max_redraws=0",
-               "--config.pipeline.eval_train=false", "--config.pipeline.eval_before=false"]
+               "--config.pipeline.eval_train=false", "--config.pipeline.eval_before=false",
+               f"--config.pool.log_dir={tmp_path / 'pool_logs'}"]
   command = [sys.executable, LAUNCH, "--num_processes=2", "--cpu_devices=2",
              "--config=configs/sage.py:demo", f"--workdir={workdir}", "--",
              sys.executable, os.path.join(REPO, "tests", "delayed_train.py"),
@@ -428,6 +429,9 @@ def test_demo_pipeline_runs_as_two_processes(tmp_path, demo_expert_file):  # noq
   report = json.load(open(workdir / "eval_after" / "eval_dev.json"))
   assert len(report["records"]) == 3 and report["appworld"] is not None
   assert not os.path.exists(workdir / "appworld")  # outputs stayed on each host
+  # Each process's pool logs apart (in one directory both appended to the same files).
+  for i in range(2):
+    assert (tmp_path / "pool_logs" / f"process_{i}" / "template.log").exists()
   # The shares of the gold plays, gathered: the SFT data one process makes.
   assert (workdir / "expert_trajectories.jsonl").read_text() == open(demo_expert_file).read()
   import torch  # noqa: PLC0415

@@ -165,7 +165,8 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   pool_cfg = s["pool"]
   if pool is None:  # several processes: each pool keeps its outputs on its own host
     pool_cfg = dataclasses.replace(pool_cfg, outputs_root=multihost.outputs_root(
-        pool_cfg.outputs_root, storage.local_subdir(workdir, "appworld")))
+        pool_cfg.outputs_root, storage.local_subdir(workdir, "appworld")),
+        log_dir=multihost.process_subdir(pool_cfg.log_dir))
   pool_cfg = dataclasses.replace(pool_cfg, appworld_root=root)
   library = SkillLibrary()
   started = time.time()

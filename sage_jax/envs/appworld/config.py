@@ -63,7 +63,8 @@ class EnvPoolConfig:
   # Serve each worker over HTTP on 127.0.0.1 instead of a socket.
   use_servers: bool = False
   # Directory for the logs of the workers (<slot>.log) and of their template process
-  # (template.log): their stdout and stderr; None discards them.
+  # (template.log): their stdout and stderr; None discards them. With several processes,
+  # each writes to its process_<i>/ there.
   log_dir: str | None = None
 
   def __post_init__(self):
