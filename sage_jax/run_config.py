@@ -408,6 +408,9 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
     raise ConfigError(f"config.eval.policy: {run.eval.policy!r}; a training run evaluates its "
                       "own model ('model'): run `python -m sage_jax.evaluate` for the "
                       "scripted policy")
+  if pipeline.plot and not run.metrics.jsonl:
+    raise ConfigError("config.pipeline.plot: True draws the curves from metrics.jsonl, which "
+                      "metrics.jsonl=False does not write; set plot=False, or keep the file")
   if not trained and run.checkpoint.read_only:
     raise ConfigError("config.checkpoint.read_only: True writes no checkpoint, which a "
                       "training run does")

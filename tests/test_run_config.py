@@ -132,6 +132,7 @@ def _with(overrides, devices=1):
     ({"checkpoint.best_metric": "dev/TGC"}, 1, r"config.checkpoint.best_metric: 'dev/TGC' is "
      r"not a number the dev evaluation reports.*one of num_tasks, num_scenarios, tgc, sgc"),
     ({"checkpoint.best_metric": "tgc"}, 1, r"config.checkpoint.best_metric: 'tgc' is not"),
+    ({"metrics.jsonl": False}, 1, r"config.pipeline.plot: True draws the curves from "),
     ({"model.remat_layers": (1,)}, 1, r"config.model: remat_layers=\(1,\) with remat='none' "
      r"remats no layer"),
 ])
