@@ -10,23 +10,29 @@
                        retrieval.py evaluates one run under each retrieval strategy)
 
 Sections map field by field onto EvalConfig, AgentConfig, RetrievalConfig, EnvPoolConfig,
-ModelSpec and the sampler's EngineConfig.
+ModelSpec and the sampler's EngineConfig; all but the model start from their dataclass
+defaults, so that every key of theirs can be set (`--config.pool.sandbox=off`).
 """
 
 import ml_collections
 
+from sage_jax import run_config
+
 
 def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.eval = dict(split="dev", data="mini", policy="model", experiment="eval",
+  defaults = run_config.defaults()
+  for name in ("eval", "agent", "retrieval", "pool", "engine"):
+    c[name] = defaults[name]
+  c.eval.update(split="dev", data="mini", policy="model", experiment="eval",
                 max_concurrent_scenarios=0, max_scenarios=0, appworld_check=True, seed=0,
                 temperature=0.0)
-  c.agent = dict(use_library=True, max_steps=6, max_turn_tokens=384, max_episode_tokens=6144,
+  c.agent.update(use_library=True, max_steps=6, max_turn_tokens=384, max_episode_tokens=6144,
                  max_observation_chars=3000)
-  c.retrieval = dict(strategy="same_scenario", top_k=5, embedding_model="minilm")
-  c.pool = dict(num_workers=3, max_interactions=50, timeout_seconds=60, call_timeout_s=120.0)
+  c.retrieval.update(strategy="same_scenario", top_k=5, embedding_model="minilm")
+  c.pool.update(num_workers=3, max_interactions=50, timeout_seconds=60, call_timeout_s=120.0)
   c.model = dict(spec="qwen2.5-coder-0.5b-instruct", preset="")
-  c.engine = dict(num_slots=4, max_len=6144, prefill_buckets=(32, 128, 512), min_attend=256,
+  c.engine.update(num_slots=4, max_len=6144, prefill_buckets=(32, 128, 512), min_attend=256,
                   steps_per_call=8, max_top_k=64)
   if preset == "demo":
     c.eval.policy = "scripted"
