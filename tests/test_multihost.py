@@ -114,17 +114,23 @@ def test_every_process_samples_from_the_same_weights(one_process, two_processes)
   np.testing.assert_allclose(copies[0], one_process["copies"][0], rtol=1e-4, atol=1e-4)
 
 
+def _pids(launcher, num_processes):
+  """The pids of a launcher's processes, as it prints them when it starts them."""
+  pids = []
+  while len(pids) < num_processes:
+    line = launcher.stdout.readline()
+    assert line, "launcher ended before starting its processes"
+    if line.startswith("launch: process"):
+      pids.append(int(line.split()[-1]))
+  return pids
+
+
 def _stop(num_processes, devices, out, ckpt, ctrl_c):
   """Starts the job; once a step has been logged, sends SIGTERM to its last process, or
   (ctrl_c) SIGINT to the launcher's process group, as a terminal's Ctrl-C does."""
   proc = _launch(num_processes, devices, out, f"--steps={STEPS}", "--step_sleep_s=2",
                  f"--ckpt={ckpt}", wait=False)
-  pids = []
-  while len(pids) < num_processes:
-    line = proc.stdout.readline()
-    assert line, "launcher ended before starting its processes"
-    if line.startswith("launch: process"):
-      pids.append(int(line.split()[-1]))
+  pids = _pids(proc, num_processes)
   metrics = os.path.join(out, "metrics.jsonl")
   deadline = time.monotonic() + 600
   while not (os.path.exists(metrics) and open(metrics).read().strip()):
@@ -165,12 +171,7 @@ def test_a_signal_before_the_step_loop_stops_its_process_at_once(tmp_path):
   went on into a loop that never met the notice's step and trained to the end."""
   out = tmp_path / "run"
   proc = _launch(2, 2, str(out), f"--steps={STEPS}", "--late_start_s=60", wait=False)
-  pids = []
-  while len(pids) < 2:
-    line = proc.stdout.readline()
-    assert line, "launcher ended before starting its processes"
-    if line.startswith("launch: process"):
-      pids.append(int(line.split()[-1]))
+  pids = _pids(proc, 2)
   log = out / "logs" / "process_1.log"
   deadline = time.monotonic() + 300
   while not (log.exists() and "process 1 of 2" in log.read_text()):  # joined, then sleeps
