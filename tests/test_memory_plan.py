@@ -73,19 +73,20 @@ def test_run_plan_counts_the_sampler_kv_cache_reference_and_activations():
 def test_activations_count_the_working_sets_of_the_layers_not_rematted():
   """Only the layers in model.remat_layers drop their working set: each one left out of the
   list keeps one more, and rematting one layer of 24 saves nothing (its working set is live
-  again while it is recomputed)."""
-  import dataclasses  # noqa: PLC0415
-  run = _run("sage", "qwen2.5-coder-0.5b", hosts=1, devices_per_host=1)
+  again while it is recomputed). A run's plan reads the list from its model section."""
+  from sage_jax.weights.loader import ModelSpec  # noqa: PLC0415
+  cfg = get_preset("qwen2.5-0.5b")
 
-  def activations(**model):
-    changed = dataclasses.replace(run, model=dataclasses.replace(run.model, **model))
-    return memory_plan.run_plan(changed, hosts=1, devices_per_host=1,
-                                device_memory_gib=80).activation_bytes_per_device
+  def activations(**remat):
+    return memory_plan.activation_bytes(cfg.replace(**remat), rows_per_device=2, row_len=4096,
+                                        tensor=1, logprob_chunk=1024)
 
   every, none = activations(remat="full"), activations(remat="none")
   one, two = (activations(remat="full", remat_layers=layers) for layers in ((0,), (0, 1)))
   assert every == activations(remat="full", remat_layers=tuple(range(24))) < two < one == none
   assert one - two == (none - every) / 23  # a working set, of the 23 that full remat saves
+  spec = ModelSpec(preset="tiny", remat="dots", remat_layers=(1,))
+  assert memory_plan._model_config(spec).remat_layers == (1,)
 
 
 def test_the_32b_sampler_does_not_fit_one_chip_per_copy():
