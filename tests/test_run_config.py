@@ -218,10 +218,17 @@ def test_new_method_knobs_resolve_and_are_validated():
   run = _with({"model.vocabulary": "full", "expert.source": "self",
                "expert.temperatures": [0.2, 0.8],
                "expert.selection": "task", "grpo.advantage_estimator": "rloo",
-               "grpo.advantage_std": "unbiased", "grpo.ratio_level": "sequence",
+               "grpo.ratio_level": "sequence",
                "grpo.kl_clamp": 10.0, "reward.truncated_turns": "outcome"})
   assert run.expert.temperatures == (0.2, 0.8) and run.grpo.ratio_level == "sequence"
-  assert run.advantage.std == "unbiased" and run.reward.truncated_turns == "outcome"
+  assert run.advantage.estimator == "rloo" and run.reward.truncated_turns == "outcome"
+  assert _with({"grpo.advantage_std": "unbiased"}).advantage.std == "unbiased"
+  # GRPO's std settings with an estimator that does not divide by the std do nothing.
+  for estimator in ("rloo", "drgrpo"):
+    for key, value in (("grpo.advantage_std", "unbiased"), ("grpo.advantage_epsilon", 0.1)):
+      with pytest.raises(ConfigError, match=rf"config.grpo.advantage_std: .* GRPO's division "
+                                            rf"by the group's std .* which '{estimator}' does"):
+        _with({"grpo.advantage_estimator": estimator, key: value})
   with pytest.raises(ValueError, match="source"):
     _with({"expert.source": "teacher"})
   with pytest.raises(ConfigError, match="config.model.vocabulary: 'compact' is cut to the SFT"):
