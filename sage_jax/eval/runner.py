@@ -54,9 +54,9 @@ class EvalConfig:
   AppWorld experiment name of the outputs. max_concurrent_scenarios: scenarios run at once
   (0: all when retrieval is per scenario, one at a time otherwise, so the library a task
   sees does not depend on timing; retrieval across scenarios also keeps a multi-process
-  evaluation on process 0, with its one library). max_scenarios: evaluate only the first N scenarios
-  (0: all). appworld_check: also score the outputs with AppWorld's own evaluator (child
-  process) and fail if TGC/SGC disagree (on the episodes the environment did not fail
+  evaluation on process 0, with its one library). max_scenarios: evaluate only the first N
+  scenarios (0: all). appworld_check: also score the outputs with AppWorld's own evaluator
+  (child process) and fail if TGC/SGC disagree (on the episodes the environment did not fail
   under: AppWorld scores whatever such an episode saved, we count it as failed). seed:
   sampler seeds. temperature: the sampling temperature of evaluation (greedy by default,
   also for the dev evaluations inside a training run, whose agent section samples for

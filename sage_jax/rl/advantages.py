@@ -48,9 +48,8 @@ class AdvantageConfig:
       raise ValueError(f"std={self.std!r}; expected one of {STDS}")
     if self.epsilon < 0:
       raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
-    default = AdvantageConfig.__dataclass_fields__
-    if self.estimator != "grpo" and (self.std, self.epsilon) != (default["std"].default,
-                                                                 default["epsilon"].default):
+    if self.estimator != "grpo" and (self.std, self.epsilon) != (AdvantageConfig.std,
+                                                                 AdvantageConfig.epsilon):
       raise ValueError(f"std={self.std!r} with epsilon={self.epsilon}: GRPO's division by "
                        f"the group's std (+ epsilon), which {self.estimator!r} does not "
                        "divide by; leave both at their defaults")

@@ -401,13 +401,12 @@ def main(argv) -> None:
       raise app.UsageError(f"--input: {e}") from e
   kept: list[data_lib.Trajectory] = []
   report: dict[str, Any] = {}
-  task_ids = [t for split in (f.splits if f.gold else ())
-              for t in appworld.read_split(config.appworld_root, split)]
-  try:  # a bad gold file stops the command before any play too
-    check_readable(config.appworld_root, task_ids)
-  except (OSError, ValueError) as e:
-    raise app.UsageError(f"--splits: {e}") from e
   if f.gold:
+    task_ids = [t for split in f.splits for t in appworld.read_split(config.appworld_root, split)]
+    try:  # a bad gold file stops the command in one line, before any play
+      check_readable(config.appworld_root, task_ids)
+    except (OSError, ValueError) as e:
+      raise app.UsageError(f"--splits: {e}") from e
     trajectories, stats = gold_trajectories(task_ids, config, tokenizer, agent=agent,
                                             retriever=retriever)
     kept += trajectories

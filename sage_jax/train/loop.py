@@ -11,9 +11,9 @@ and returns. With several processes, a signal to any one of them stops all of th
 same step, with one checkpoint. A signal that comes while the last step is being saved lets
 that save land and still counts as a stop, so that what follows the loop does not start. An
 evaluation that fails saves its step before the error ends the loop: a rerun resumes after
-it. A save that fails raises `CheckpointSaveError` at the next save, or for the last one (at the end
-or at a stop) before the loop returns: a run whose checkpoint did not land is never reported
-done or stopped.
+it. A save that fails raises `CheckpointSaveError` at the next save, or for the last one (at
+the end or at a stop) before the loop returns: a run whose checkpoint did not land is never
+reported done or stopped.
 """
 
 from __future__ import annotations
