@@ -235,11 +235,10 @@ def test_sft_only_config(tmp_path, demo_expert_file):  # noqa: F811
 
 
 def test_grpo_baseline_config(tmp_path):
-  workdir, cache = tmp_path / "grpo", tmp_path / "jax_cache"
+  workdir = tmp_path / "grpo"
   _train(workdir, "--config.rl.total_steps=1", "--config.pipeline.eval_before=false",
          "--config.pipeline.eval_after=false", "--config.pipeline.plot=false",
-         f"--config.pipeline.compilation_cache_dir={cache}", config="configs/grpo.py:demo")
-  assert os.listdir(cache)  # the run's compiled programs, there rather than in the env's cache
+         config="configs/grpo.py:demo")
   config = json.load(open(workdir / "config.json"))
   assert config["grpo"]["single_task"] and config["reward"]["variant"] == "outcome"
   (row,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
@@ -272,11 +271,22 @@ def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path,
   assert first[0]["loss"] != other[0]["loss"] and first[1]["logprob"] != other[1]["logprob"]
 
 
+def test_compilation_cache_dir_holds_the_runs_compiled_programs(tmp_path,
+                                                                demo_expert_file):  # noqa: F811
+  """`pipeline.compilation_cache_dir` overrides the environment's cache (the test session
+  sets one): a run that compiles only its SFT step finds the step's program there."""
+  cache = tmp_path / "jax_cache"
+  _train(tmp_path / "run", "--config.pipeline.stages=('sft',)", *TRAIN_ONLY,
+         _expert(demo_expert_file), f"--config.pipeline.compilation_cache_dir={cache}")
+  assert any(name.startswith("jit_train_step-") for name in os.listdir(cache))
+
+
 def test_bad_config_fails_before_compiling(tmp_path):
-  for override, key in (("--config.grpo.group_size=1", "config.grpo.group_size"),
-                        ("--config.grpo.chain_length=4", "config.grpo.chain_length"),
-                        ("--config.pipeline.chains_per_step=3", "config.pipeline.chains_per_step"),
-                        ("--config.rollout.group_sise=4", "group_sise")):
+  """The command's checks come before any work (tests/test_run_config.py has every check's
+  message): a misspelt key, and a value checked against the devices."""
+  for override, key in (
+      ("--config.pipeline.chains_per_step=3", "config.pipeline.chains_per_step"),
+      ("--config.rollout.group_sise=4", "group_sise")):
     # 3 chains x group size 2 = 6 rollouts do not split over a data axis of 4.
     extra = (["--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.grpo.group_size=2"]
              if "chains" in override else [])

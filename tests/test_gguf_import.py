@@ -1,12 +1,15 @@
 """GGUF import against transformers' own GGUF loader, on the real Qwen2.5-Coder-0.5B-Instruct
-and on small GGUF files written with `gguf.GGUFWriter`."""
+(its tensors, config and logits, one load of each side for the module) and on small GGUF files
+written with `gguf.GGUFWriter`."""
 
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -20,6 +23,14 @@ from sage_jax.weights import gguf_import, hf, loader
 _TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
          "        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
          "The capital of France is Paris. The capital of Germany is Berlin.")
+_CODE_PROMPT = (
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
+    "    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+    "    out, i, j = [], 0, 0\n"
+    "    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n"
+    "            out.append(a[i]); i += 1\n"
+    "        else:\n")
 
 
 def _write_gguf(path, arch="qwen2", layers=2, tied=False, drop=(), extra=(), rope_scaling=None):
@@ -100,6 +111,19 @@ def test_small_file_tensors_are_transformers_tensors(tmp_path):
     np.testing.assert_array_equal(value, reference[name].numpy(), err_msg=name)
 
 
+def test_a_model_load_parses_the_file_once_and_a_rewritten_file_again(tmp_path, monkeypatch):
+  """Loading reads the file twice (config, then weights); its metadata is parsed once while
+  the file stays as it was."""
+  path = _write_gguf(str(tmp_path / "model.gguf"), layers=2)
+  parses, parse = [], gguf.GGUFReader
+  monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or parse(*a, **k))
+  assert loader.load_model(path).config.num_hidden_layers == 2
+  assert len(parses) == 1
+  _write_gguf(path, layers=3)
+  assert loader.load_model(path).config.num_hidden_layers == 3
+  assert len(parses) == 2
+
+
 def test_rejects_other_architectures(tmp_path):
   path = _write_gguf(tmp_path / "llama.gguf", arch="llama")
   with pytest.raises(gguf_import.GGUFError, match="architecture 'llama'"):
@@ -153,7 +177,30 @@ def ours(coder_gguf):
 def reference(coder_gguf):
   """transformers' own GGUF loader: dequantised, mapped and configured by transformers."""
   return transformers.AutoModelForCausalLM.from_pretrained(
-      coder_gguf.parent, gguf_file=coder_gguf.name).eval()
+      coder_gguf.parent, gguf_file=coder_gguf.name, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def our_model(coder_gguf):
+  """The GGUF as `sage_jax` runs it (`loader.load_model`, the bundled model's path)."""
+  return loader.load_model(str(coder_gguf))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+  ids = tokenizer_lib.Tokenizer().encode(_CODE_PROMPT)
+  assert len(ids) >= 64
+  return np.asarray(ids[:64])[None]
+
+
+def _torch_logits(model, ids):
+  with torch.no_grad():
+    return model(torch.as_tensor(ids)).logits.float().numpy()
+
+
+def _our_logits(model, ids):
+  logits, _ = model(jnp.asarray(ids), jnp.arange(ids.shape[1])[None])
+  return np.asarray(logits)
 
 
 @pytest.mark.real_model
@@ -201,6 +248,40 @@ def test_config_as_transformers_builds_it(ours, reference):
   built = {k: v for k, v in transformers.Qwen2Config(**config).to_dict().items() if k not in ignore}
   loaded = {k: v for k, v in reference.config.to_dict().items() if k not in ignore}
   assert built == loaded
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_logits_match_transformers_on_the_gguf(our_model, reference, prompt_ids):
+  expected = _torch_logits(reference, prompt_ids)
+  got = _our_logits(our_model, prompt_ids)
+  assert np.abs(got - expected).max() <= 1e-3
+  np.testing.assert_array_equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_export_reloads_in_transformers_with_same_logits(our_model, prompt_ids, tmp_path):
+  hf.save_hf(our_model, str(tmp_path / "export"),
+             tokenizer_dir=tokenizer_lib.ensure_qwen25_tokenizer_dir())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "export"), attn_implementation="eager", output_loading_info=True)
+  assert not any(info.values()), info
+  tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+  assert tok("Hello world")["input_ids"] == [9707, 1879]
+  np.testing.assert_allclose(_torch_logits(reloaded.eval(), prompt_ids),
+                             _our_logits(our_model, prompt_ids), atol=1e-3, rtol=0)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_greedy_completion_is_sensible(our_model):
+  tok = tokenizer_lib.Tokenizer()
+  ids = tok.encode("The capital of France is")
+  logits = _our_logits(our_model, np.asarray(ids)[None])
+  assert tok.decode([int(logits[0, -1].argmax())]) == " Paris"
 
 
 @pytest.mark.real_model
