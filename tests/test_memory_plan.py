@@ -1,5 +1,6 @@
 """Memory planner: exact parameter counts and per-device bytes from shapes alone."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -68,6 +69,34 @@ def test_run_plan_counts_the_sampler_kv_cache_reference_and_activations():
                                  "grpo": with_kl.grpo.__class__(kl_coef=0.01)})
   kl = memory_plan.run_plan(with_kl, hosts=8, devices_per_host=4, device_memory_gib=95)
   assert kl.reference_bytes_per_device == result.train.params_bytes_per_device
+
+
+def test_a_run_plans_the_activations_of_its_largest_stage_and_kl_only_for_rl():
+  """SFT's rows are as long as the longest example a run loads (engine.max_len), its logits
+  in sft.logprob_chunk; RL's rows as long as the longest episode, in grpo.logprob_chunk. A
+  run of both stages needs the larger; only RL keeps a KL reference."""
+  run = _run("sage", "qwen2.5-32b", hosts=8, devices_per_host=4)
+
+  def planned(stages, **sections):
+    changed = {name: dataclasses.replace(getattr(run, name), **keys)
+               for name, keys in sections.items()}
+    return memory_plan.run_plan(dataclasses.replace(
+        run, pipeline=dataclasses.replace(run.pipeline, stages=stages), **changed),
+        hosts=8, devices_per_host=4)
+
+  # Micro-batches of 8192 tokens: 2 RL rows of 4096, or one SFT row of 16384.
+  short = dict(agent=dict(max_episode_tokens=4096), batch=dict(micro_batch_tokens=8192))
+  sft = planned(("sft",), **short).activation_bytes_per_device
+  rl = planned(("rl",), **short).activation_bytes_per_device
+  assert sft > rl > 0
+  assert planned(("sft", "rl"), **short).activation_bytes_per_device == sft
+  whole = dict(logprob_chunk=0)  # the logits of a whole micro-batch at once
+  assert planned(("sft",), **short, sft=whole).activation_bytes_per_device > sft
+  assert planned(("rl",), **short, sft=whole).activation_bytes_per_device == rl
+  assert planned(("rl",), **short, grpo=whole).activation_bytes_per_device > rl
+  kl = dict(kl_coef=0.01)
+  assert planned(("sft",), grpo=kl).reference_bytes_per_device == 0
+  assert planned(("sft", "rl"), grpo=kl).reference_bytes_per_device > 0
 
 
 def test_activations_count_the_working_sets_of_the_layers_not_rematted():

@@ -206,7 +206,8 @@ def activation_bytes(cfg: Qwen2Config, rows_per_device: int, row_len: int, tenso
 def run_plan(run, *, hosts: int, devices_per_host: int,
              device_memory_gib: float | None = None) -> RunPlan:
   """The plan of a resolved run config (`run_config.RunConfig`) on `hosts` x
-  `devices_per_host` devices (rows of the length bucket that the longest episode takes)."""
+  `devices_per_host` devices: the activations of its largest stage, the KL reference only
+  when RL trains with one."""
   cfg = _model_config(run.model)
   data, fsdp, tensor = run.mesh.resolve(hosts * devices_per_host)
   train = plan(cfg, (data, fsdp, tensor))
@@ -216,20 +217,31 @@ def run_plan(run, *, hosts: int, devices_per_host: int,
   sampling_dtype = ("bfloat16" if run.sampler_mesh.param_dtype == "auto"
                     else run.sampler_mesh.param_dtype)
   sampler = plan(cfg.replace(param_dtype=sampling_dtype), (sampler_data, 1, sampler_tensor))
-  longest = run.agent.max_episode_tokens - 1  # its positions (resolve kept it <= max_len)
-  row_len = min((b for b in run.batch.length_buckets if b >= longest),
-                default=run.batch.length_buckets[-1])
-  rows = run.batch.rows_per_micro_batch(row_len)
+  use_kl = run.grpo.use_kl and "rl" in run.pipeline.stages
   return RunPlan(
       train=train,
-      reference_bytes_per_device=train.params_bytes_per_device if run.grpo.use_kl else 0,
-      activation_bytes_per_device=activation_bytes(
-          cfg, -(-rows // (data * fsdp)), row_len, tensor, run.grpo.logprob_chunk),
+      reference_bytes_per_device=train.params_bytes_per_device if use_kl else 0,
+      activation_bytes_per_device=max(
+          (_stage_activations(run, stage, cfg, data * fsdp, tensor)
+           for stage in run.pipeline.stages), default=0),
       sampler_copy_bytes_per_device=sampler.params_bytes_per_device,
       kv_cache_bytes_per_device=kv_cache_bytes(cfg, run.engine.num_slots, run.engine.max_len,
                                                sampler_data, sampler_tensor),
       device_memory_bytes=None if device_memory_gib is None
       else int(device_memory_gib * 2**30))
+
+
+def _stage_activations(run, stage: str, cfg: Qwen2Config, batch_ways: int, tensor: int) -> int:
+  """One micro-batch's activations per device in `stage`: rows of the length bucket that its
+  longest row takes (RL: the longest episode; SFT: the longest example a run loads, which
+  `engine.max_len` bounds), the logits in that stage's chunks."""
+  longest, chunk = {"rl": (run.agent.max_episode_tokens, run.grpo.logprob_chunk),
+                    "sft": (run.engine.max_len, run.sft.logprob_chunk)}[stage]
+  longest -= 1  # positions: a row's last token is only a target
+  row_len = min((b for b in run.batch.length_buckets if b >= longest),
+                default=run.batch.length_buckets[-1])
+  rows = run.batch.rows_per_micro_batch(row_len)
+  return activation_bytes(cfg, -(-rows // batch_ways), row_len, tensor, chunk)
 
 
 def check_fits(run, device: jax.Device) -> RunPlan | None:
