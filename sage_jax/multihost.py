@@ -194,6 +194,17 @@ def allgather_objects(value: Any) -> list[Any]:
   return [pickle.loads(gathered[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
 
 
+def check_same(value: Any, what: str) -> None:
+  """Raises ValueError on every process unless `value` (picklable, compared with ==) is the
+  same on all: input that each process reads for itself (a host-local copy of a file) and
+  that all must share. The message shows each differing process's value beside process 0's."""
+  values = allgather_objects(value)
+  differ = [i for i, v in enumerate(values) if v != values[0]]
+  if differ:
+    raise ValueError(f"{what} differs between processes: process 0 has {values[0]}; "
+                     + "; ".join(f"process {i} has {values[i]}" for i in differ))
+
+
 class ProcessFailed(RuntimeError):
   """A process's part of an `all_succeed` raised; every process raises this, naming it."""
 

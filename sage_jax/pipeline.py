@@ -350,12 +350,16 @@ class Pipeline:
 
   def expert_examples(self) -> list:
     """The SFT data's examples of the scenarios the run trains on: a given file, or the plays
-    of a split named in `expert.splits`, may hold others."""
-    examples = self._load_examples(self.expert_trajectories(), max_len=self.run.engine.max_len)
+    of a split named in `expert.splits`, may hold others. Every process reads them, and every
+    process must read the same: each packs its share of the same steps' examples, and an
+    epoch-counted SFT takes its length from them."""
+    path = self.expert_trajectories()
+    examples = self._load_examples(path, max_len=self.run.engine.max_len)
     if self.run.pipeline.train_scenarios:
       keep = {appworld.scenario_id(t) for t in self.train_task_ids()}
       examples = [e for e in examples
                   if appworld.scenario_id(sft_expert.task_of_id(e.id)) in keep]
+    multihost.check_same(sft_data.fingerprint(examples), f"the SFT data read from {path}")
     return examples
 
   def sft(self) -> LoopResult:

@@ -343,6 +343,26 @@ def test_a_process_that_cannot_start_its_episodes_stops_every_process_with_its_e
         done.stdout, done.stderr, log)
 
 
+def test_processes_that_read_different_sft_data_stop_before_training(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """Process 1 reads the SFT examples in another order (a host-local copy of the data that
+  differs): every process fails before the first step, naming the file and what each process
+  read. Before, each process packed its share of the examples its own copy put at a step's
+  indices (and an epoch-counted SFT ran as many steps as its own copy asked for)."""
+  out = tmp_path / "run"
+  done = _run_entry(out, os.path.join(REPO, "tests", "divergent_sft_data.py"), "sage_jax.train",
+                    "--config=configs/sft.py:demo", f"--workdir={out}",
+                    f"--config.pipeline.expert_trajectories={demo_expert_file}",
+                    "--config.sft.total_steps=0", "--config.pipeline.eval_before=false",
+                    "--config.pipeline.eval_after=false", "--config.pipeline.export=false")
+  log = (out / "logs" / "process_1.log").read_text()
+  assert done.returncode != 0
+  read = f"the SFT data read from {demo_expert_file} differs between processes: process 0 has"
+  for text in (done.stdout + done.stderr, log):
+    assert read in text and "; process 1 has" in text, _failure(done.stdout, done.stderr, log)
+  assert not (out / "sft" / "metrics.jsonl").exists()
+
+
 def test_every_process_decides_on_the_workdir_as_process_0_reads_it(tmp_path):
   """The workdir records that SFT finished at step 9, past the 2 steps of the rerun, and
   process 1's storage does not show that record yet (NFS, an object store): both processes

@@ -27,6 +27,7 @@ Format: one JSON object per line.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any, Iterable, Iterator, Sequence
@@ -155,6 +156,16 @@ def load_examples(path: str | os.PathLike, tokenizer: Tokenizer,
       raise FormatError(f"{path}: {len(long)} trajectories exceed {max_len} tokens, e.g. "
                         f"{long[0][0]} with {long[0][1]}")
   return examples
+
+
+def fingerprint(examples: Sequence[SFTExample]) -> str:
+  """How many examples, and a digest of their ids, tokens and loss masks in order."""
+  digest = hashlib.sha256()
+  for e in examples:
+    for part in (e.id.encode(), np.asarray(e.tokens, np.int32).tobytes(),
+                 np.asarray(e.loss_mask, np.int8).tobytes()):
+      digest.update(len(part).to_bytes(8, "little") + part)
+  return f"{len(examples)} examples, sha256 {digest.hexdigest()[:16]}"
 
 
 def messages_from_ids(ids: Sequence[int], turns: Sequence[tuple[str, int, int]],
