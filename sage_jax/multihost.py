@@ -90,7 +90,8 @@ def initialize() -> None:
   # to meet at a sync point: outside them (setup, expert plays, evaluations) the signal went
   # unheeded, and a resumed loop never met the notice's step and trained on. A signal stops a
   # process as in a single-process run: at once outside the loops, within them after the
-  # step, with a checkpoint (their `PreemptionGuard`), every process together.
+  # step, with a checkpoint (their `PreemptionGuard`), every process together. That handler is
+  # the only source of JAX's preemption notices, so the loops watch their guard alone.
   if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
   # Gloo (CPU collectives) connects a group of devices at its first collective and gives up

@@ -501,13 +501,6 @@ class Checkpointer:
       raise self._save_error(e) from e
     self._record_files()
 
-  def reached_preemption(self, step: int) -> bool:
-    """Orbax's multi-host preemption signal (all hosts agree on the step)."""
-    try:
-      return bool(self._manager.reached_preemption(step))
-    except Exception:  # no distributed runtime: single-host runs use PreemptionGuard alone
-      return False
-
   def close(self) -> None:
     try:
       self.wait()

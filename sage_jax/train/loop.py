@@ -6,14 +6,13 @@ order and randomness are pure functions of the step, so a resumed run repeats ex
 straight run would have done. After each step it logs metrics at `step + 1` (completed
 steps; with the peak memory so far, `memory/*`), evaluates every `eval_every` steps
 ("dev/<name>"), saves when due (every `save_every`, at evaluations, at the end), and on
-SIGTERM / SIGINT (or orbax's multi-host preemption notice) saves, waits for the save to land,
-and returns. With several processes, a signal to any one of them stops all of them after the
-same step, with one checkpoint. A signal that comes while the last step is being saved lets
-that save land and still counts as a stop, so that what follows the loop does not start. An
-evaluation that fails saves its step before the error ends the loop: a rerun resumes after
-it. A save that fails raises `CheckpointSaveError` at the next save, or for the last one (at
-the end or at a stop) before the loop returns: a run whose checkpoint did not land is never
-reported done or stopped.
+SIGTERM / SIGINT saves, waits for the save to land, and returns. With several processes, a
+signal to any one of them stops all of them after the same step, with one checkpoint. A signal
+that comes while the last step is being saved lets that save land and still counts as a stop,
+so that what follows the loop does not start. An evaluation that fails saves its step before
+the error ends the loop: a rerun resumes after it. A save that fails raises
+`CheckpointSaveError` at the next save, or for the last one (at the end or at a stop) before
+the loop returns: a run whose checkpoint did not land is never reported done or stopped.
 """
 
 from __future__ import annotations
@@ -108,8 +107,7 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         values.update(memory_metrics())
         # Every process stops at the same step, whichever one was signalled; a stopped run
         # saves before anything else (a scheduler's grace period may not cover an evaluation).
-        preempted = multihost.any_process(guard.requested) or (
-            checkpointer is not None and checkpointer.reached_preemption(step))
+        preempted = multihost.any_process(guard.requested)
         dev = {}
         if evaluate is not None and eval_every and step % eval_every == 0 and not preempted:
           t1 = time.perf_counter()
