@@ -331,6 +331,26 @@ def test_multi_turn_cache_reuse_equals_reprefill(model):
   assert reprefilled == [30, 41, 87, 96, 114, 121]
 
 
+def test_a_prompt_that_a_slot_holds_is_copied_not_prefilled(model):
+  """A GRPO group: five sequences from one prompt (several prefill chunks long) and one other,
+  on 4 slots. The group's later members copy the first one's cache rows, from a slot that still
+  decodes or from one whose sequence was freed, and each sequence samples the tokens and both
+  logprobs that it samples alone (the repetition penalty reads its presence row)."""
+  prompt, other = _prompts([45, 20], seed=21)
+  params = SamplingParams(temperature=1.0, repetition_penalty=1.5, max_new_tokens=10)
+  prompts, seeds = [prompt, other, prompt, prompt, prompt, prompt], [1, 2, 3, 4, 5, 6]
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  results = engine.generate(prompts, params, seeds=seeds)
+  assert engine.stats.prefill_copied_tokens == 4 * (len(prompt) - 1)
+  assert engine.stats.prefill_tokens == len(prompt) - 1 + len(other) - 1
+  for p, seed, result in zip(prompts, seeds, results):
+    alone = Engine(model, ENGINE, eos_ids=NO_EOS).generate([p], params, seeds=[seed])[0]
+    assert result.tokens == alone.tokens
+    np.testing.assert_array_equal(result.model_logprobs, alone.model_logprobs)
+    np.testing.assert_array_equal(result.sample_logprobs, alone.sample_logprobs)
+    assert result.prefilled_tokens == len(p)
+
+
 def test_continuous_batching_beats_static_batching(model):
   prompts = _prompts([10, 4, 20, 8, 6, 15, 3, 9], seed=4)
   budgets = [30, 2, 3, 25, 2, 4, 3, 2]
@@ -526,11 +546,13 @@ def test_sharded_engine_matches_single_device(model):
   assert jax.device_count() == 8, "conftest sets 8 simulated CPU devices"
   mesh = shd.make_mesh(shd.MeshConfig(data=4, fsdp=1, tensor=2))
   prompts = _prompts([5, 40, 17, 9, 2], seed=13)
+  prompts.append(prompts[1])  # copied from the slot that holds it, on another device
   # Some penalised: presence rows are sharded with the cache's.
-  params = [dataclasses.replace(GREEDY, repetition_penalty=1.0 + i % 2) for i in range(5)]
+  params = [dataclasses.replace(GREEDY, repetition_penalty=1.0 + i % 2) for i in range(6)]
   single = Engine(model, ENGINE, eos_ids=NO_EOS).generate(prompts, params)
   sharded_engine = Engine(model, ENGINE, eos_ids=NO_EOS, mesh=mesh)
   sharded = sharded_engine.generate(prompts, params)
+  assert sharded_engine.stats.prefill_copied_tokens == len(prompts[1]) - 1
   spec = sharded_engine._cache.k[0].sharding.spec
   assert tuple(spec)[:3] == ("data", None, "tensor")
   assert tuple(sharded_engine._presence.sharding.spec)[:1] == ("data",)

@@ -5,7 +5,9 @@ string, per-turn budget, full context) while the other slots keep decoding; the 
 either appends tokens (an observation plus the next assistant header: only those are
 prefilled, the history stays in the cache) or frees the slot for a waiting sequence
 (continuous batching). Long inputs are prefilled one chunk per engine step, between decode
-blocks, so they never stall the decoding slots for long.
+blocks, so they never stall the decoding slots for long. A first turn whose prompt a slot
+already holds (a GRPO group's rollouts start from one prompt) copies that slot's cache rows
+instead of prefilling: the values its own prefill would compute, so its tokens are the same.
 
 Every shape the device sees comes from a fixed set of buckets (prefill chunk lengths,
 attention windows), so after `warmup()` nothing compiles again.
@@ -109,6 +111,7 @@ class EngineStats:
   prefill_calls: int = 0
   prefill_tokens: int = 0
   prefill_padded_tokens: int = 0
+  prefill_copied_tokens: int = 0  # prompt tokens copied from a slot holding the same prompt
   generated_tokens: int = 0
 
 
@@ -130,6 +133,7 @@ class _Sequence:
   prefilled: int = 0
   decode_steps: int = 0
   held: set[int] = dataclasses.field(default_factory=set)  # every id the sequence holds
+  prompt: tuple[int, ...] | None = None  # the first turn's input but its last id, until cached
 
 
 class Engine:
@@ -164,6 +168,10 @@ class Engine:
                                                             model.config.vocab_size))()
     self._state = steps.SlotState.empty(cfg.num_slots)
     self._slots: list[_Sequence | None] = [None] * cfg.num_slots
+    # The prompt whose keys and values fill the first positions of each slot's cache rows
+    # (a first turn's whole input but its last token), kept after its sequence is freed,
+    # until a new sequence writes there.
+    self._slot_prompts: list[tuple[int, ...] | None] = [None] * cfg.num_slots
     self._seqs: dict[int, _Sequence] = {}
     self._waiting: collections.deque[_Sequence] = collections.deque()
     self._prefilling: collections.deque[_Sequence] = collections.deque()
@@ -188,6 +196,8 @@ class Engine:
                     limit=self._limit(sampling))
     self._seqs[seq.seq_id] = seq
     self._begin_turn(seq, prompt, start=0)
+    if seq.phase == "waiting" and seq.feed:
+      seq.prompt = tuple(seq.feed)
     return seq.seq_id
 
   def append(self, seq_id: int, new_ids: Sequence[int],
@@ -275,7 +285,8 @@ class Engine:
     """Samples from `new` (a model or its state, same structure) from the next call on.
 
     The arrays are used as they are when already in the engine's sharding (no copy);
-    otherwise they are moved device to device. Nothing recompiles.
+    otherwise they are moved device to device. Nothing recompiles. Prompts cached under the
+    old weights are not copied to new sequences.
     """
     state = nnx.state(new) if isinstance(new, nnx.Module) else new
     avals = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
@@ -284,6 +295,10 @@ class Engine:
       raise ValueError("update_params: the new parameters do not match the engine's model "
                        "(structure, shapes or dtypes differ)")
     self._params = self._placed(state)
+    self._slot_prompts = [None] * self.config.num_slots
+    for seq in self._prefilling:
+      if seq.feed_start > 0:  # partly prefilled under the old weights
+        seq.prompt = None
 
   @property
   def weights(self) -> tuple[nnx.GraphDef, nnx.State]:
@@ -302,6 +317,8 @@ class Engine:
     idle = steps.SlotState.empty(cfg.num_slots)
     for a in self._decode_windows:
       self._run_decode(idle, a)
+    for a in cfg.attend_buckets:
+      self._copy_prompt(0, 0, [], a)  # all padding: slot 0 onto itself, presence unchanged
     self._unmark(0, set())  # all padding: clears nothing
 
   # --- Turns -----------------------------------------------------------------------------
@@ -361,9 +378,15 @@ class Engine:
         prefilled_tokens=seq.prefilled, decode_steps=seq.decode_steps, length=seq.length))
 
   def _admit(self) -> None:
+    """Gives waiting sequences free slots: one that holds the sequence's prompt, else one that
+    holds no prompt, else any."""
     while self._waiting and None in self._slots:
       seq = self._waiting.popleft()
-      seq.slot = self._slots.index(None)
+      free = [s for s, held in enumerate(self._slots) if held is None]
+      seq.slot = min(free, key=lambda s: (self._slot_prompts[s] != seq.prompt or not seq.prompt,
+                                          self._slot_prompts[s] is not None, s))
+      if self._slot_prompts[seq.slot] != seq.prompt:
+        self._slot_prompts[seq.slot] = None  # the new sequence writes from position 0
       self._slots[seq.slot] = seq
       seq.phase = "prefill"
       self._prefilling.append(seq)
@@ -406,6 +429,13 @@ class Engine:
           candidates=self.config.max_top_k)
     return state, out
 
+  def _copy_prompt(self, src: int, dst: int, prompt: Sequence[int], span: int) -> None:
+    padded = np.full(span, self.model_config.vocab_size, np.int32)
+    padded[:len(prompt)] = prompt
+    with self._rules_context():
+      self._cache, self._presence = steps.copy_prompt(
+          self._cache, self._presence, np.int32(src), np.int32(dst), padded, span=span)
+
   def _unmark(self, slot: int, ids: set[int]) -> None:
     """Takes `ids` out of the slot's presence row (no more than a decode block's)."""
     padded = np.full(self.config.steps_per_call, self.model_config.vocab_size, np.int32)
@@ -416,6 +446,11 @@ class Engine:
   def _prefill_chunk(self) -> int:
     """Prefills the next chunk of the oldest pending input; returns its length."""
     seq = self._prefilling[0]
+    if seq.prompt is not None and seq.feed_start == 0 and seq.prompt in self._slot_prompts:
+      self._copy_prompt(self._slot_prompts.index(seq.prompt), seq.slot, seq.prompt,
+                        self._attend_bucket(len(seq.prompt)))
+      self.stats.prefill_copied_tokens += len(seq.prompt)
+      seq.feed, seq.feed_start = [], len(seq.prompt)
     buckets = self.config.prefill_buckets
     chunk = seq.feed[:buckets[-1]]
     if chunk:
@@ -430,6 +465,8 @@ class Engine:
       self.stats.prefill_padded_tokens += size
       seq.feed, seq.feed_start = seq.feed[len(chunk):], seq.feed_start + len(chunk)
     if not seq.feed:
+      if seq.prompt is not None:
+        self._slot_prompts[seq.slot], seq.prompt = seq.prompt, None
       self._prefilling.popleft()
       self._activate(seq)
     return len(chunk)

@@ -1,7 +1,7 @@
-"""The engine's two jitted device functions: chunked prefill into one slot, and a block of
-decode steps over all slots. Both take the model as (graphdef, params), the graphdef static,
-so engines over models of one architecture share compilations; both donate the cache and
-the presence marks.
+"""The engine's jitted device functions: chunked prefill into one slot, a block of decode
+steps over all slots, and a prompt's cache rows copied from one slot to another. Prefill and
+decode take the model as (graphdef, params), the graphdef static, so engines over models of
+one architecture share compilations; all three donate the cache and the presence marks.
 
 Cache layout (see `KVCache`): the token at position p of the sequence in slot s lives at
 cache row s, index p. A sequence's last token is never in the cache: it is the slot's
@@ -11,10 +11,10 @@ input and the first decode step ingests the last one while sampling the next.
 Presence (for the repetition penalty): [slots, vocab] bool, which ids the sequence in each slot
 holds. It follows the cache: each token is marked when the model ingests it (in prefill, or
 as a decode input), and a slot's row starts afresh when its position 0 is written (a new
-sequence's first prefill chunk, or the first decode step of a one-token prompt). Marking is
-a scatter of the ingested ids only; reading it costs something only in a batch where some
-row has a penalty. Ids a block ingested past a stop string, which the host cuts off, are taken
-back (`unmark`) unless the sequence holds them elsewhere.
+sequence's first prefill chunk or prompt copy, or the first decode step of a one-token
+prompt). Marking is a scatter of the ingested ids only; reading it costs something only in
+a batch where some row has a penalty. Ids a block ingested past a stop string, which the host
+cuts off, are taken back (`unmark`) unless the sequence holds them elsewhere.
 """
 
 from __future__ import annotations
@@ -116,6 +116,23 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, cache: KVCache, presence:
   return (constrain_cache(KVCache([put(k, r) for k, r in zip(cache.k, rows.k)],
                                   [put(v, r) for v, r in zip(cache.v, rows.v)])),
           constrain(put(presence, held[None]), PRESENCE_AXES))
+
+
+@functools.partial(jax.jit, static_argnames=("span",), donate_argnames=("cache", "presence"))
+def copy_prompt(cache: KVCache, presence: jax.Array, src: jax.Array, dst: jax.Array,
+                ids: jax.Array, *, span: int) -> tuple[KVCache, jax.Array]:
+  """Gives slot `dst` the first `span` cache positions of slot `src`, which holds the prompt
+  `ids` (int32 [span], padded with the vocabulary size) at its first positions, and a presence
+  row marking those ids: what prefilling the prompt into `dst` would write. Positions past the
+  prompt are `src`'s, overwritten before `dst` attends to them. All padding changes nothing."""
+  vocab = presence.shape[1]
+  start = lambda x, slot: (slot,) + (0,) * (x.ndim - 1)
+  move = lambda x: jax.lax.dynamic_update_slice(
+      x, jax.lax.dynamic_slice(x, start(x, src), (1, span) + x.shape[2:]), start(x, dst))
+  held = jnp.zeros((vocab,), jnp.bool_).at[ids].set(True, mode="drop")
+  row = jnp.where(jnp.any(ids < vocab), held, presence[dst])
+  return (constrain_cache(KVCache([move(k) for k in cache.k], [move(v) for v in cache.v])),
+          constrain(presence.at[dst].set(row), PRESENCE_AXES))
 
 
 @functools.partial(jax.jit, donate_argnames=("presence",))
