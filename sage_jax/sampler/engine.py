@@ -87,8 +87,8 @@ class TurnResult:
   tokens: the sampled ids of this turn (a stop string's turn ends with the token that
   completes it). sample_logprobs / model_logprobs: per token, under the sampling
   distribution and under the unmodified model distribution. prefilled_tokens: input tokens
-  the model ingested for this turn: the prompt, or the previous turn's last sampled token
-  plus the appended ones. decode_steps: decode steps this sequence ran in the turn (tokens
+  the model ingested for this turn: the prompt (prefilled, or copied from a slot that held
+  it), or the previous turn's last sampled token plus the appended ones. decode_steps: decode steps this sequence ran in the turn (tokens
   cut after a stop string included). length: tokens in the sequence after the turn.
   """
 
