@@ -124,7 +124,8 @@ def copy_prompt(cache: KVCache, presence: jax.Array, src: jax.Array, dst: jax.Ar
   """Gives slot `dst` the first `span` cache positions of slot `src`, which holds the prompt
   `ids` (int32 [span], padded with the vocabulary size) at its first positions, and a presence
   row marking those ids: what prefilling the prompt into `dst` would write. Positions past the
-  prompt are `src`'s, overwritten before `dst` attends to them. All padding changes nothing."""
+  prompt are `src`'s, overwritten before `dst` attends to them. All padding with src == dst
+  changes nothing (the engine's warm-up)."""
   vocab = presence.shape[1]
   start = lambda x, slot: (slot,) + (0,) * (x.ndim - 1)
   move = lambda x: jax.lax.dynamic_update_slice(
