@@ -88,8 +88,9 @@ class TurnResult:
   completes it). sample_logprobs / model_logprobs: per token, under the sampling
   distribution and under the unmodified model distribution. prefilled_tokens: input tokens
   the model ingested for this turn: the prompt (prefilled, or copied from a slot that held
-  it), or the previous turn's last sampled token plus the appended ones. decode_steps: decode steps this sequence ran in the turn (tokens
-  cut after a stop string included). length: tokens in the sequence after the turn.
+  it), or the previous turn's last sampled token plus the appended ones. decode_steps: decode
+  steps this sequence ran in the turn (tokens cut after a stop string included). length:
+  tokens in the sequence after the turn.
   """
 
   seq_id: int
@@ -383,7 +384,7 @@ class Engine:
     while self._waiting and None in self._slots:
       seq = self._waiting.popleft()
       free = [s for s, held in enumerate(self._slots) if held is None]
-      seq.slot = min(free, key=lambda s: (self._slot_prompts[s] != seq.prompt or not seq.prompt,
+      seq.slot = min(free, key=lambda s: (seq.prompt is None or self._slot_prompts[s] != seq.prompt,
                                           self._slot_prompts[s] is not None, s))
       if self._slot_prompts[seq.slot] != seq.prompt:
         self._slot_prompts[seq.slot] = None  # the new sequence writes from position 0
