@@ -178,8 +178,8 @@ RESUMABLE_KEYS = (
     "engine.prefill_buckets", "engine.min_attend", "engine.steps_per_call", "engine.max_top_k",
     "pool.num_workers", "pool.start_timeout_s", "pool.call_timeout_s", "pool.kill_grace_s",
     "pool.log_dir", "pool.outputs_root", "pool.keep_outputs", "pool.data_check_cache",
-    "pool.use_servers", "expert.num_workers", "expert.outputs_root", "model.remat",
-    "model.remat_layers", "model.attention_block", "model.attention_impl",
+    "pool.use_servers", "pool.episode_retries", "expert.num_workers", "expert.outputs_root",
+    "model.remat", "model.remat_layers", "model.attention_block", "model.attention_impl",
     "model.decode_attention_impl", "pipeline.compilation_cache_dir", "pipeline.eval_before",
     "pipeline.eval_after", "pipeline.eval_train", "pipeline.export", "pipeline.plot")
 

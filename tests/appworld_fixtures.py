@@ -5,12 +5,16 @@ import dataclasses
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 from sage_jax.envs import appworld
+
+WORKER_COMMAND = b"sage_jax.envs.appworld.worker"
 
 
 @pytest.fixture(scope="session")
@@ -213,3 +217,69 @@ def official_root(mini_root, tmp_path_factory) -> str:
   with open(os.path.join(root, "data", "datasets", "train.txt"), "w") as f:
     f.write("\n".join(sorted(task_ids)) + "\n")
   return root
+
+
+def children(pid: int) -> list[tuple[int, bytes]]:
+  """(pid, command line) of the processes whose parent is `pid`."""
+  found = []
+  for name in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{name}/stat") as f:
+        parent = int(f.read().rpartition(")")[2].split()[1])
+      with open(f"/proc/{name}/cmdline", "rb") as f:
+        command = f.read()
+    except (OSError, ValueError, IndexError):
+      continue
+    if parent == pid:
+      found.append((int(name), command))
+  return found
+
+
+def pool_templates() -> list[int]:
+  """The template processes of this process's pools (their workers are their children)."""
+  return [pid for pid, command in children(os.getpid()) if WORKER_COMMAND in command]
+
+
+def template_pid(pool: appworld.EnvPool) -> int:
+  """The process `pool`'s workers are forked from, now."""
+  return pool._template._proc.pid
+
+
+def kill_busy_workers(templates: list[int] | None = None) -> int:
+  """Kills, from outside (an environment fault), each worker of `templates` (default: of
+  every pool of this process) that is running an episode (has a child); returns how many."""
+  killed = 0
+  for template in pool_templates() if templates is None else templates:
+    for worker, _ in children(template):
+      if children(worker):
+        os.kill(worker, signal.SIGKILL)
+        killed += 1
+  return killed
+
+
+class WorkerKillingPolicy:
+  """Wraps a policy: before its first turn in the first `kills[task_id]` episodes of a task,
+  kills the busy workers of `pool` from outside (an environment fault under the episode)."""
+
+  def __init__(self, inner: Any, pool: appworld.EnvPool, kills: dict[str, int]):
+    self.inner, self.kills, self.killed = inner, dict(kills), 0
+    self._templates = [template_pid(pool)]
+
+  def session(self, context: Any) -> Any:
+    inner, policy = self.inner.session(context), self
+    kill = policy.kills.get(context.task_id, 0) > 0
+    if kill:
+      policy.kills[context.task_id] -= 1
+
+    class Session:
+      async def generate(self, request):
+        nonlocal kill
+        if kill:
+          kill = False
+          policy.killed += kill_busy_workers(policy._templates)
+        return await inner.generate(request)
+
+      async def close(self):
+        await inner.close()
+
+    return Session()

@@ -15,9 +15,12 @@ from sage_jax.envs import appworld
 from sage_jax.envs.appworld import process
 from sage_jax.envs.appworld import sandbox
 from tests.appworld_fixtures import all_task_ids
+from tests.appworld_fixtures import children
 from tests.appworld_fixtures import gold_solution
+from tests.appworld_fixtures import kill_busy_workers
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
+from tests.appworld_fixtures import pool_templates
 
 # Spins in C (builtin sum over a range never checks for signals), where AppWorld's SIGALRM
 # cannot interrupt it: the worker kills the episode process at its own deadline.
@@ -264,33 +267,9 @@ def test_steps_count_every_execution_once(pool, mini_root):  # noqa: F811
   assert ep.result.num_steps == 5
 
 
-def _children(pid: int) -> list[tuple[int, bytes]]:
-  """(pid, command line) of the processes whose parent is `pid`."""
-  found = []
-  for name in os.listdir("/proc"):
-    try:
-      with open(f"/proc/{name}/stat") as f:
-        parent = int(f.read().rpartition(")")[2].split()[1])
-      with open(f"/proc/{name}/cmdline", "rb") as f:
-        command = f.read()
-    except (OSError, ValueError):
-      continue
-    if parent == pid:
-      found.append((int(name), command))
-  return found
-
-
 def _kill_busy_workers_soon(delay_s: float) -> threading.Timer:
-  """Kills, from outside, each pool worker (a child of a pool's template process) that is
-  running an episode (has a child)."""
-  def kill():
-    for template, command in _children(os.getpid()):
-      if b"sage_jax.envs.appworld.worker" in command:
-        for worker, _ in _children(template):
-          if _children(worker):
-            os.kill(worker, signal.SIGKILL)
-
-  timer = threading.Timer(delay_s, kill)
+  """`kill_busy_workers` in `delay_s` seconds, while the episode runs its code."""
+  timer = threading.Timer(delay_s, kill_busy_workers)
   timer.start()
   return timer
 
@@ -311,9 +290,8 @@ def _pool_processes(num_workers: int = 0) -> dict[int, list[int]]:
   has `num_workers` (a slot replaces its worker after handing out the episode's result)."""
   deadline = time.monotonic() + 60
   while True:
-    found = {template: [worker for worker, _ in _children(template)]
-             for template, command in _children(os.getpid())
-             if b"sage_jax.envs.appworld.worker" in command}
+    found = {template: [worker for worker, _ in children(template)]
+             for template in pool_templates()}
     if all(len(w) >= num_workers for w in found.values()) or time.monotonic() > deadline:
       return found
     time.sleep(0.1)

@@ -21,9 +21,11 @@ from sage_jax.envs.appworld import saved_state
 from sage_jax.eval import metrics
 from tests.appworld_fixtures import _copy_tree
 from tests.appworld_fixtures import all_task_ids
+from tests.appworld_fixtures import children
 from tests.appworld_fixtures import gold_solution
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
+from tests.appworld_fixtures import pool_templates
 
 ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
 EVALUATION_TIMEOUT_S = 8.0
@@ -74,32 +76,12 @@ def _processes_with(marker: str) -> list[int]:
   return found
 
 
-def _children(pid: int) -> list[int]:
-  found = []
-  for name in os.listdir("/proc"):
-    try:
-      with open(f"/proc/{name}/stat") as f:
-        if int(f.read().rpartition(")")[2].split()[1]) == pid:
-          found.append(int(name))
-    except (OSError, ValueError, IndexError):
-      continue
-  return found
-
-
 def _workers_children() -> list[int]:
   """The processes that this test process's pool workers (the children of its pool's
   template process) have forked."""
-  templates = []
-  for pid in _children(os.getpid()):
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        if b"sage_jax.envs.appworld.worker" in f.read():
-          templates.append(pid)
-    except OSError:
-      continue
-  workers = [worker for template in templates for worker in _children(template)]
+  workers = [worker for template in pool_templates() for worker, _ in children(template)]
   assert workers
-  return [child for worker in workers for child in _children(worker)]
+  return [child for worker in workers for child, _ in children(worker)]
 
 
 @pytest.fixture(scope="module")

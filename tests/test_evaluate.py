@@ -1,5 +1,6 @@
 """The evaluation entry point on the mini dev split with the scripted skill-format policy."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -7,9 +8,14 @@ import sys
 
 import pytest
 
+from sage_jax.agent import AgentConfig, ScriptedPolicy
+from sage_jax.agent.gold_solutions import scripted_agent
 from sage_jax.eval import runner as evaluate
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics
+from sage_jax.rl import rollout
+from sage_jax.tokenizer import Tokenizer
+from tests.appworld_fixtures import WorkerKillingPolicy
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config, scripted_eval_config
 
@@ -119,6 +125,34 @@ def test_episodes_the_environment_failed_under_are_left_out_of_the_appworld_chec
   assert evaluate.appworld_disagreement(metrics.summarize(checked), theirs) is None
   # Compared over every episode, the fault reads as a disagreement.
   assert evaluate.appworld_disagreement(metrics.summarize(records), theirs) is not None
+
+
+def test_a_task_the_environment_failed_under_is_played_again_and_checked(
+    pool, mini_root, tmp_path):  # noqa: F811
+  """A worker killed under a task: the evaluation plays it again, scores the last attempt,
+  and AppWorld's own evaluation of the outputs (the last attempt's) agrees. Where the
+  environment fails under every episode, the evaluation stops and says so, instead of
+  reporting a split of failed tasks."""
+  c = _config(experiment="eval_retried", max_scenarios=1)
+  c.agent = dataclasses.asdict(scripted_agent(AgentConfig(**c.agent)))
+  task_ids = appworld.read_split(mini_root, "dev")[:3]
+  tok = Tokenizer()
+  policy = WorkerKillingPolicy(ScriptedPolicy(mini_root, tok), pool, {task_ids[1]: 1})
+  report = evaluate.evaluate(c, str(tmp_path / "once"), pool=pool, policy=policy,
+                             tokenizer=tok)
+  overall = report["metrics"]["overall"]
+  assert policy.killed == 1 and overall["tgc"] == 100.0 and overall["sgc"] == 100.0
+  assert overall["env_failure_rate"] == 0.0 and overall["env_retry_rate"] == 100 / 3
+  assert report["appworld"]["task_goal_completion"] == 100.0
+  assert [len(r["retried_errors"]) for r in report["records"]] == [0, 1, 0]
+  assert report["records"][2]["events"]["used"]  # the library of the retried task's skill
+
+  policy = WorkerKillingPolicy(ScriptedPolicy(mini_root, tok), pool,
+                               {t: 3 for t in task_ids})
+  c.eval.experiment = "eval_broken"
+  with pytest.raises(rollout.EnvironmentDown, match="all 3 episodes .* dev split"):
+    evaluate.evaluate(c, str(tmp_path / "broken"), pool=pool, policy=policy, tokenizer=tok)
+  assert policy.killed == 9 and not (tmp_path / "broken" / "eval_dev.json").exists()
 
 
 def test_eval_command_scores_the_scripted_expert(mini_root, tmp_path):

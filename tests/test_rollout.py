@@ -2,18 +2,20 @@
 events and rewards of every variant) and a tiny random model through the real sampler."""
 
 import asyncio
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
 
 from sage_jax.agent import AgentConfig, Retriever, ScriptedPolicy
 from sage_jax.envs import appworld
-from sage_jax.rl import advantages, rewards, rollout
+from sage_jax.rl import advantages, episode, rewards, rollout
 from sage_jax.rl import metrics as rl_metrics
 from sage_jax.tokenizer import Tokenizer
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
-from tests.appworld_fixtures import pool_config
+from tests.appworld_fixtures import WorkerKillingPolicy, _copy_tree, pool_config, template_pid
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +120,61 @@ def test_single_task_mode_is_the_baseline(pool, mini_root, tok):
     (x,) = records
     assert x.task_id == chains[0].task_ids[0] and x.success and x.reward == 1.0
     assert x.visible_skills == () and "# Skills" not in tok.decode(x.tokens)
+
+
+def test_a_task_the_environment_failed_under_is_played_again(pool, mini_root, tok):
+  """A worker killed under a task's episode: the task is played again from its start, with
+  the same skills, and only the last attempt counts; after `episode_retries` more attempts
+  that all fail, the record is an environment failure, left out of training."""
+  first, second = appworld.group_by_scenario(appworld.read_split(mini_root, "train")).popitem(
+      )[1][:2]
+  policy = WorkerKillingPolicy(ScriptedPolicy(mini_root, tok), pool, {first: 1, second: 3})
+  ctx = rollout.RolloutContext(policy, pool, tok, AgentConfig(), Retriever(), mini_root)
+  library = rollout.SkillLibrary()
+  restarts = pool.worker_restarts
+  chain = rollout.Chain(appworld.scenario_id(first), (first, second))
+  done, failed = asyncio.run(rollout.run_chain(ctx, chain, group=0, rollout=0,
+                                               experiment="retried", library=library))
+  assert policy.killed == 4 and pool.worker_restarts - restarts == 4
+  # The retry is a whole episode of its own: no trace of the killed one in its conversation.
+  assert done.success and not done.env_failed and done.errors == []
+  assert len(done.retried_errors) == 1 and "worker" in done.retried_errors[0]
+  assert "EnvironmentError" not in tok.decode(done.tokens) and done.num_steps == 1
+  assert [s.source_task for s in library.skills(chain.scenario)] == [first]
+  assert pool.config.episode_retries == 2
+  assert failed.env_failed and len(failed.retried_errors) == 2 and not failed.success
+  assert failed.end_reason == "env_error" and not episode.trained_on(failed)
+  assert failed.visible_skills == done.events.saved  # each attempt saw the library's skill
+  assert rl_metrics.task_metrics([done, failed])["env_retry_rate"] == 100.0
+  rollout.check_environment([done, failed], "a chain")  # one episode got through: no error
+  with pytest.raises(rollout.EnvironmentDown,
+                     match=rf"all 1 episodes of a chain, each after 3 attempt.*{second}"):
+    rollout.check_environment([failed], "a chain")
+
+
+def test_a_step_whose_every_episode_the_environment_failed_under_stops_the_run(
+    mini_root, tok, tmp_path):  # noqa: F811
+  """A pool whose data went away after it started, and whose template process then died:
+  no worker can be started, so no episode even opens its world. Each is retried, the
+  step has nothing to train on, and it stops the run with an error naming the step and the
+  fault, rather than step on."""
+  from sage_jax.train import rl_loop
+
+  data = str(tmp_path / "data_volume")
+  _copy_tree(mini_root, data)
+  train = appworld.read_split(mini_root, "train")
+  with appworld.EnvPool(pool_config(data, str(tmp_path / "outputs"), num_workers=1)) as pool:
+    os.rename(data, data + "_unmounted")
+    os.kill(template_pid(pool), signal.SIGKILL)
+    ctx = rollout.RolloutContext(ScriptedPolicy(mini_root, tok), pool, tok, AgentConfig(),
+                                 Retriever(), mini_root)
+    run = rl_loop.appworld_rollout(ctx, train, rollout.RolloutConfig(
+        chain_length=1, group_size=2, experiment_prefix="broken"), rewards.RewardConfig(),
+        num_chains=1)
+    with pytest.raises(rollout.EnvironmentDown, match=r"all 2 episodes of step 4's rollouts"
+                                                      r".*3 attempt.*no environment worker"):
+      run(4, 0)
+    assert len(pool.results) == 2 * 3 and all(r.error for r in pool.results)
 
 
 class RecordingPolicy:

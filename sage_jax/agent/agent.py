@@ -99,12 +99,21 @@ class _Budget:
 async def run_task(*, policy: Policy, episode: Any, tokenizer: Tokenizer, config: AgentConfig,
                    skills: Sequence[Skill] | None, scenario: str, seed: int = 0) -> TaskTrace:
   """Runs one task in `episode` (a started `AsyncEpisode`: `.start`, `execute`,
-  `.last_trace`, `.task_completed`, `.error`). `skills`: the library skills shown (and already installed
-  in the world); None runs the plain code agent without a library."""
+  `.last_trace`, `.task_completed`, `.error`). `skills`: the library skills shown (and already
+  installed in the world); None runs the plain code agent without a library. An episode the
+  environment failed to start (`.start` None) ends at once with its error, without a turn."""
   start = episode.start
   use_library = config.use_library and skills is not None
   shown = tuple(skills or ()) if use_library else ()
   system = prompts.system_prompt(shown if use_library else None, config.max_library_chars)
+  if start is None:  # the environment failed while opening the task's world: nothing to do
+    conv = Conversation(tokenizer, system)
+    zeros = np.zeros(len(conv), np.float32)
+    return TaskTrace(
+        task_id=episode.task_id, scenario=scenario, instruction="", conversation=conv,
+        sampler_logprobs=zeros, model_logprobs=zeros.copy(), turns=[],
+        events=SkillTracker({}).events(), saved={}, visible_skills=shown,
+        end_reason="env_error", env_error=episode.error or "the episode did not start")
   message = prompts.task_message(start.instruction, start.supervisor, start.datetime,
                                  start.app_descriptions)
   if start.library_ok is False:

@@ -181,6 +181,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
       records = asyncio.run(run_scenarios(ctx, own_task_ids, experiment=ev.experiment,
                                           library=library, max_concurrent=max_concurrent,
                                           seed=ev.seed, first_index=share.start))
+      rollout.check_environment(records, f"this process's share of the {ev.split} split")
       checked = [r.task_id for r in appworld_checked(records)] if ev.appworld_check else []
       scores = (metrics_lib.appworld_scores(
           pool.outputs_root, ev.experiment, checked,

@@ -57,6 +57,9 @@ class EpisodeRecord:
   # why AppWorld's evaluation did not score the state the episode's code saved (forged, not
   # replayable, too slow): a failure of the agent (`Evaluation.refused`)
   evaluation_refused: str | None = None
+  # the environment's errors under earlier attempts at the task, each played again from its
+  # start (`EnvPoolConfig.episode_retries`); this record is the last attempt's
+  retried_errors: list[str] = dataclasses.field(default_factory=list)
   # filled by rewards / advantages
   reward: float = 0.0
   advantage: float = 0.0

@@ -20,7 +20,8 @@ All rates are percentages (None when their denominator is empty):
   saved skill a later successful task of its chain used), whatever the reward variant.
 - no_code_rate, truncation_rate: tasks with a turn that ended without code / a turn cut by a
   token limit before any code; also per chain position (`.../pos<k>`).
-- env_failure_rate: tasks on which the environment failed (left out of training).
+- env_failure_rate: tasks on which the environment failed (left out of training), on the
+  last attempt; env_retry_rate: tasks played again after it failed under an earlier one.
 - evaluation_refused_rate: tasks whose saved state AppWorld's evaluation refused (forged by
   the agent's code, not replayable, or too slow to evaluate): failures of the agent.
 
@@ -98,6 +99,7 @@ def task_metrics(records: Sequence[EpisodeRecord], *, unit: str = "scenario") ->
       "no_code_rate": _pct(sum(r.no_code for r in records), len(records)),
       "truncation_rate": _pct(sum(r.truncated for r in records), len(records)),
       "env_failure_rate": _pct(sum(r.env_failed for r in records), len(records)),
+      "env_retry_rate": _pct(sum(bool(r.retried_errors) for r in records), len(records)),
       "evaluation_refused_rate": _pct(sum(bool(r.evaluation_refused) for r in records),
                                       len(records)),
       "avg_fraction_passed": _mean([r.fraction_passed for r in records]),

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import logging
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -142,25 +143,39 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
                     on_record: Callable[[EpisodeRecord], None] | None = None
                     ) -> list[EpisodeRecord]:
   """Walks `chain` in order: retrieve skills, install them, run the agent, evaluate, save the
-  task's skills into `library` (None: no library, the baseline). Returns one record per task."""
+  task's skills into `library` (None: no library, the baseline). Returns one record per task.
+
+  A task the environment failed under is played again from its start (same skills, same
+  seed, same AppWorld experiment), up to the pool's `episode_retries` times; only the last
+  attempt counts, and the library learns nothing from the others."""
   records = []
+  retries = ctx.pool.config.episode_retries
   for position, task_id in enumerate(chain.task_ids):
     skills, code = None, None
     if library is not None and ctx.agent.use_library:
       instruction = read_task_specs(ctx.appworld_root, task_id)["instruction"]
       skills = ctx.retriever.retrieve(library, scenario=chain.scenario, instruction=instruction)
       code = install_code(skills)
-    async with ctx.pool.episode(task_id, experiment, library_code=code) as episode:
-      trace = await agent_lib.run_task(
-          policy=ctx.policy, episode=episode, tokenizer=ctx.tokenizer, config=ctx.agent,
-          skills=skills, scenario=chain.scenario, seed=seed * 1000 + position)
-    result = episode.result
-    by_name = {s.name: s for s in trace.visible_skills}
-    used = [by_name[n] for n in trace.events.used if n in by_name]
-    record = EpisodeRecord.from_trace(
-        trace, result, chain_position=position, group=group, rollout=rollout,
-        experiment=experiment, used_skill_sources={s.name: s.source_task for s in used},
-        difficulty=read_difficulty(ctx.appworld_root, task_id))
+    retried_errors = []
+    while True:
+      async with ctx.pool.episode(task_id, experiment, library_code=code) as episode:
+        trace = await agent_lib.run_task(
+            policy=ctx.policy, episode=episode, tokenizer=ctx.tokenizer, config=ctx.agent,
+            skills=skills, scenario=chain.scenario, seed=seed * 1000 + position)
+      by_name = {s.name: s for s in trace.visible_skills}
+      used = [by_name[n] for n in trace.events.used if n in by_name]
+      record = EpisodeRecord.from_trace(
+          trace, episode.result, chain_position=position, group=group, rollout=rollout,
+          experiment=experiment, used_skill_sources={s.name: s.source_task for s in used},
+          difficulty=read_difficulty(ctx.appworld_root, task_id))
+      if not record.env_failed or len(retried_errors) == retries:
+        break
+      error = "; ".join(record.errors)
+      logging.warning("The environment failed under task %s of experiment %s (attempt %d of "
+                      "%d), playing it again: %s", task_id, experiment,
+                      len(retried_errors) + 1, retries + 1, error[:2000])
+      retried_errors.append(error)
+    record.retried_errors = retried_errors
     if library is not None and ctx.agent.use_library:
       library.record_use(used, record.success)
       library.save(trace.saved, scenario=chain.scenario, task_id=task_id,
@@ -169,6 +184,22 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
     if on_record is not None:
       on_record(record)
   return records
+
+
+class EnvironmentDown(RuntimeError):
+  """The environment failed under every episode of a batch, each after its retries."""
+
+
+def check_environment(records: Sequence[EpisodeRecord], what: str) -> None:
+  """Raises EnvironmentDown when the environment failed under every one of `records` (`what`
+  they are): a broken pool, not a policy, and a run would otherwise go on training on no
+  episode, or score its evaluations as if every task had failed."""
+  if records and all(r.env_failed for r in records):
+    first = records[0]
+    raise EnvironmentDown(
+        f"The environment failed under all {len(records)} episodes of {what}, each after "
+        f"{len(first.retried_errors) + 1} attempt(s); the last error, under task "
+        f"{first.task_id}: {'; '.join(first.errors)[:2000]}")
 
 
 @dataclasses.dataclass

@@ -196,9 +196,14 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
       chains = rollout_lib.sample_chains(task_ids, rollout_config.effective_chain_length,
                                          missing, rng, order=rollout_config.chain_order)
       share = multihost.share(len(chains))
-      batch = multihost.all_succeed(lambda: rollout_lib.collect(
-          ctx, chains[share], config, reward_config, advantage_config,
-          first_group=draws * num_chains + share.start))
+
+      def collect() -> rollout_lib.RolloutBatch:
+        batch = rollout_lib.collect(ctx, chains[share], config, reward_config, advantage_config,
+                                    first_group=draws * num_chains + share.start)
+        rollout_lib.check_environment(batch.flat(), f"step {step}'s rollouts on this process")
+        return batch
+
+      batch = multihost.all_succeed(collect)
       draws += 1
       sampled.extend(batch.flat())
       constant_sets += batch.advantage_stats.num_constant_groups

@@ -60,6 +60,11 @@ class EnvPoolConfig:
   # evaluation still running then is killed, and the episode counts as failed by the agent
   # (`Evaluation.refused`); AppWorld's evaluation of its own saves takes seconds.
   evaluation_timeout_s: float = 30.0
+  # An episode the environment failed under (its worker crashed or stopped answering, or no
+  # worker could be started: never the agent code's doing, whose faults end its episode as a
+  # failure) is played again from its start, with the same skills and seed, up to this many
+  # times, by rollouts and evaluations alike.
+  episode_retries: int = 2
   # Serve each worker over HTTP on 127.0.0.1 instead of a socket.
   use_servers: bool = False
   # Directory for the logs of the workers (<slot>.log) and of their template process
@@ -92,6 +97,8 @@ class EnvPoolConfig:
     if self.memory_limit_mb is not None and self.memory_limit_mb < 512:
       raise ValueError(f"memory_limit_mb must be >= 512 (a worker holds ~300 MB), got "
                        f"{self.memory_limit_mb}.")
+    if self.episode_retries < 0:
+      raise ValueError(f"episode_retries must be >= 0, got {self.episode_retries}.")
     if self.max_interactions < 1 or self.max_output_chars < 1:
       raise ValueError("max_interactions and max_output_chars must be >= 1.")
 
