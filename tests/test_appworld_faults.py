@@ -148,15 +148,33 @@ def test_answers_are_out_of_reach_of_agent_code(pool, mini_root):  # noqa: F811
     "try:\n"
     f"    io.FileIO({os.path.join(tasks, own, 'ground_truth', 'solution.py')!r}).read()\n"
     "except OSError as e:\n"
-    "    print('DENIED FileIO', type(e).__name__)\n")
+    "    print('DENIED FileIO', type(e).__name__)\n"
+    f"for relative in ['{own}/ground_truth/answer.json', '{other}/ground_truth/answer.json',\n"
+    f"                 '{own}/specs.json']:\n"
+    "    try:\n"
+    "        print('SIZE', relative, (tasks / relative).stat().st_size)\n"
+    "    except OSError as e:\n"
+    "        print('NO SIZE', relative, type(e).__name__)\n")
   with pool.episode(own, "read_answers") as ep:
     observation = ep.execute(code).result()
   assert "GLOB []" in observation, observation
+  # Where the kernel lets an unprivileged process make a mount namespace (as here), the
+  # episode sees nothing of the tasks directory but its own task's public files: answers
+  # are not there to read, nor to `stat` (Landlock governs reads, not metadata). Elsewhere
+  # Landlock still refuses every read.
+  hidden = sandbox.hiding_available(tasks)
+  refused = "FileNotFoundError" if hidden else "PermissionError"
+  assert pool._template.protections[1:2] == (
+      ["the data's other files hidden, their sizes too (mount namespace)"] if hidden else [])
   for relative in (f"{own}/ground_truth/solution.py", f"{own}/ground_truth/answer.json",
                    f"{other}/ground_truth/private_data.json", f"{other}/specs.json"):
-    assert f"DENIED {relative} PermissionError" in observation, observation
-  assert "DENIED FileIO PermissionError" in observation
+    assert f"DENIED {relative} {refused}" in observation, observation
+  assert f"DENIED FileIO {refused}" in observation
   assert "READ" not in observation
+  assert f"\nSIZE {own}/specs.json" in "\n" + observation  # its own public files are there
+  if hidden:
+    assert f"NO SIZE {own}/ground_truth/answer.json FileNotFoundError" in observation
+    assert f"NO SIZE {other}/ground_truth/answer.json FileNotFoundError" in observation
   _check_gold_still_passes(pool, mini_root, own, "after_read_answers")
 
 

@@ -6,7 +6,11 @@ tests/test_appworld_sandbox.py, so that the kernel layer is shown to hold alone:
 reaches the real system calls (posix, socket, ctypes) through __import__.
 """
 
+import errno
+import json
+import os
 import socket
+import tempfile
 
 import pytest
 
@@ -159,3 +163,46 @@ def test_without_seccomp_confinement_refuses_and_says_how_to_opt_out(monkeypatch
 def test_on_another_machine_seccomp_is_unavailable(monkeypatch):
   monkeypatch.setattr(sandbox, "_SECCOMP_ARCH", None)
   assert not sandbox.seccomp_available()
+
+
+@pytest.mark.skipif(not sandbox.hiding_available(tempfile.gettempdir()),
+                    reason="this kernel refuses unprivileged user and mount namespaces")
+def test_hide_shows_a_process_only_the_paths_it_keeps(tmp_path):
+  """In a fork: the directory holds only the kept paths, at their places and with their
+  contents; the rest is gone even for `stat`, and nothing new can be made there. Outside
+  the fork, nothing changed."""
+  tasks = tmp_path / "tasks"
+  (tasks / "own" / "dbs").mkdir(parents=True)
+  (tasks / "own" / "dbs" / "world.db").write_text("db")
+  (tasks / "own" / "specs.json").write_text("{}")
+  (tasks / "own" / "ground_truth").mkdir()
+  (tasks / "own" / "ground_truth" / "answer.json").write_text("42")
+  (tasks / "other").mkdir()
+  with pytest.raises(ValueError, match="beneath"):
+    sandbox.hide(str(tasks / "own"), [str(tasks / "other")])
+  seen = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # never returns
+    try:
+      sandbox.hide(str(tasks), [str(tasks / "own" / "specs.json"), str(tasks / "own" / "dbs"),
+                                str(tasks / "own" / "missing")])
+      try:
+        (tasks / "new").write_text("x")
+        wrote = "wrote"
+      except OSError as e:
+        wrote = errno.errorcode[e.errno]
+      view = {"tasks": sorted(os.listdir(tasks)), "own": sorted(os.listdir(tasks / "own")),
+              "db": (tasks / "own" / "dbs" / "world.db").read_text(),
+              "answer": os.path.exists(tasks / "own" / "ground_truth" / "answer.json"),
+              "write": wrote}
+      os.write(seen[1], json.dumps(view).encode())
+    finally:
+      os._exit(0)
+  os.close(seen[1])
+  os.waitpid(pid, 0)
+  with os.fdopen(seen[0]) as f:
+    view = json.loads(f.read())
+  assert view == {"tasks": ["own"], "own": ["dbs", "specs.json"], "db": "db",
+                  "answer": False, "write": "EROFS"}
+  assert sorted(os.listdir(tasks)) == ["other", "own"] and not (tasks / "new").exists()
+  assert (tasks / "own" / "ground_truth" / "answer.json").read_text() == "42"

@@ -128,13 +128,16 @@ def _restrict_inherited_fds(keep: int) -> None:
 
 
 def _enter_fork(worker: int, keep: int, read_paths: list[str], write_dir: str,
-                confine: bool) -> None:
+                confine: bool, hide: tuple[str, list[str]] | None) -> None:
   """What a fresh fork of the worker does first: a process group of its own (the worker
   kills whatever it forks, too), death with the worker, only `keep` of the worker's
-  descriptors, and (when `confine`) the sandbox."""
+  descriptors, (when `hide`) a view of a directory with only some of its paths
+  (`sandbox.hide`), and (when `confine`) the sandbox."""
   os.setpgid(0, 0)
   die_with_parent(worker)
   _restrict_inherited_fds(keep=keep)
+  if hide is not None:
+    sandbox.hide(*hide)
   os.chdir(write_dir)
   if confine:
     sandbox.confine(read_paths, [write_dir])
@@ -148,11 +151,22 @@ def die_with_parent(parent: int) -> None:
     os._exit(1)
 
 
+def tasks_directory(data: str) -> str:
+  return os.path.join(data, "data", "tasks")
+
+
+def tasks_view(data: str, task_id: str) -> tuple[str, list[str]]:
+  """The data root's tasks directory, and the only paths of it an episode process sees
+  where the machine lets it hide the rest (`sandbox.hide`): its own task's public files."""
+  tasks = tasks_directory(data)
+  return tasks, [os.path.join(tasks, task_id, "specs.json"),
+                 os.path.join(tasks, task_id, "dbs")]
+
+
 def episode_read_paths(data: str, task_id: str) -> list[str]:
   """What an episode process may read of the data root: its own task's public files."""
-  task = os.path.join(data, "data", "tasks", task_id)
-  return [os.path.join(data, "data", "base_dbs"), os.path.join(data, "data", "api_docs"),
-          os.path.join(task, "specs.json"), os.path.join(task, "dbs")]
+  return ([os.path.join(data, "data", "base_dbs"), os.path.join(data, "data", "api_docs")]
+          + tasks_view(data, task_id)[1])
 
 
 def sandbox_read_paths() -> list[str]:
@@ -167,10 +181,12 @@ def sandbox_read_paths() -> list[str]:
 
 class EpisodeProcess:
   """A forked process that holds one episode's world; `serve` runs in the fork.
-  `max_write_bytes`: its disk budget beneath `write_dir` (None: unlimited)."""
+  `max_write_bytes`: its disk budget beneath `write_dir` (None: unlimited). `hide`:
+  (directory, paths kept) to show the fork only those paths of the directory."""
 
   def __init__(self, serve: Callable[[Connection], None], *, read_paths: list[str],
-               write_dir: str, confine: bool, max_write_bytes: int | None = None):
+               write_dir: str, confine: bool, max_write_bytes: int | None = None,
+               hide: tuple[str, list[str]] | None = None):
     os.makedirs(write_dir, exist_ok=True)
     self.write_dir, self.max_write_bytes = write_dir, max_write_bytes
     parent, child = socket.socketpair()
@@ -182,7 +198,7 @@ class EpisodeProcess:
       code = 1
       try:
         parent.close()
-        _enter_fork(worker, child.fileno(), read_paths, write_dir, confine)
+        _enter_fork(worker, child.fileno(), read_paths, write_dir, confine, hide)
         if max_write_bytes is not None:
           # A write past the budget fails (EFBIG: an OSError the code sees) instead of
           # killing the process with SIGXFSZ.
@@ -311,7 +327,7 @@ def run_in_fork(function: Callable[[], Any], *, read_paths: list[str], write_dir
     code = 1
     try:
       os.close(reader)
-      _enter_fork(worker, writer, read_paths, write_dir, confine)
+      _enter_fork(worker, writer, read_paths, write_dir, confine, None)
       try:
         answer = {"ok": True, "value": function()}
       except Exception as e:  # noqa: BLE001 - sent back to the worker

@@ -15,7 +15,9 @@ it or by any process it starts:
 - signals and abstract UNIX sockets: none to processes outside the sandbox, so agent code
   cannot stop its supervisor or the trainer (Landlock ABI >= 6);
 - privileges: no_new_privs, and every capability dropped, so a process running as root
-  cannot raise its resource limits again or bypass file modes.
+  cannot raise its resource limits again or bypass file modes;
+- metadata (`hide`, where unprivileged user and mount namespaces are allowed): the data's
+  tasks directory shows only the task's public files, so no answer can even be `stat`ed.
 
 Landlock needs Linux >= 5.13 with it enabled (no root needed), seccomp an x86_64 or aarch64
 kernel with seccomp filters. `protections()` says what the running kernel gives; the pool
@@ -110,6 +112,77 @@ def _syscall(number: int, *args) -> int:
   return result
 
 
+_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
+_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int,
+           data: str | None = None) -> None:
+  encode = lambda text: None if text is None else text.encode()
+  if _libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
+    errno = ctypes.get_errno()
+    raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
+
+
+def _enter_mount_namespace() -> None:
+  """User and mount namespaces of this process's own, with this user's ids mapped to
+  themselves, and no mount it makes seen outside."""
+  uid, gid = os.getuid(), os.getgid()
+  if _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS) != 0:
+    errno = ctypes.get_errno()
+    raise OSError(errno, f"unshare: {os.strerror(errno)}")
+  for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                     ("gid_map", f"{gid} {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+      f.write(text)
+  _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+
+
+def hiding_available(directory: str) -> bool:
+  """Whether `hide` works on `directory` here: it needs unprivileged user and mount
+  namespaces (a container's seccomp profile or the distribution may refuse them). Tried in
+  a fork."""
+  pid = os.fork()
+  if pid == 0:
+    code = 1
+    try:
+      hide(directory, [])
+      code = 0
+    finally:
+      os._exit(code)
+  return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def hide(directory: str, keep: list[str]) -> None:
+  """Covers `directory` with an empty file system, for this process and what it starts, and
+  binds back at their places only the paths of `keep` (beneath it; those missing are
+  skipped). Landlock refuses reads, not a path's metadata: without this, agent code could
+  still `stat` every task's answer files and learn their sizes. Call it before `confine`
+  (which drops the capabilities that could undo it), while this process has one thread."""
+  directory = os.path.realpath(directory)
+  kept = [os.path.realpath(p) for p in keep if os.path.exists(p)]
+  outside = [p for p in kept if not _beneath(p, directory) or p == directory]
+  if outside:
+    raise ValueError(f"paths to keep must lie beneath {directory}: {outside}")
+  _enter_mount_namespace()
+  fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in kept]  # this namespace's mounts
+  try:
+    _mount("tmpfs", directory, "tmpfs", 0, "mode=0755,size=64k")
+    for path, fd in zip(kept, fds):
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      if os.path.isdir(f"/proc/self/fd/{fd}"):
+        os.mkdir(path)
+      else:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o444))
+      _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+    _mount(None, directory, None, _MS_REMOUNT | _MS_RDONLY)
+  finally:
+    for fd in fds:
+      os.close(fd)
+
+
 def landlock_abi() -> int:
   """The kernel's Landlock ABI version; 0 when Landlock is missing or disabled."""
   try:
@@ -139,12 +212,15 @@ def unavailable() -> str | None:
   return None if seccomp_available() else NO_SECCOMP
 
 
-def protections(abi: int | None = None) -> list[str]:
-  """What confine() enforces on this kernel, in words (empty: nothing, it refuses)."""
+def protections(abi: int | None = None, hidden: bool = False) -> list[str]:
+  """What confine() enforces on this kernel, in words (empty: nothing, it refuses); `hidden`:
+  whether the other files of the data are hidden as well (`hide`)."""
   abi = landlock_abi() if abi is None else abi
   if abi < 1 or not seccomp_available():
     return []
   found = ["files (read: system + task's public files; write: episode directory; no exec)"]
+  if hidden:
+    found.append("the data's other files hidden, their sizes too (mount namespace)")
   if abi >= 4:
     found.append("no TCP")
   if abi >= 6:

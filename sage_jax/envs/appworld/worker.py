@@ -259,7 +259,7 @@ class Worker:
 
     self.close()
     missing = data_root.task_problems(self.data, task_id, self.apps)
-    if os.path.isdir(os.path.join(self.data, "data", "tasks", task_id)) and missing:
+    if os.path.isdir(os.path.join(episode_process.tasks_directory(self.data), task_id)) and missing:
       raise data_root.AppWorldDataError(
         f"the data of task {task_id} is incomplete (an environment fault, not the agent's): "
         f"missing or unreadable {missing}")
@@ -273,6 +273,7 @@ class Worker:
     self.episode = episode_process.EpisodeProcess(
       Session(s).serve, read_paths=episode_process.sandbox_read_paths() + read,
       write_dir=self.output_directory, confine=s["sandbox"] != "off",
+      hide=episode_process.tasks_view(self.data, task_id) if s["hide_data"] else None,
       max_write_bytes=None if s["max_output_mb"] is None else s["max_output_mb"] * 2**20)
     try:
       answer = self.episode.call({"op": "start", "task_id": task_id,
@@ -372,7 +373,7 @@ def _init_template(settings: dict[str, Any]) -> tuple[str, list[str]]:
       sandbox.check_secret_not_readable(episode_process.sandbox_read_paths(), secret)
   # The first world of a process pays for lazy imports (~seconds): pay it now, once for
   # every worker, not in each one's first episode.
-  task_id = sorted(os.listdir(os.path.join(data, "data", "tasks")))[0]
+  task_id = sorted(os.listdir(episode_process.tasks_directory(data)))[0]
   with AppWorld(task_id=task_id, experiment_name=f"{WARMUP_EXPERIMENT}_{os.getpid()}",
                 load_ground_truth=False) as world:
     world.execute("apis.supervisor.show_profile()")
@@ -534,7 +535,11 @@ def main() -> None:
     control.send(json.dumps({"ok": False, "fatal": str(e),
                              "sandbox": isinstance(e, sandbox.SandboxError)}).encode())
     return
-  protections = sandbox.protections() if settings["sandbox"] != "off" else []
+  # Every worker's episodes hide the rest of the data where this machine allows it.
+  settings["hide_data"] = settings["sandbox"] != "off" and sandbox.hiding_available(
+      episode_process.tasks_directory(data))
+  protections = (sandbox.protections(hidden=settings["hide_data"])
+                 if settings["sandbox"] != "off" else [])
   control.send(json.dumps({"ok": True, "protections": protections}).encode())
   _serve_template(control, settings, data, apps)
 
