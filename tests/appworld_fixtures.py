@@ -1,6 +1,7 @@
 """Shared fixtures of the AppWorld tests: one cached mini world per session, and the demo's SFT
 data made once for every test worker."""
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -238,6 +240,21 @@ def children(pid: int) -> list[tuple[int, bytes]]:
 def pool_templates() -> list[int]:
   """The template processes of this process's pools (their workers are their children)."""
   return [pid for pid, command in children(os.getpid()) if WORKER_COMMAND in command]
+
+
+@contextlib.contextmanager
+def broken_pool(root: str, tmp_path: Any, **overrides) -> Iterator[appworld.EnvPool]:
+  """A one-worker pool of a copy of `root` whose data went away after it started (the copy
+  renamed) and whose template process then died: no worker can be started any more, so
+  every episode fails under the environment, before it opens its world."""
+  data = os.path.join(tmp_path, "data_volume")
+  _copy_tree(root, data)
+  config = pool_config(data, os.path.join(tmp_path, "outputs"), **({"num_workers": 1}
+                                                                    | overrides))
+  with appworld.EnvPool(config) as pool:
+    os.rename(data, data + "_unmounted")
+    os.kill(template_pid(pool), signal.SIGKILL)
+    yield pool
 
 
 def template_pid(pool: appworld.EnvPool) -> int:

@@ -2,9 +2,7 @@
 events and rewards of every variant) and a tiny random model through the real sampler."""
 
 import asyncio
-import os
 import random
-import signal
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from sage_jax.rl import advantages, episode, rewards, rollout
 from sage_jax.rl import metrics as rl_metrics
 from sage_jax.tokenizer import Tokenizer
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
-from tests.appworld_fixtures import WorkerKillingPolicy, _copy_tree, pool_config, template_pid
+from tests.appworld_fixtures import WorkerKillingPolicy, broken_pool, pool_config
 
 
 @pytest.fixture(scope="module")
@@ -160,12 +158,8 @@ def test_a_step_whose_every_episode_the_environment_failed_under_stops_the_run(
   fault, rather than step on."""
   from sage_jax.train import rl_loop
 
-  data = str(tmp_path / "data_volume")
-  _copy_tree(mini_root, data)
   train = appworld.read_split(mini_root, "train")
-  with appworld.EnvPool(pool_config(data, str(tmp_path / "outputs"), num_workers=1)) as pool:
-    os.rename(data, data + "_unmounted")
-    os.kill(template_pid(pool), signal.SIGKILL)
+  with broken_pool(mini_root, tmp_path) as pool:
     ctx = rollout.RolloutContext(ScriptedPolicy(mini_root, tok), pool, tok, AgentConfig(),
                                  Retriever(), mini_root)
     run = rl_loop.appworld_rollout(ctx, train, rollout.RolloutConfig(

@@ -489,6 +489,18 @@ def test_a_bad_gold_file_stops_the_expert_before_any_play(mini_root, tok, tmp_pa
   assert "Traceback" not in done.stderr and not out.exists()
 
 
+def test_an_expert_whose_every_play_the_environment_failed_under_stops(mini_root, tok,
+                                                                       tmp_path):
+  """A broken pool gives no trajectory at all: the expert stops naming the fault, rather
+  than return empty data that a run would write to its workdir and reuse."""
+  task_ids = appworld.read_split(mini_root, "dev")[:1]
+  with appworld_fixtures.broken_pool(mini_root, tmp_path, episode_retries=0) as pool:
+    with pytest.raises(rollout.EnvironmentDown,
+                       match=r"all 1 episodes of the expert's plays.*no environment worker"):
+      expert.gold_trajectories(task_ids, expert.ExpertConfig(appworld_root=mini_root), tok,
+                               pool)
+
+
 def test_command_line_without_verification(gold, tmp_path):
   trajectories, _ = gold
   given = tmp_path / "given.jsonl"

@@ -218,8 +218,15 @@ def play(policy: Any, chains: Sequence[rollout.Chain], tokenizer: Tokenizer,
                                          experiment_prefix=config.experiment_prefix,
                                          seed=seed)
   share = multihost.share(len(chains))
-  batch = multihost.all_succeed(lambda: asyncio.run(rollout.run_groups(
-      ctx, chains[share], rollout_config, first_group=share.start)))
+
+  def run() -> rollout.RolloutBatch:
+    batch = asyncio.run(rollout.run_groups(ctx, chains[share], rollout_config,
+                                           first_group=share.start))
+    # Before any file is written: a run reuses the expert data it finds in its workdir.
+    rollout.check_environment(batch.flat(), "the expert's plays on this process")
+    return batch
+
+  batch = multihost.all_succeed(run)
   stats = ExpertStats()
   out = []
   for group in (g for part in multihost.allgather_objects(batch.records) for g in part):
