@@ -129,11 +129,10 @@ def test_a_task_the_environment_failed_under_is_played_again(pool, mini_root, to
   policy = WorkerKillingPolicy(ScriptedPolicy(mini_root, tok), pool, {first: 1, second: 3})
   ctx = rollout.RolloutContext(policy, pool, tok, AgentConfig(), Retriever(), mini_root)
   library = rollout.SkillLibrary()
-  restarts = pool.worker_restarts
   chain = rollout.Chain(appworld.scenario_id(first), (first, second))
   done, failed = asyncio.run(rollout.run_chain(ctx, chain, group=0, rollout=0,
                                                experiment="retried", library=library))
-  assert policy.killed == 4 and pool.worker_restarts - restarts == 4
+  assert policy.killed == 4
   # The retry is a whole episode of its own: no trace of the killed one in its conversation.
   assert done.success and not done.env_failed and done.errors == []
   assert len(done.retried_errors) == 1 and "worker" in done.retried_errors[0]
@@ -141,6 +140,7 @@ def test_a_task_the_environment_failed_under_is_played_again(pool, mini_root, to
   assert [s.source_task for s in library.skills(chain.scenario)] == [first]
   assert pool.config.episode_retries == 2
   assert failed.env_failed and len(failed.retried_errors) == 2 and not failed.success
+  assert all("died" in e for e in failed.retried_errors + failed.errors)
   assert failed.end_reason == "env_error" and not episode.trained_on(failed)
   assert failed.visible_skills == done.events.saved  # each attempt saw the library's skill
   assert rl_metrics.task_metrics([done, failed])["env_retry_rate"] == 100.0
