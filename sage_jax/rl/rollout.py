@@ -156,7 +156,7 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
       instruction = read_task_specs(ctx.appworld_root, task_id)["instruction"]
       skills = ctx.retriever.retrieve(library, scenario=chain.scenario, instruction=instruction)
       code = install_code(skills)
-    retried_errors = []
+    difficulty, retried_errors = read_difficulty(ctx.appworld_root, task_id), []
     while True:
       async with ctx.pool.episode(task_id, experiment, library_code=code) as episode:
         trace = await agent_lib.run_task(
@@ -167,7 +167,7 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
       record = EpisodeRecord.from_trace(
           trace, episode.result, chain_position=position, group=group, rollout=rollout,
           experiment=experiment, used_skill_sources={s.name: s.source_task for s in used},
-          difficulty=read_difficulty(ctx.appworld_root, task_id))
+          difficulty=difficulty)
       if not record.env_failed or len(retried_errors) == retries:
         break
       error = "; ".join(record.errors)

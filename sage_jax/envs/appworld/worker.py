@@ -536,10 +536,10 @@ def main() -> None:
                              "sandbox": isinstance(e, sandbox.SandboxError)}).encode())
     return
   # Every worker's episodes hide the rest of the data where this machine allows it.
-  settings["hide_data"] = settings["sandbox"] != "off" and sandbox.hiding_available(
+  confined = settings["sandbox"] != "off"
+  settings["hide_data"] = confined and sandbox.hiding_available(
       episode_process.tasks_directory(data))
-  protections = (sandbox.protections(hidden=settings["hide_data"])
-                 if settings["sandbox"] != "off" else [])
+  protections = sandbox.protections(hidden=settings["hide_data"]) if confined else []
   control.send(json.dumps({"ok": True, "protections": protections}).encode())
   _serve_template(control, settings, data, apps)
 
