@@ -59,6 +59,12 @@ def test_compute_counts_of_a_step():
   counts = metrics.compute_counts([episode(0, 20, 5), episode(1, 25, 6), failed])
   assert counts == {"compute/episodes": 3.0, "compute/prompt_tokens": 75.0,
                     "compute/generated_tokens": 18.0, "compute/trained_tokens": 11.0}
+  # Attempts played again after an environment failure spent compute too, trained or not.
+  retried = dataclasses.replace(episode(0, 20, 5), retried_errors=["worker exited"] * 2,
+                                retried_tokens=40, retried_generated_tokens=9)
+  assert metrics.compute_counts([retried]) == {
+      "compute/episodes": 3.0, "compute/prompt_tokens": 51.0,
+      "compute/generated_tokens": 14.0, "compute/trained_tokens": 5.0}
   # Episodes without a generated_tokens field (e.g. a synthetic task's) count loss tokens.
   plain = types.SimpleNamespace(tokens=np.zeros(6), loss_mask=np.array([0, 0, 1, 1, 1, 0]))
   assert metrics.compute_counts([plain]) == {

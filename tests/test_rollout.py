@@ -144,6 +144,16 @@ def test_a_task_the_environment_failed_under_is_played_again(pool, mini_root, to
   assert failed.end_reason == "env_error" and not episode.trained_on(failed)
   assert failed.visible_skills == done.events.saved  # each attempt saw the library's skill
   assert rl_metrics.task_metrics([done, failed])["env_retry_rate"] == 100.0
+  # The retried attempts' tokens are compute spent: counted beside the kept attempts'.
+  assert done.retried_tokens > done.retried_generated_tokens > 0
+  assert failed.retried_tokens > done.retried_tokens
+  counts = rl_metrics.compute_counts([done, failed])
+  assert counts["compute/episodes"] == 5.0
+  assert counts["compute/generated_tokens"] == (
+      done.generated_tokens + failed.generated_tokens + done.retried_generated_tokens
+      + failed.retried_generated_tokens)
+  assert counts["compute/prompt_tokens"] + counts["compute/generated_tokens"] == (
+      len(done.tokens) + len(failed.tokens) + done.retried_tokens + failed.retried_tokens)
   rollout.check_environment([done, failed], "a chain")  # one episode got through: no error
   with pytest.raises(rollout.EnvironmentDown,
                      match=rf"all 1 episodes of a chain, each after 3 attempt.*{second}"):

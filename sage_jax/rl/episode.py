@@ -60,6 +60,9 @@ class EpisodeRecord:
   # the environment's errors under earlier attempts at the task, each played again from its
   # start (`EnvPoolConfig.episode_retries`); this record is the last attempt's
   retried_errors: list[str] = dataclasses.field(default_factory=list)
+  # what those earlier attempts cost: all their tokens, and those the model generated
+  retried_tokens: int = 0
+  retried_generated_tokens: int = 0
   # filled by rewards / advantages
   reward: float = 0.0
   advantage: float = 0.0

@@ -117,24 +117,28 @@ def compute_counts(episodes: Sequence[Any]) -> dict[str, float]:
   """Counts of this process's `episodes` (anything with the `rl.batch` fields `tokens` and
   `loss_mask`), to be summed over processes:
 
-  - compute/episodes: task episodes (a SAGE step: chains x G x K; a GRPO step: chains x G).
+  - compute/episodes: task episodes (a SAGE step: chains x G x K; a GRPO step: chains x G),
+    and the attempts played again after the environment failed under them
+    (`EpisodeRecord.retried_errors`).
   - compute/prompt_tokens: tokens the model read but did not generate (system prompt, task,
-    observations, library), i.e. prefilled.
+    observations, library), i.e. prefilled; those of retried attempts too.
   - compute/generated_tokens: tokens the model sampled (`generated_tokens` where episodes
-    carry it, else their loss tokens).
+    carry it, else their loss tokens); those of retried attempts too.
   - compute/trained_tokens: loss tokens of the episodes that enter the update
     (`rl.episode.trained_on`).
   """
-  generated = prompt = trained = 0
+  played = generated = prompt = trained = 0
   for e in episodes:
     loss_tokens = int(np.sum(np.asarray(e.loss_mask) > 0))
     made = getattr(e, "generated_tokens", None)
     made = loss_tokens if made is None else int(made)
-    generated += made
-    prompt += len(e.tokens) - made
+    retried_made = getattr(e, "retried_generated_tokens", 0)
+    played += 1 + len(getattr(e, "retried_errors", ()))
+    generated += made + retried_made
+    prompt += len(e.tokens) - made + getattr(e, "retried_tokens", 0) - retried_made
     if trained_on(e):
       trained += loss_tokens
-  return {"compute/episodes": float(len(episodes)), "compute/prompt_tokens": float(prompt),
+  return {"compute/episodes": float(played), "compute/prompt_tokens": float(prompt),
           "compute/generated_tokens": float(generated),
           "compute/trained_tokens": float(trained)}
 

@@ -147,7 +147,8 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
 
   A task the environment failed under is played again from its start (same skills, same
   seed, same AppWorld experiment), up to the pool's `episode_retries` times; only the last
-  attempt counts, and the library learns nothing from the others."""
+  attempt counts, and the library learns nothing from the others (the record keeps their
+  errors and token counts)."""
   records = []
   retries = ctx.pool.config.episode_retries
   for position, task_id in enumerate(chain.task_ids):
@@ -157,6 +158,7 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
       skills = ctx.retriever.retrieve(library, scenario=chain.scenario, instruction=instruction)
       code = install_code(skills)
     difficulty, retried_errors = read_difficulty(ctx.appworld_root, task_id), []
+    retried_tokens = retried_generated = 0
     while True:
       async with ctx.pool.episode(task_id, experiment, library_code=code) as episode:
         trace = await agent_lib.run_task(
@@ -175,7 +177,10 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
                       "%d), playing it again: %s", task_id, experiment,
                       len(retried_errors) + 1, retries + 1, error[:2000])
       retried_errors.append(error)
+      retried_tokens += len(record.tokens)
+      retried_generated += record.generated_tokens
     record.retried_errors = retried_errors
+    record.retried_tokens, record.retried_generated_tokens = retried_tokens, retried_generated
     if library is not None and ctx.agent.use_library:
       library.record_use(used, record.success)
       library.save(trace.saved, scenario=chain.scenario, task_id=task_id,
