@@ -23,10 +23,12 @@ process fails, the others are stopped and its exit code is returned.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from absl import app, flags
@@ -81,7 +83,8 @@ def run_processes(cmd: list[str], envs: list[dict[str, str]], log_dir: str) -> i
   """Starts one process per environment and waits for all; returns the exit status
   (`exit_status`) of the process that failed first, 0 if all succeed. The others get
   `FAILURE_GRACE_S` to fail or finish on their own (a collective with the failed one raises
-  in them), then the launcher kills them."""
+  in them), then the launcher kills them. Which process failed first is the order in which
+  they ended: a thread waits on each."""
   procs = []
   for i, env in enumerate(envs):
     if i:
@@ -93,33 +96,37 @@ def run_processes(cmd: list[str], envs: list[dict[str, str]], log_dir: str) -> i
     procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out,
                                   stderr=subprocess.STDOUT if out else None, process_group=0))
     print(f"launch: process {i} pid {procs[-1].pid}", flush=True)
+  ended: queue.SimpleQueue[int] = queue.SimpleQueue()  # process indices, as they end
+  for i, p in enumerate(procs):
+    threading.Thread(target=lambda i=i, p=p: (p.wait(), ended.put(i)), daemon=True,
+                     name=f"launch-wait-{i}").start()
 
   def forward(signum, frame):
     del frame
     for p in procs:
-      if p.poll() is None:
+      if p.returncode is None:
         p.send_signal(signum)
 
   previous = {s: signal.signal(s, forward)
               for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-  first_failed, killed = None, set()
+  first_failed, failed_at, killed, running = None, 0.0, set(), len(procs)
   try:
-    failed_at = None
-    while any(p.poll() is None for p in procs):
-      if first_failed is None:
-        first_failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-        failed_at = time.monotonic()
+    while running:
+      try:
+        i = ended.get(timeout=0.2)
+        running -= 1
+        if first_failed is None and procs[i].returncode:
+          first_failed, failed_at = i, time.monotonic()
+      except queue.Empty:
+        pass
       if first_failed is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
         for i, p in enumerate(procs):
-          if p.poll() is None:
+          if p.returncode is None and i not in killed:
             p.kill()
             killed.add(i)
-      time.sleep(0.2)
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
-  if first_failed is None:  # all ended between two polls
-    first_failed = next((i for i, p in enumerate(procs) if p.returncode), None)
   for i, p in enumerate(procs):
     if not p.returncode:
       continue

@@ -454,3 +454,22 @@ def test_the_launcher_names_the_process_that_failed_first_and_exits_as_it_did(tm
   assert status == 137, err
   assert "launch: process 1 exited with 137 (signal 9), the first to fail" in err
   assert "launch: process 0 was stopped by the launcher, 1 s after process 1 failed" in err
+
+
+def test_the_first_to_fail_is_the_first_to_end_not_the_first_in_order(tmp_path, capsys):
+  """Process 1 fails, and process 0 fails 50 ms after it (as a collective with a dead peer
+  would): the launcher names process 1 and exits with its status, though it checks process 0
+  first."""
+  marker = tmp_path / "process_1_failed"
+  code = ("import os, time\n"
+          f"marker = {str(marker)!r}\n"
+          "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+          "  open(marker, 'w').close()\n  os._exit(5)\n"
+          "while not os.path.exists(marker):\n  time.sleep(0.001)\n"
+          "time.sleep(0.05)\nos._exit(3)\n")
+  status = local.run_processes([sys.executable, "-c", code], local.process_envs(2, 1, {}),
+                               str(tmp_path / "logs"))
+  err = capsys.readouterr().err
+  assert status == 5, err
+  assert "launch: process 1 exited with 5, the first to fail" in err
+  assert "launch: process 0 exited with 3\n" in err
