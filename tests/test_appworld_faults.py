@@ -1,6 +1,7 @@
 """Agent code that misbehaves: a clear observation or an error result, and the pool goes on."""
 
 import asyncio
+import glob
 import logging
 import os
 import random
@@ -21,6 +22,7 @@ from tests.appworld_fixtures import kill_busy_workers
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
 from tests.appworld_fixtures import pool_templates
+from tests.appworld_fixtures import template_pid
 
 # Spins in C (builtin sum over a range never checks for signals), where AppWorld's SIGALRM
 # cannot interrupt it: the worker kills the episode process at its own deadline.
@@ -301,6 +303,29 @@ def test_a_worker_killed_from_outside_is_an_environment_error(pool, mini_root): 
   assert ep.result.error and ep.result.evaluation is None and ep.result.num_steps == 1
   assert pool.worker_restarts > restarts
   _check_gold_still_passes(pool, mini_root, all_task_ids(mini_root)[1], "after_outside_kill")
+
+
+def test_a_worker_killed_while_evaluating_leaves_nothing_once_the_pool_closes(mini_root,  # noqa: F811
+                                                                              tmp_path):
+  """A worker killed mid-evaluation cannot remove the copy of the saved state its evaluation
+  made: the copy is in the pool's own directory, which the pool's close removes (the
+  configured outputs stay)."""
+  task_id = all_task_ids(mini_root)[0]
+  outputs = tmp_path / "outputs"
+  with appworld.EnvPool(pool_config(mini_root, str(outputs), num_workers=1)) as pool:
+    own = pool._scratch
+    with pool.episode(task_id, "killed_evaluating") as ep:
+      ep.execute(gold_solution(mini_root, task_id)).result()
+      evaluation = ep.evaluate()
+      deadline = time.monotonic() + 60
+      while not (copies := glob.glob(os.path.join(own, "sage_jax_evaluation_*"))):
+        assert not evaluation.done() and time.monotonic() < deadline, "no copy was made"
+        time.sleep(0.002)
+      assert kill_busy_workers([template_pid(pool)]) == 1
+      assert "died" in evaluation.result().error
+    assert ep.result.error and all(os.path.isdir(c) for c in copies)
+  assert not os.path.exists(own)
+  assert (outputs / "experiments" / "outputs" / "killed_evaluating").is_dir()
 
 
 def _pool_processes(num_workers: int = 0) -> dict[int, list[int]]:

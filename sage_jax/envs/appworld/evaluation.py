@@ -48,11 +48,12 @@ def read_paths(data: str, task_id: str, saved: str) -> list[str]:
 
 
 def evaluate(data: str, apps: list[str], task_id: str, experiment: str, saved: str, *,
-             confine: bool, timeout: float) -> dict:
+             confine: bool, timeout: float, scratch_dir: str | None = None) -> dict:
   """AppWorld's test results of the state saved in directory `saved` (TestTracker.to_dict:
   success, difficulty, num_tests, passes, failures), or {"refused": why} for the agent's
-  failures. Raises RuntimeError on an environment fault."""
-  scratch = tempfile.mkdtemp(prefix="sage_jax_evaluation_")
+  failures. Raises RuntimeError on an environment fault. The copy is made in a new directory
+  under `scratch_dir` (None: the system's temporary directory), removed after."""
+  scratch = tempfile.mkdtemp(prefix="sage_jax_evaluation_", dir=scratch_dir)
   try:
     os.symlink(os.path.join(data, "data"), os.path.join(scratch, "data"))
     return episode_process.run_in_fork(

@@ -174,7 +174,9 @@ class EnvPool:
     self._live: dict[tuple[str, str], Episode | None] = {}  # None until started
     self._threads: list[threading.Thread] = []
     self._closed = False
-    self._scratch: str | None = None  # the outputs directory this pool made, if any
+    # This pool's own directory, removed at its close: its evaluations' scratch (a worker
+    # killed mid-evaluation leaves its copy there), and its outputs unless configured.
+    self._scratch: str | None = None
     self._template: process.WorkerTemplate | None = None  # what the workers are forked from
     self._template_lock = threading.Lock()
 
@@ -186,14 +188,14 @@ class EnvPool:
     be confined."""
     cache = self.config.data_check_cache
     data_root.check_tasks(self.config.data_root(), cache and os.path.expanduser(cache))
+    self._scratch = tempfile.mkdtemp(prefix="sage_jax_appworld_")
+    atexit.register(self._remove_scratch)
     if self.config.outputs_root is None:
-      self._scratch = tempfile.mkdtemp(prefix="sage_jax_appworld_")
-    _check_no_memory("outputs_root", self._scratch or os.path.abspath(self.config.outputs_root))
-    if self._scratch is not None:
-      atexit.register(self._remove_scratch)
       self.config = dataclasses.replace(self.config, outputs_root=self._scratch)
     try:
-      self._template = process.WorkerTemplate(self.config)
+      _check_no_memory("outputs_root", os.path.abspath(self.config.outputs_root))
+      _check_no_memory("system's temporary directory", self._scratch)
+      self._template = process.WorkerTemplate(self.config, self._scratch)
     except BaseException:  # a Ctrl-C too: nothing of the pool may stay behind
       self.close()
       raise
@@ -288,7 +290,7 @@ class EnvPool:
       if not self._template.alive:
         logging.warning("The AppWorld workers' template process died; starting a new one.")
         self._template.close()
-        self._template = process.WorkerTemplate(self.config)
+        self._template = process.WorkerTemplate(self.config, self._scratch)
       template = self._template
     return process.WorkerProcess(template, self.config, name)
 

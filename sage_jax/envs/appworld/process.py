@@ -59,9 +59,12 @@ def child_environment(**overrides: str) -> dict[str, str]:
 
 class WorkerTemplate:
   """The process the pool's workers are forked from (worker.py): it starts once per pool,
-  with AppWorld imported and warm, and forks a worker per `fork`. Thread-safe."""
+  with AppWorld imported and warm, and forks a worker per `fork`. Thread-safe.
 
-  def __init__(self, config: config_lib.EnvPoolConfig):
+  `scratch_dir`: where the workers' evaluations copy the states they evaluate (None: the
+  system's temporary directory)."""
+
+  def __init__(self, config: config_lib.EnvPoolConfig, scratch_dir: str | None = None):
     self._config = config
     self._log_path = (os.path.join(config.log_dir, "template.log") if config.log_dir
                       else None)
@@ -80,7 +83,8 @@ class WorkerTemplate:
     if self._log_path:
       log.close()
     self._lock = threading.Lock()
-    settings = dataclasses.asdict(config) | {"appworld_root": config.data_root()}
+    settings = dataclasses.asdict(config) | {"appworld_root": config.data_root(),
+                                             "scratch_dir": scratch_dir}
     hello = self._request(settings, config.start_timeout_s, "starting")
     if not hello["ok"]:
       self.close()

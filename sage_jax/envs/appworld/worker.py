@@ -320,7 +320,7 @@ class Worker:
       result = evaluation.evaluate(self.data, self.apps, self.task_id, self.experiment,
                                    os.path.join(self.output_directory, "dbs"),
                                    confine=s["sandbox"] != "off",
-                                   timeout=s["evaluation_timeout_s"])
+                                   timeout=s["evaluation_timeout_s"], scratch_dir=s["scratch_dir"])
     if "refused" in result:
       return {"success": False, "num_passed": 0, "num_failed": 0, "failed_requirements": [],
               "refused": result["refused"]}
