@@ -1,6 +1,6 @@
 r"""Benchmarks the AppWorld environment pool on the mini world; prints JSON.
 
-  python bench/envpool.py [--calls=200] [--repeats=2]
+  python bench/envpool.py [--calls=200] [--repeats=2] [--only_calls]
 
 Measures, in one run: gold-solution episodes per second (start, execute, evaluate, close)
 with 1 and 2 workers; the CPU time of a gold episode through the pool (user and system time
@@ -9,7 +9,8 @@ an in-process AppWorld; the start of a pool of 1 and of --start_workers workers 
 and CPU time of all its processes: the template's spawn, imports, data check and warm-up
 world, then one fork per worker); and the per-call cost of `execute` through the pool
 against the same call made directly on an in-process AppWorld (in a child process, since
-this one must not import appworld).
+this one must not import appworld). --only_calls times that per-call cost alone: a 1-worker
+pool's calls, then the direct calls right after, so that two commits can be alternated.
 """
 
 import asyncio
@@ -31,6 +32,7 @@ from sage_jax.envs import appworld
 
 _CALLS = flags.DEFINE_integer("calls", 200, "execute calls timed for the per-call overhead.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "passes over all tasks per worker count.")
+_ONLY_CALLS = flags.DEFINE_bool("only_calls", False, "time the per-call cost of execute alone.")
 _START_WORKERS = flags.DEFINE_integer("start_workers", 8, "workers of the larger pool whose "
                                       "start is timed against a 1-worker pool's.")
 
@@ -190,34 +192,43 @@ def main(argv) -> None:
     "tasks": len(task_ids),
   }
   try:
-    for workers in (1, 2):
-      start = time.perf_counter()
-      with appworld.EnvPool(_config(root, outputs, workers, _CALLS.value)) as pool:
-        started = time.perf_counter() - start
-        entry = _episodes_per_second(pool, root, task_ids, _REPEATS.value)
-        entry["pool_start_s"] = round(started, 2)
-        if workers == 1:
-          pool_calls = _pool_call_seconds(pool, task_ids[0], _CALLS.value)
-          report["episode_cpu"] = _episode_cpu(pool, root, task_ids, outputs)
-      report[f"workers_{workers}"] = entry
-    report["speedup_2_vs_1"] = round(report["workers_2"]["episodes_per_s"]
-                                     / report["workers_1"]["episodes_per_s"], 2)
-    small, large = (_pool_start(root, outputs, n) for n in (1, _START_WORKERS.value))
-    report["pool_start"] = {"small": small, "large": large,
-                            "wall_large_over_small": round(large["wall_s"] / small["wall_s"], 2),
-                            "cpu_large_over_small": round(large["cpu_s"] / small["cpu_s"], 2)}
-    direct_calls = _direct_call_seconds(outputs, task_ids[0], _CALLS.value)
-    pool_ms = 1000 * statistics.median(pool_calls)
-    direct_ms = 1000 * statistics.median(direct_calls)
-    report["execute_call"] = {
-      "code": CALL_CODE, "calls": _CALLS.value,
-      "pool_median_ms": round(pool_ms, 3), "direct_median_ms": round(direct_ms, 3),
-      "overhead_ms": round(pool_ms - direct_ms, 3),
-      "pool_over_direct": round(pool_ms / direct_ms, 3)}
-    report["load_average_1m"] = os.getloadavg()[0]
+    if _ONLY_CALLS.value:
+      with appworld.EnvPool(_config(root, outputs, 1, _CALLS.value)) as pool:
+        pool_calls = _pool_call_seconds(pool, task_ids[0], _CALLS.value)
+      report["execute_call"] = _call_report(pool_calls, outputs, task_ids[0])
+    else:
+      for workers in (1, 2):
+        start = time.perf_counter()
+        with appworld.EnvPool(_config(root, outputs, workers, _CALLS.value)) as pool:
+          started = time.perf_counter() - start
+          entry = _episodes_per_second(pool, root, task_ids, _REPEATS.value)
+          entry["pool_start_s"] = round(started, 2)
+          if workers == 1:
+            pool_calls = _pool_call_seconds(pool, task_ids[0], _CALLS.value)
+            report["episode_cpu"] = _episode_cpu(pool, root, task_ids, outputs)
+        report[f"workers_{workers}"] = entry
+      report["speedup_2_vs_1"] = round(report["workers_2"]["episodes_per_s"]
+                                       / report["workers_1"]["episodes_per_s"], 2)
+      small, large = (_pool_start(root, outputs, n) for n in (1, _START_WORKERS.value))
+      report["pool_start"] = {"small": small, "large": large,
+                              "wall_large_over_small": round(large["wall_s"] / small["wall_s"], 2),
+                              "cpu_large_over_small": round(large["cpu_s"] / small["cpu_s"], 2)}
+      report["execute_call"] = _call_report(pool_calls, outputs, task_ids[0])
   finally:
+    report["load_average_1m"] = os.getloadavg()[0]
     shutil.rmtree(outputs, ignore_errors=True)
   print(json.dumps(report, indent=2))
+
+
+def _call_report(pool_calls: list[float], outputs: str, task_id: str) -> dict:
+  """The pool's per-call medians against direct calls timed now."""
+  direct_calls = _direct_call_seconds(outputs, task_id, _CALLS.value)
+  pool_ms = 1000 * statistics.median(pool_calls)
+  direct_ms = 1000 * statistics.median(direct_calls)
+  return {"code": CALL_CODE, "calls": _CALLS.value,
+          "pool_median_ms": round(pool_ms, 3), "direct_median_ms": round(direct_ms, 3),
+          "overhead_ms": round(pool_ms - direct_ms, 3),
+          "pool_over_direct": round(pool_ms / direct_ms, 3)}
 
 
 if __name__ == "__main__":
