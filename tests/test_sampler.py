@@ -351,6 +351,31 @@ def test_a_prompt_that_a_slot_holds_is_copied_not_prefilled(model):
     assert result.prefilled_tokens == len(p)
 
 
+def test_a_prompt_copies_the_longest_prefix_that_a_slot_holds(model):
+  """Agent prompts share their system prompt: a first turn copies the longest prefix of its
+  prompt that any slot holds (a decoding slot's, a freed one's), when it is at least the
+  smallest prefill chunk, and prefills only the rest; each sequence samples the tokens and
+  both logprobs that it samples alone (the repetition penalty reads its presence row)."""
+  system, a, b, c = _prompts([40, 13, 30, 9], seed=22)
+  assert b[0] != a[0] and c[0] != a[5] and c[0] != system[6]  # no longer shared prefixes
+  prompts = [system + a, system + b, system + a[:5] + c, system[:6] + c, system + a + c]
+  params = SamplingParams(temperature=1.0, repetition_penalty=1.5, max_new_tokens=10)
+  seeds = [1, 2, 3, 4, 5]
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  results = engine.generate(prompts, params, seeds=seeds)
+  # system (40); system + a[:5] (45); none (6 < 8, the smallest chunk); all of system + a
+  # but its last token, which the first sequence held (52).
+  copied = 40 + 45 + 52
+  assert engine.stats.prefill_copied_tokens == copied
+  assert engine.stats.prefill_tokens == sum(len(p) - 1 for p in prompts) - copied
+  for p, seed, result in zip(prompts, seeds, results):
+    alone = Engine(model, ENGINE, eos_ids=NO_EOS).generate([p], params, seeds=[seed])[0]
+    assert result.tokens == alone.tokens
+    np.testing.assert_allclose(result.model_logprobs, alone.model_logprobs, atol=1e-5)
+    np.testing.assert_allclose(result.sample_logprobs, alone.sample_logprobs, atol=1e-5)
+    assert result.prefilled_tokens == len(p)
+
+
 def test_continuous_batching_beats_static_batching(model):
   prompts = _prompts([10, 4, 20, 8, 6, 15, 3, 9], seed=4)
   budgets = [30, 2, 3, 25, 2, 4, 3, 2]

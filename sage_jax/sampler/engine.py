@@ -5,9 +5,10 @@ string, per-turn budget, full context) while the other slots keep decoding; the 
 either appends tokens (an observation plus the next assistant header: only those are
 prefilled, the history stays in the cache) or frees the slot for a waiting sequence
 (continuous batching). Long inputs are prefilled one chunk per engine step, between decode
-blocks, so they never stall the decoding slots for long. A first turn whose prompt a slot
-already holds (a GRPO group's rollouts start from one prompt) copies that slot's cache rows
-instead of prefilling: the values its own prefill would compute, so its tokens are the same.
+blocks, so they never stall the decoding slots for long. A first turn whose prompt starts
+with tokens a slot already holds (a GRPO group's rollouts start from one prompt; every agent
+prompt starts with the same system prompt) copies that slot's cache rows for the longest
+such prefix and prefills only the rest: the values its own prefill would compute.
 
 Every shape the device sees comes from a fixed set of buckets (prefill chunk lengths,
 attention windows), so after `warmup()` nothing compiles again.
@@ -87,8 +88,9 @@ class TurnResult:
   tokens: the sampled ids of this turn (a stop string's turn ends with the token that
   completes it). sample_logprobs / model_logprobs: per token, under the sampling
   distribution and under the unmodified model distribution. prefilled_tokens: input tokens
-  the model ingested for this turn: the prompt (prefilled, or copied from a slot that held
-  it), or the previous turn's last sampled token plus the appended ones. decode_steps: decode
+  the model ingested for this turn: the prompt (prefilled, or in part or whole copied from a
+  slot that held its first tokens), or the previous turn's last sampled token plus the
+  appended ones. decode_steps: decode
   steps this sequence ran in the turn (tokens cut after a stop string included). length:
   tokens in the sequence after the turn.
   """
@@ -112,7 +114,7 @@ class EngineStats:
   prefill_calls: int = 0
   prefill_tokens: int = 0
   prefill_padded_tokens: int = 0
-  prefill_copied_tokens: int = 0  # prompt tokens copied from a slot holding the same prompt
+  prefill_copied_tokens: int = 0  # prompt tokens copied from a slot holding them
   generated_tokens: int = 0
 
 
@@ -134,7 +136,7 @@ class _Sequence:
   prefilled: int = 0
   decode_steps: int = 0
   held: set[int] = dataclasses.field(default_factory=set)  # every id the sequence holds
-  prompt: tuple[int, ...] | None = None  # the first turn's input but its last id, until cached
+  prompt: np.ndarray | None = None  # the first turn's input but its last id, until cached
 
 
 class Engine:
@@ -172,7 +174,7 @@ class Engine:
     # The prompt whose keys and values fill the first positions of each slot's cache rows
     # (a first turn's whole input but its last token), kept after its sequence is freed,
     # until a new sequence writes there.
-    self._slot_prompts: list[tuple[int, ...] | None] = [None] * cfg.num_slots
+    self._slot_prompts: list[np.ndarray | None] = [None] * cfg.num_slots
     self._seqs: dict[int, _Sequence] = {}
     self._waiting: collections.deque[_Sequence] = collections.deque()
     self._prefilling: collections.deque[_Sequence] = collections.deque()
@@ -198,7 +200,7 @@ class Engine:
     self._seqs[seq.seq_id] = seq
     self._begin_turn(seq, prompt, start=0)
     if seq.phase == "waiting" and seq.feed:
-      seq.prompt = tuple(seq.feed)
+      seq.prompt = np.asarray(seq.feed, np.int32)
     return seq.seq_id
 
   def append(self, seq_id: int, new_ids: Sequence[int],
@@ -380,17 +382,34 @@ class Engine:
 
   def _admit(self) -> None:
     """Gives waiting sequences free slots: one that holds the sequence's prompt, else one that
-    holds no prompt, else any."""
+    holds no prompt, else any. A slot's prompt stays held until its new sequence's first
+    prefill (`_prefill_chunk`), so that prompts sharing its first tokens can still copy them."""
     while self._waiting and None in self._slots:
       seq = self._waiting.popleft()
       free = [s for s, held in enumerate(self._slots) if held is None]
-      seq.slot = min(free, key=lambda s: (seq.prompt is None or self._slot_prompts[s] != seq.prompt,
+      seq.slot = min(free, key=lambda s: (not self._holds_whole(s, seq.prompt),
                                           self._slot_prompts[s] is not None, s))
-      if self._slot_prompts[seq.slot] != seq.prompt:
+      if seq.prompt is None:
         self._slot_prompts[seq.slot] = None  # the new sequence writes from position 0
       self._slots[seq.slot] = seq
       seq.phase = "prefill"
       self._prefilling.append(seq)
+
+  def _holds_whole(self, slot: int, prompt: np.ndarray | None) -> bool:
+    held = self._slot_prompts[slot]
+    return prompt is not None and held is not None and np.array_equal(held, prompt)
+
+  def _longest_held_prefix(self, prompt: np.ndarray) -> tuple[int, int]:
+    """(slot, n): a slot whose held prompt starts with the first n tokens of `prompt`, n the
+    largest (0 if none does)."""
+    best = (0, 0)
+    for slot, held in enumerate(self._slot_prompts):
+      if held is not None:
+        n = min(len(held), len(prompt))
+        differ = np.flatnonzero(held[:n] != prompt[:n])
+        n = int(differ[0]) if differ.size else n
+        best = max(best, (n, -slot))
+    return -best[1], best[0]
 
   def _activate(self, seq: _Sequence) -> None:
     s, st, sp = seq.slot, self._state, seq.sampling
@@ -445,13 +464,18 @@ class Engine:
       self._presence = steps.unmark(self._presence, np.int32(slot), padded)
 
   def _prefill_chunk(self) -> int:
-    """Prefills the next chunk of the oldest pending input; returns its length."""
+    """Prefills the next chunk of the oldest pending input; returns its length. A first turn
+    starts by copying the longest prefix of its prompt that a slot holds, when that prefix is
+    at least the smallest prefill chunk."""
     seq = self._prefilling[0]
-    if seq.prompt is not None and seq.feed_start == 0 and seq.prompt in self._slot_prompts:
-      self._copy_prompt(self._slot_prompts.index(seq.prompt), seq.slot, seq.prompt,
-                        self._attend_bucket(len(seq.prompt)))
-      self.stats.prefill_copied_tokens += len(seq.prompt)
-      seq.feed, seq.feed_start = [], len(seq.prompt)
+    if seq.prompt is not None and seq.feed_start == 0:
+      src, shared = self._longest_held_prefix(seq.prompt)
+      if not self._holds_whole(seq.slot, seq.prompt):
+        self._slot_prompts[seq.slot] = None  # the sequence writes its own prompt from here
+      if shared >= self.config.prefill_buckets[0]:
+        self._copy_prompt(src, seq.slot, seq.prompt[:shared], self._attend_bucket(shared))
+        self.stats.prefill_copied_tokens += shared
+        seq.feed, seq.feed_start = seq.feed[shared:], shared
     buckets = self.config.prefill_buckets
     chunk = seq.feed[:buckets[-1]]
     if chunk:
