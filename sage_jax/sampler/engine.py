@@ -8,7 +8,8 @@ prefilled, the history stays in the cache) or frees the slot for a waiting seque
 blocks, so they never stall the decoding slots for long. A first turn whose prompt starts
 with tokens a slot already holds (a GRPO group's rollouts start from one prompt; every agent
 prompt starts with the same system prompt) copies that slot's cache rows for the longest
-such prefix and prefills only the rest: the values its own prefill would compute.
+such prefix and prefills only the rest: the values its own prefill computes (for a part of
+its prompt, up to the float rounding of prefilling the rest in other chunks).
 
 Every shape the device sees comes from a fixed set of buckets (prefill chunk lengths,
 attention windows), so after `warmup()` nothing compiles again.
@@ -90,9 +91,8 @@ class TurnResult:
   distribution and under the unmodified model distribution. prefilled_tokens: input tokens
   the model ingested for this turn: the prompt (prefilled, or in part or whole copied from a
   slot that held its first tokens), or the previous turn's last sampled token plus the
-  appended ones. decode_steps: decode
-  steps this sequence ran in the turn (tokens cut after a stop string included). length:
-  tokens in the sequence after the turn.
+  appended ones. decode_steps: decode steps this sequence ran in the turn (tokens cut after a
+  stop string included). length: tokens in the sequence after the turn.
   """
 
   seq_id: int
