@@ -351,6 +351,15 @@ def test_a_prompt_that_a_slot_holds_is_copied_not_prefilled(model):
     assert result.prefilled_tokens == len(p)
 
 
+def test_a_short_prompt_that_a_slot_holds_whole_is_copied(model):
+  """A whole prompt is copied however short (shorter than the smallest prefill chunk)."""
+  (prompt,) = _prompts([5], seed=23)
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  first, second = engine.generate([prompt, prompt], GREEDY, seeds=[1, 2])
+  assert engine.stats.prefill_copied_tokens == engine.stats.prefill_tokens == len(prompt) - 1
+  assert first.tokens == second.tokens
+
+
 def test_a_prompt_copies_the_longest_prefix_that_a_slot_holds(model):
   """Agent prompts share their system prompt: a first turn copies the longest prefix of its
   prompt that any slot holds (a decoding slot's, a freed one's), when it is at least the

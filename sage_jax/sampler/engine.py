@@ -466,13 +466,14 @@ class Engine:
   def _prefill_chunk(self) -> int:
     """Prefills the next chunk of the oldest pending input; returns its length. A first turn
     starts by copying the longest prefix of its prompt that a slot holds, when that prefix is
-    at least the smallest prefill chunk."""
+    its whole prompt or at least the smallest prefill chunk (every chat prompt shares its
+    first few tokens: not worth a device call of their own)."""
     seq = self._prefilling[0]
     if seq.prompt is not None and seq.feed_start == 0:
       src, shared = self._longest_held_prefix(seq.prompt)
       if not self._holds_whole(seq.slot, seq.prompt):
         self._slot_prompts[seq.slot] = None  # the sequence writes its own prompt from here
-      if shared >= self.config.prefill_buckets[0]:
+      if shared == len(seq.prompt) or shared >= self.config.prefill_buckets[0]:
         self._copy_prompt(src, seq.slot, seq.prompt[:shared], self._attend_bucket(shared))
         self.stats.prefill_copied_tokens += shared
         seq.feed, seq.feed_start = seq.feed[shared:], shared
