@@ -157,8 +157,7 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
       instruction = read_task_specs(ctx.appworld_root, task_id)["instruction"]
       skills = ctx.retriever.retrieve(library, scenario=chain.scenario, instruction=instruction)
       code = install_code(skills)
-    difficulty, retried_errors = read_difficulty(ctx.appworld_root, task_id), []
-    retried_tokens = retried_generated = 0
+    difficulty, failed = read_difficulty(ctx.appworld_root, task_id), []  # earlier attempts
     while True:
       async with ctx.pool.episode(task_id, experiment, library_code=code) as episode:
         trace = await agent_lib.run_task(
@@ -170,17 +169,15 @@ async def run_chain(ctx: RolloutContext, chain: Chain, *, group: int, rollout: i
           trace, episode.result, chain_position=position, group=group, rollout=rollout,
           experiment=experiment, used_skill_sources={s.name: s.source_task for s in used},
           difficulty=difficulty)
-      if not record.env_failed or len(retried_errors) == retries:
+      if not record.env_failed or len(failed) == retries:
         break
-      error = "; ".join(record.errors)
       logging.warning("The environment failed under task %s of experiment %s (attempt %d of "
-                      "%d), playing it again: %s", task_id, experiment,
-                      len(retried_errors) + 1, retries + 1, error[:2000])
-      retried_errors.append(error)
-      retried_tokens += len(record.tokens)
-      retried_generated += record.generated_tokens
-    record.retried_errors = retried_errors
-    record.retried_tokens, record.retried_generated_tokens = retried_tokens, retried_generated
+                      "%d), playing it again: %s", task_id, experiment, len(failed) + 1,
+                      retries + 1, "; ".join(record.errors)[:2000])
+      failed.append(record)
+    record.retried_errors = ["; ".join(f.errors) for f in failed]
+    record.retried_tokens = sum(len(f.tokens) for f in failed)
+    record.retried_generated_tokens = sum(f.generated_tokens for f in failed)
     if library is not None and ctx.agent.use_library:
       library.record_use(used, record.success)
       library.save(trace.saved, scenario=chain.scenario, task_id=task_id,
