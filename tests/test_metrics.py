@@ -15,8 +15,10 @@ def test_task_metrics_definitions():
   # Rollout 0: task 1 writes f, task 2 uses it and succeeds (both bonuses fire).
   # Rollout 1: task 1 succeeds, task 2 uses f but fails; one of its turns was cut.
   # Rollout 2: task 1 ends without code, task 2's environment failed.
+  # Rollout 1's f asked nothing of the apps (an idle use).
   r = [rec(0, True, generated=["f"], rollout=0), rec(1, True, used=["f"], rollout=0),
-       rec(0, True, generated=["f"], rollout=1), rec(1, False, used=["f"], rollout=1),
+       rec(0, True, generated=["f"], rollout=1),
+       rec(1, False, used=["f"], idle=["f"], rollout=1),
        rec(0, False, no_code=1, rollout=2), rec(1, False, rollout=2)]
   r[3].truncated_turns = 1
   r[5].errors = ["worker exited"]
@@ -31,6 +33,7 @@ def test_task_metrics_definitions():
   # Later-position tasks: r1, r3, r5; used a skill: r1, r3 (r5 saw one and did not use it).
   assert m["later_skill_usage_rate"] == pytest.approx(200 / 3)
   assert m["p_success_given_use"] == 50.0
+  assert m["idle_use_rate"] == 50.0  # of r1 and r3
   assert m["w_use_rate"] == m["w_gen_rate"] == pytest.approx(100 / 6)  # r1 and r0
   assert m["no_code_rate"] == m["truncation_rate"] == pytest.approx(100 / 6)
   assert m["no_code_rate/pos0"] == pytest.approx(100 / 3) and m["no_code_rate/pos1"] == 0.0

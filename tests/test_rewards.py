@@ -9,7 +9,7 @@ from sage_jax.rl.episode import EpisodeRecord
 
 
 def rec(k, success, *, used=(), sources=None, generated=(), no_code=0, steps=1, fraction=None,
-        task=None, group=0, rollout=0):
+        task=None, group=0, rollout=0, idle=()):
   """A record of chain position k (task id 's_<k+1>' unless given)."""
   n = 4
   return EpisodeRecord(
@@ -18,7 +18,7 @@ def rec(k, success, *, used=(), sources=None, generated=(), no_code=0, steps=1, 
       loss_mask=np.zeros(n, np.int8), sampler_logprobs=np.zeros(n, np.float32),
       model_logprobs=np.zeros(n, np.float32), turns=[],
       events=SkillEvents(generated=tuple(generated), used=tuple(used),
-                         saved=tuple(generated)),
+                         saved=tuple(generated), idle_uses=tuple(idle)),
       used_skill_sources=dict(sources if sources is not None
                               else {u: "s_1" for u in used}),
       visible_skills=tuple(used), num_steps=steps, generated_tokens=10, no_code_turns=no_code,
@@ -70,6 +70,20 @@ def test_redefinition_is_not_use():
   chain = [rec(0, True, generated=["f"]), rec(1, True)]
   chain[1].events = SkillEvents(updated=("f",), saved=("f",))
   assert rewards.chain_rewards(chain, SAGE) == [1.0, 1.0]
+
+
+def test_idle_uses_earn_the_bonuses_unless_told_not_to():
+  # Task 2 used "f", whose calls made no app request (e.g. `def f(): pass`), and "g", which
+  # did: only "g" pays when idle uses are not credited, and "g" came from another task.
+  strict = rewards.RewardConfig(credit_idle_uses=False)
+  chain = [rec(0, True, generated=["f"]), rec(1, True, used=["f"], idle=["f"])]
+  assert rewards.chain_rewards(chain, SAGE) == [2.0, 2.0]  # the paper's: every use pays
+  assert rewards.chain_rewards(chain, strict) == [1.0, 1.0]
+  chain = [rec(0, True, generated=["f"]),
+           rec(1, True, used=["f", "g"], idle=["f"], sources={"f": "s_1", "g": "other_1"})]
+  assert rewards.chain_rewards(chain, strict) == [1.0, 2.0]
+  assert not rewards.generation_credited(chain, 0, credit_idle_uses=False)
+  assert rewards.generation_credited(chain, 0)
 
 
 def test_skill_from_elsewhere_gets_use_but_no_generation_credit():

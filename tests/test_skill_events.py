@@ -189,6 +189,40 @@ def test_gaming_attempts_are_not_use(pool, gold):
   assert e.used == () and e.updated == (SKILL,) and e.saved == (SKILL,)
 
 
+def test_a_use_whose_calls_ask_nothing_of_the_apps_is_idle(pool, gold):
+  first, _ = gold
+  library = first[:first.index(f"\n\n\n{SKILL}(")] + "\n\n" + block("""
+      def nothing():
+          return None
+
+      def docs_only():
+          return apis.api_docs.show_app_descriptions()
+
+      def through(f):
+          return f()
+
+      def profile_pages():
+          yield apis.supervisor.show_profile()
+
+      def first_page():
+          for page in profile_pages():
+              return page
+      """)
+  code = block(f"""
+      nothing()
+      docs_only()
+      through(lambda: {SKILL}('Hardware store', '~/documents/hardware_store.txt'))
+      through(nothing)
+      first_page()
+      """)
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_2", [code], library)
+  e = tracker.events()
+  assert e.used == tuple(sorted((SKILL, "nothing", "docs_only", "through", "profile_pages",
+                                 "first_page")))
+  # `through` made a request in one of its calls (the skill's), not in the other.
+  assert e.idle_uses == ("docs_only", "nothing")
+
+
 def test_a_block_is_read_as_appworld_runs_it_and_builtin_names_are_not_saved(pool):
   """AppWorld runs a block stripped, so a leading \r (a line break to Python, not to a
   count of newlines) shifted every recorded line by one: the version of `f` that never ran
@@ -234,7 +268,11 @@ def test_rewards_pay_only_for_skills_that_ran(pool, gold, mini_root, tok):  # no
       "dead_branch": ([fenced(f"if False:\n    {MISSING}\n{by_hand}")], [1.0, 1.0], ()),
       "raised_then_by_hand": ([fenced(MISSING), fenced(by_hand)], [1.0, 1.0], ()),
       "redefined_after_failure": ([fenced(MISSING), fenced(task2)], [1.0, 1.0], ()),
+      # Task 1 also saved a skill that does nothing, which task 2 calls: paid for by default,
+      # not when idle uses earn nothing (below).
+      "idle": ([fenced(f"noop()\n{by_hand}")], [2.0, 2.0], ("noop",)),
   }
+  first_turns = {"idle": fenced("def noop():\n    return None\n\nnoop()\n\n" + first)}
   agent = AgentConfig()
   base = rollout.RolloutContext(None, pool, tok, agent, Retriever(), mini_root)
   chain = rollout.Chain(SCENARIO, (f"{SCENARIO}_1", f"{SCENARIO}_2"))
@@ -242,7 +280,8 @@ def test_rewards_pay_only_for_skills_that_ran(pool, gold, mini_root, tok):  # no
   async def run_all():
     jobs = []
     for g, (turns, _, _) in enumerate(cases.values()):
-      policy = ReplayPolicy({chain.task_ids[0]: [fenced(first)], chain.task_ids[1]: turns}, tok)
+      turn = first_turns.get(list(cases)[g], fenced(first))
+      policy = ReplayPolicy({chain.task_ids[0]: [turn], chain.task_ids[1]: turns}, tok)
       ctx = dataclasses.replace(base, policy=policy)
       jobs.append(rollout.run_chain(ctx, chain, group=g, rollout=0, experiment=f"reward{g}",
                                     library=SkillLibrary()))
@@ -255,6 +294,11 @@ def test_rewards_pay_only_for_skills_that_ran(pool, gold, mini_root, tok):  # no
     assert rewards.chain_rewards(records, rewards.RewardConfig()) == expected, name
   redefined = results[list(cases).index("redefined_after_failure")][1]
   assert redefined.events.updated == (SKILL,) and redefined.used_skill_sources == {}
+  idle = results[list(cases).index("idle")]
+  assert idle[0].events.saved == ("noop", SKILL) and idle[1].events.idle_uses == ("noop",)
+  strict = rewards.RewardConfig(credit_idle_uses=False)
+  assert rewards.chain_rewards(idle, strict) == [1.0, 1.0]
+  assert rewards.chain_rewards(results[0], strict) == [2.0, 2.0]  # the skill's use requests
 
 
 def test_install_code_round_trip_is_traced_as_library(pool, gold):

@@ -30,9 +30,12 @@ was never reached (`if False: f()`), or was replaced after failing is not used. 
 skill returned when it ran to its end or its consumer closed it; one that yielded and then
 raised did not.
 
-Diagnostics only (no reward reads them): `mentioned`, the library skills the executed code
-names in calls reachable from its top level (static analysis of the text);
-`failed_uses`, library skills called that never returned; `failed_definitions`, names the
+Diagnostics: `idle_uses`, the used library skills none of whose returned calls made an app
+request (an API call other than to `api_docs`), i.e. skills that ask nothing of the apps; the
+rewards leave them out only with `RewardConfig.credit_idle_uses=False` (else a `def f(): pass`
+saved in one task and called in the next earns both bonuses). `mentioned`, the library
+skills the executed code names in calls reachable from its top level (static analysis of the
+text); `failed_uses`, library skills called that never returned; `failed_definitions`, names the
 task defined but saved no definition of (none ran successfully, or none can be saved);
 `untraced_blocks`, blocks whose call records were incomplete (their calls are ignored).
 """
@@ -335,6 +338,7 @@ class Call:
   returned: int
   raised: int
   discarded: int = 0  # returned inside a call that raised
+  requested: int = 0  # of the returned calls, those that made an app request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,6 +366,7 @@ class SkillEvents:
   updated: tuple[str, ...] = ()
   saved: tuple[str, ...] = ()
   # diagnostics
+  idle_uses: tuple[str, ...] = ()  # used, but no returned call made an app request
   mentioned: tuple[str, ...] = ()
   failed_uses: tuple[str, ...] = ()
   failed_definitions: tuple[str, ...] = ()
@@ -384,6 +389,7 @@ class SkillTracker:
     # bound by the end of the last block in which one of its calls returned.
     self._ran: dict[tuple, FunctionInfo] = {}
     self._used: set[str] = set()
+    self._requesting: set[str] = set()  # used, with a returned call that made an app request
     self._library_called: set[str] = set()
     self._task_functions: dict[str, FunctionInfo] = {}  # latest text definition (static)
     # name -> (when, how) the task's executed blocks last bound it in module scope
@@ -419,6 +425,8 @@ class SkillTracker:
           self._library_called.add(call.name)
           if call.returned:
             self._used.add(call.name)
+          if call.requested:
+            self._requesting.add(call.name)
       elif call.returned and (key := (call.block, call.line, call.name)) in self._definitions:
         carried = self._carrying(self._definitions[key][1])
         if carried.installable:  # else it cannot be saved: its `def` fails elsewhere
@@ -479,7 +487,8 @@ class SkillTracker:
         generated=tuple(n for n in saved if n not in self._library),
         used=tuple(sorted(self._used)),
         updated=tuple(n for n in saved if n in self._library),
-        saved=tuple(saved), mentioned=tuple(sorted(self._mentioned)),
+        saved=tuple(saved), idle_uses=tuple(sorted(self._used - self._requesting)),
+        mentioned=tuple(sorted(self._mentioned)),
         failed_uses=tuple(sorted(self._library_called - self._used)),
         failed_definitions=tuple(sorted(defined - set(saved))),
         syntax_errors=self._syntax_errors, untraced_blocks=self._untraced)

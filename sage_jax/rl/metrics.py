@@ -15,6 +15,9 @@ All rates are percentages (None when their denominator is empty):
 - success_skill_usage_rate: among tasks that had library skills, those that used one and
   succeeded.
 - p_success_given_use: among tasks that used a library skill, those that succeeded.
+- idle_use_rate: among tasks that used a library skill, those none of whose used skills made an
+  app request (`SkillEvents.idle_uses`): the uses `RewardConfig.credit_idle_uses=False` does
+  not pay for, and a sign of a policy paid for skills that do nothing.
 - w_use_rate / w_gen_rate: tasks for which SAGE's skill-usage / skill-generation bonus fires
   (`rl.rewards`: a later-position task that succeeded using a library skill; a task whose
   saved skill a later successful task of its chain used), whatever the reward variant.
@@ -93,6 +96,8 @@ def task_metrics(records: Sequence[EpisodeRecord], *, unit: str = "scenario") ->
       "success_skill_usage_rate": _pct(sum(r.used_skill and r.success for r in with_library),
                                        len(with_library)),
       "p_success_given_use": _pct(sum(r.success for r in users), len(users)),
+      "idle_use_rate": _pct(sum(set(r.events.used) <= set(r.events.idle_uses) for r in users),
+                            len(users)),
       "w_use_rate": _pct(sum(r.chain_position > 0 and r.success and r.used_skill
                              for r in records), len(records)),
       "w_gen_rate": _pct(w_gen, len(records)),

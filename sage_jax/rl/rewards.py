@@ -13,7 +13,10 @@ passed.
     + w_use  if k > 0 and task k succeeded and used a library skill (skill-usage reward).
   "used" and "saved" are the run-time events of `agent.skills`: a library skill counts as used
   only when a call of it returned, so swallowed exceptions, dead branches and skills replaced
-  after failing earn no bonus.
+  after failing earn no bonus. With credit_idle_uses=False, a use also needs a returned call
+  that made an app request (`SkillEvents.idle_uses` are left out): a skill that asks nothing
+  of the apps (`def f(): pass`, saved by one task and called by the next) then earns neither
+  bonus. The default (True) pays for every use, as the paper defines it.
   For K > 2 this is the natural generalisation: a task is credited once (not per later
   user) for a skill version it wrote that a later successful task used; credit goes to the
   task that saved the version that ran, so a task that updated a skill earns it, and every
@@ -46,14 +49,15 @@ OUTCOMES = ("success", "fraction")
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   """variant: "outcome", "chain" or "sage". outcome: "success" or "fraction" (of tests
-  passed). w_gen / w_use: SAGE's skill-generation and skill-usage weights. chain_bonus: the
-  chain-based bonus. no_code_penalty / no_code_mode / truncated_turns: see the module
-  docstring."""
+  passed). w_gen / w_use: SAGE's skill-generation and skill-usage weights. credit_idle_uses:
+  whether a skill use with no app request earns them. chain_bonus: the chain-based bonus.
+  no_code_penalty / no_code_mode / truncated_turns: see the module docstring."""
 
   variant: str = "sage"
   outcome: str = "success"
   w_gen: float = 1.0
   w_use: float = 1.0
+  credit_idle_uses: bool = True
   chain_bonus: float = 1.0
   no_code_penalty: float = -1.0
   no_code_mode: str = "any"
@@ -86,10 +90,20 @@ def no_code(record: EpisodeRecord, config: RewardConfig) -> bool:
   return turns > 0
 
 
-def generation_credited(chain: Sequence[EpisodeRecord], k: int) -> bool:
+def credited_uses(record: EpisodeRecord, credit_idle_uses: bool = True) -> dict[str, str]:
+  """The library skills `record` used that earn the bonuses -> the task that saved each one's
+  version: every use, or only those that made an app request."""
+  if credit_idle_uses:
+    return record.used_skill_sources
+  return {name: source for name, source in record.used_skill_sources.items()
+          if name not in record.events.idle_uses}
+
+
+def generation_credited(chain: Sequence[EpisodeRecord], k: int,
+                        credit_idle_uses: bool = True) -> bool:
   """Whether a later task of the chain succeeded using a skill version task k saved."""
   source = chain[k].task_id
-  return any(later.success and source in later.used_skill_sources.values()
+  return any(later.success and source in credited_uses(later, credit_idle_uses).values()
              for later in chain[k + 1:])
 
 
@@ -112,11 +126,11 @@ def chain_rewards(chain: Sequence[EpisodeRecord], config: RewardConfig) -> list[
           reward += config.chain_bonus
         record.reward_unknown = chain_unknown
       elif config.variant == "sage":
-        if generation_credited(chain, k):
+        if generation_credited(chain, k, config.credit_idle_uses):
           reward += config.w_gen
         elif record.events.saved:  # a failed later task might have used what it saved
           record.reward_unknown = any(later.env_failed for later in chain[k + 1:])
-        if k > 0 and record.success and record.used_skill:
+        if k > 0 and record.success and credited_uses(record, config.credit_idle_uses):
           reward += config.w_use
     record.reward = float(reward)
     rewards.append(float(reward))

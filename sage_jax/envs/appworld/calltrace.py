@@ -30,6 +30,11 @@ What is recorded, per world:
   yielded into raised, it is discarded. One created and never started counts nothing.
   (CPython 3.13 closes a generator suspended outside `try` without running it: the block's
   end settles it.)
+- Requested: of a function's returned calls, those during which the code made an app request
+  (a call of `request_code`, AppWorld's `Requester.request`, for an app other than `api_docs`:
+  reading documentation changes nothing). A recorded call is marked when such a request starts
+  while it is in progress (in it, or in anything it called, a generator's resumes included),
+  so that a skill that asks nothing of the apps (`def f(): pass`) can be told apart.
 - If the executed code replaced or removed the hook, the block's trace is marked incomplete.
 
 Only the worker process imports this module (it inspects IPython, which AppWorld runs).
@@ -67,29 +72,31 @@ class _Function:
   """A registered module-scope function: where it was defined and how its calls ended."""
 
   __slots__ = ("code", "block", "line", "name", "suspendable", "coroutine", "returned",
-               "raised", "discarded")
+               "raised", "discarded", "requested")
 
   def __init__(self, code: types.CodeType, block: Any, line: int):
     self.code, self.block, self.line, self.name = code, block, line, code.co_name
     self.suspendable = bool(code.co_flags & _SUSPENDABLE)
     self.coroutine = bool(code.co_flags & _COROUTINE)
-    self.returned = self.raised = self.discarded = 0
+    self.returned = self.raised = self.discarded = self.requested = 0
 
-  def counts(self) -> tuple[int, int, int]:
-    return self.returned, self.raised, self.discarded
+  def counts(self) -> tuple[int, int, int, int]:
+    return self.returned, self.raised, self.discarded, self.requested
 
 
 class _Calls:
-  """What returned inside a recorded call (or a generator's resumes) so far, counted once the
-  outermost recorded call around them has returned, and the generators that yielded into it
-  (discarded if it raises)."""
+  """What returned inside a recorded call (or a generator's resumes) so far, each with whether
+  it made an app request, counted once the outermost recorded call around them has returned;
+  the generators that yielded into it (discarded if it raises); whether an app request was
+  made during it."""
 
-  __slots__ = ("function", "inside", "generators")
+  __slots__ = ("function", "inside", "generators", "requested")
 
   def __init__(self, function: _Function):
     self.function = function
-    self.inside: list[_Function] = []
+    self.inside: list[tuple[_Function, bool]] = []
     self.generators: dict[int, _Generator] = {}  # by id: a generator yields many times
+    self.requested = False
 
   def absorb(self, other: "_Calls") -> None:
     self.inside += other.inside
@@ -122,10 +129,13 @@ class _Running(_Calls):
 
 
 class CallTracer:
-  """Call records of one world's blocks (make one per world)."""
+  """Call records of one world's blocks (make one per world). `request_code`: the code of
+  AppWorld's `Requester.request`, through which the executed code's API calls pass (None:
+  no call counts as requested)."""
 
-  def __init__(self):
+  def __init__(self, request_code: types.CodeType | None = None):
     self._run_code = _run_code_frame_code()
+    self._request_code = request_code
     self._next_block = 0
     self._functions: dict[int, _Function] = {}  # id(code) -> function (keeps the code alive)
     self._block: Any = None
@@ -161,13 +171,15 @@ class CallTracer:
   def calls(self) -> list[dict]:
     """The functions called during the last block (any block's functions): their defining
     block, line, name, and how many of the block's calls returned, raised, or returned
-    inside a call that raised (discarded)."""
+    inside a call that raised (discarded), and how many of those that returned made an app
+    request (requested)."""
     out = []
     for key, before in self._touched.items():
       f = self._functions[key]
-      returned, raised, discarded = (now - then for now, then in zip(f.counts(), before))
+      returned, raised, discarded, requested = (
+          now - then for now, then in zip(f.counts(), before))
       out.append({"block": f.block, "line": f.line, "name": f.name, "returned": returned,
-                  "raised": raised, "discarded": discarded})
+                  "raised": raised, "discarded": discarded, "requested": requested})
     return out
 
   # --- the hook ------------------------------------------------------------------------------
@@ -175,6 +187,11 @@ class CallTracer:
   def _global(self, frame: types.FrameType, event: str, arg: Any):
     del event, arg  # the global hook only sees "call"
     code = frame.f_code
+    if code is self._request_code:
+      if frame.f_locals.get("_app_name") != "api_docs":
+        for running in self._stack:
+          running.requested = True
+      return None
     function = self._functions.get(id(code))
     if function is not None and function.code is code:
       generator = None
@@ -223,6 +240,7 @@ class CallTracer:
       self._settle(running, "returned" if op in _RETURN_OPS else "raised")
       return
     generator.absorb(running)
+    generator.requested |= running.requested  # across its resumes
     exception = running.exception
     if op in _SUSPEND_OPS and (exception is None or exception[0] != frame.f_lasti):
       if self._stack:  # a yield into a recorded call, which may still raise
@@ -251,14 +269,16 @@ class CallTracer:
     unfinished coroutine counts nothing itself and discards what returned inside it."""
     if outcome == "returned" and self._stack:
       self._stack[-1].absorb(call)
-      self._stack[-1].inside.append(call.function)
+      self._stack[-1].inside.append((call.function, call.requested))
       return
     call.function.returned += outcome == "returned"
     call.function.raised += outcome == "raised"
     call.function.discarded += outcome == "discarded"
-    for f in call.inside:
+    call.function.requested += outcome == "returned" and call.requested
+    for f, requested in call.inside:
       if outcome == "returned":
         f.returned += 1
+        f.requested += requested
       else:
         f.discarded += 1
     for generator in call.generators.values():

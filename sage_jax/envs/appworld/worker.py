@@ -102,7 +102,7 @@ class Session:
     if s["code_guard"]:
       code_guard.guard_forward_references()
     self.world = world
-    self.tracer = calltrace.CallTracer()
+    self.tracer = calltrace.CallTracer(type(world.requester).request.__code__)
     descriptions = world.requester.request("api_docs", "show_app_descriptions", track=False)
     supervisor = world.task.supervisor
     return {
