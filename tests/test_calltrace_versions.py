@@ -17,7 +17,7 @@ import pytest
 import sage_jax.envs.appworld.calltrace as calltrace
 
 # Runs each block after the library (each time with a new tracer) in an IPython shell;
-# prints the records as JSON.
+# prints the records as JSON. `request` stands for AppWorld's `Requester.request`.
 SCRIPT = r"""
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("calltrace", sys.argv[1])
@@ -25,14 +25,17 @@ calltrace = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(calltrace)
 from IPython.core.interactiveshell import InteractiveShell
 library, blocks = json.loads(sys.argv[2])
+def request(_app_name, _api_name):
+  return {}
 shell = InteractiveShell()
+shell.user_ns["request"] = request
 run = lambda c: shell.run_cell(c, silent=True)
 records = []
 for code in blocks:
-  tracer = calltrace.CallTracer()
+  tracer = calltrace.CallTracer(request.__code__)
   tracer.run(run, library, library=True)
   _, trace = tracer.run(run, code)
-  records.append(sorted((c["name"], c["returned"], c["raised"], c["discarded"])
+  records.append(sorted((c["name"], c["returned"], c["raised"], c["discarded"], c["requested"])
                         for c in trace["calls"]))
 sys.__stdout__.write("RECORDS" + json.dumps([list(sys.version_info[:2]), records]))
 """
@@ -76,6 +79,17 @@ async def fetch(x, fail=False):
         raise ValueError(x)
     return double(x)
 
+def asks(x):
+    request("app", "api")
+    return double(x)
+
+def reads_docs():
+    return request("api_docs", "show_api_doc")
+
+def asking_pages(n):
+    for i in range(n):
+        yield asks(i)
+
 def drive(coroutine):  # an event loop's part (AppWorld's agent code may not import asyncio)
     while True:
         try:
@@ -110,6 +124,20 @@ BLOCKS = {
         (set(), {"drive", "fetch"}),
     "def first():\n    value = next(pages(5))\n    raise ValueError(value)\n\ntry:\n    first()\n"
     "except ValueError:\n    pass\n": (set(), {"double", "first", "pages"}),
+    "asks(1)\n": ({"asks", "double"}, set()),
+    "reads_docs()\n": ({"reads_docs"}, set()),
+    "try:\n    asks(None)\nexcept TypeError:\n    pass\n": (set(), {"asks", "double"}),
+    "print(list(asking_pages(2)))\n": ({"asking_pages", "asks", "double"}, set()),
+    "def outer():\n    return next(asking_pages(3))\n\nouter()\n":
+        ({"asking_pages", "asks", "double", "outer"}, set()),
+}
+# block -> names with a returned call during which an app request (not `api_docs`) was made;
+# none for the blocks not named here.
+REQUESTED = {
+    "asks(1)\n": {"asks"},  # `double` ran after the request
+    "print(list(asking_pages(2)))\n": {"asking_pages", "asks"},
+    "def outer():\n    return next(asking_pages(3))\n\nouter()\n":
+        {"asking_pages", "asks", "outer"},
 }
 
 
@@ -143,8 +171,9 @@ def _records(python: str) -> list:
 
 def test_call_records_are_what_ran():
   for (code, (returned, failed)), calls in zip(BLOCKS.items(), _records(sys.executable)):
-    assert {name for name, r, _, _ in calls if r} == returned, code
-    assert {name for name, r, _, _ in calls if not r} == failed, code
+    assert {name for name, r, _, _, _ in calls if r} == returned, code
+    assert {name for name, r, _, _, _ in calls if not r} == failed, code
+    assert {name for name, *_, requested in calls if requested} == REQUESTED.get(code, set()), code
 
 
 def test_call_records_are_the_same_on_every_installed_cpython():
