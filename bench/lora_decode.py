@@ -1,6 +1,8 @@
 r"""One decode step (all 24 layers, batch 8, 1024 cached positions) of the Qwen2.5-0.5B shape
-with plain weights (what merged adapters cost) and with unmerged rank-16 adapters on every
-projection, interleaved round by round in one process; prints JSON.
+with plain weights, with unmerged rank-16 adapters on every projection (a sampler that shares
+the trainer's arrays), and with those adapters merged into the sampling copy
+(`multihost.WeightSync` with the LoRA config: a sampler with a copy of its own), interleaved
+round by round in one process; prints JSON.
 
   python bench/lora_decode.py [--rank=16] [--batch=8] [--rounds=20] [--dtype=bfloat16]
 
@@ -30,9 +32,11 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' and com
 ATTEND = 1024
 
 
-def _decode_step(model, batch, dtype):
-  graphdef, state = nnx.split(model)
-  state = multihost.WeightSync(state, multihost.SamplerMeshConfig(param_dtype=dtype))(state)
+def _decode_step(model, batch, dtype, merge_adapters=False):
+  sync = multihost.WeightSync(nnx.state(model), multihost.SamplerMeshConfig(param_dtype=dtype),
+                              lora_config=model.config.lora if merge_adapters else
+                              lora.LoraConfig())
+  graphdef, state = nnx.split(sync.sampling_model(model))
   cfg = model.config
 
   @jax.jit
@@ -53,6 +57,7 @@ def main(argv):
   variants = {"plain": _decode_step(model, f.batch, f.dtype)}
   lora.add_adapters(model, lora.LoraConfig(rank=f.rank))
   variants["unmerged_lora"] = _decode_step(model, f.batch, f.dtype)
+  variants["merged_lora"] = _decode_step(model, f.batch, f.dtype, merge_adapters=True)
   times = {name: [] for name in variants}
   for _ in range(f.rounds):
     for name, run in variants.items():

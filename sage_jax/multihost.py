@@ -43,6 +43,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sage_jax import sharding as shd
+from sage_jax.model import lora
 
 # Environment our launchers (launch/local.py, launch/multinode.sh, launch/slurm.sbatch)
 # export for every process of a run.
@@ -363,10 +364,16 @@ class WeightSync:
   process axis out: XLA gathers what each host lacks, in one collective step that every
   process runs, and each process keeps the shards that live on its own devices. With one
   process, a matching sharding and dtype, the parameters are handed over as they are.
+
+  LoRA (`lora_config`): a copy of its own holds the adapters folded into their kernels
+  (`lora.fold_adapters`, rounded once to the sampling dtype), which the sampler reads faster
+  than unmerged adapters, at no memory cost; parameters handed over keep them unmerged (see
+  `model.lora`). `sampling_model` gives the sampler's model either way.
   """
 
   def __init__(self, params: nnx.State, config: SamplerMeshConfig = SamplerMeshConfig(),
-               rules: shd.ShardingRules = shd.ShardingRules()):
+               rules: shd.ShardingRules = shd.ShardingRules(),
+               lora_config: lora.LoraConfig = lora.LoraConfig()):
     mesh_config = config.mesh()
     local = jax.local_device_count()
     if local % config.tensor:
@@ -375,6 +382,13 @@ class WeightSync:
     self.mesh = local_mesh(mesh_config)
     self.dtype = sampling_dtype(config.param_dtype)
     self.local_shardings = shd.state_shardings(params, self.mesh, rules)
+    copies = jax.process_count() > 1 or not self._is_local_copy(params)
+    self.folds_adapters = copies and lora_config.enabled
+    if self.folds_adapters:
+      self._fold = functools.partial(lora.fold_adapters, scale=lora_config.scale,
+                                     dtype=self.dtype)
+      self.local_shardings = shd.state_shardings(jax.eval_shape(self._fold, params), self.mesh,
+                                                 rules)
     grids = host_grids(mesh_config)
     self._sync_mesh = Mesh(grids, ("process", *shd.MESH_AXES),
                            axis_types=(jax.sharding.AxisType.Auto,) * 4)
@@ -384,16 +398,24 @@ class WeightSync:
     self._reshard = jax.jit(self._cast, out_shardings=self._sync_shardings)
 
   def _cast(self, params: nnx.State) -> nnx.State:
+    if self.folds_adapters:
+      params = self._fold(params)
     if self.dtype is None:
       return params
     return jax.tree.map(lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
                         else x, params)
 
   def __call__(self, params: nnx.State) -> nnx.State:
-    if jax.process_count() == 1 and self._is_local_copy(params):
+    if not self.folds_adapters and jax.process_count() == 1 and self._is_local_copy(params):
       return params
     synced = self._reshard(params)
     return jax.tree.map(self._local_part, synced, self.local_shardings)
+
+  def sampling_model(self, model: nnx.Module) -> nnx.Module:
+    """The sampler's model: `model`'s graph (without its adapters where this copy folds them)
+    over this process's copy of its weights."""
+    graphdef = lora.base_graphdef(model) if self.folds_adapters else nnx.graphdef(model)
+    return nnx.merge(graphdef, self(nnx.state(model)))
 
   def _is_local_copy(self, params: nnx.State) -> bool:
     leaves, targets = jax.tree.leaves(params), jax.tree.leaves(self.local_shardings)

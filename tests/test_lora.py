@@ -32,6 +32,11 @@ def _randomise_b(model, seed=1):
       var.set_value(jnp.asarray(rng.normal(size=var.shape) * 0.05, jnp.float32))
 
 
+def _merged(model):
+  """The model's parameters with its adapters merged in (those of the model without them)."""
+  return lora.fold_adapters(nnx.state(model, nnx.Param), model.config.lora.scale)
+
+
 def _adapted(seed=0, targets=lora.PROJECTIONS, cfg=CFG):
   return lora.add_adapters(init_model(cfg, seed=seed), lora.LoraConfig(4, 8.0, targets))
 
@@ -62,7 +67,7 @@ def test_merged_state_equals_unmerged_forward():
   base, _ = init_model(CFG, seed=0)(TOKENS, POSITIONS)
   assert np.abs(np.asarray(unmerged) - np.asarray(base)).max() > 0.1
   plain = init_model(CFG, seed=5)
-  nnx.update(plain, lora.merged_state(model))
+  nnx.update(plain, _merged(model))
   merged, _ = plain(TOKENS, POSITIONS)
   np.testing.assert_allclose(np.asarray(merged), np.asarray(unmerged), atol=2e-5, rtol=1e-5)
 
@@ -187,7 +192,7 @@ def test_sampler_runs_unmerged_adapters_like_the_merged_model():
   adapted = lora.add_adapters(scaled(init_model(CFG, seed=0)), LORA)
   _randomise_b(adapted)
   plain = init_model(CFG, seed=5)
-  nnx.update(plain, lora.merged_state(adapted))
+  nnx.update(plain, _merged(adapted))
   engine_config = EngineConfig(num_slots=2, max_len=64, prefill_buckets=(8, 32), min_attend=32,
                                steps_per_call=4, max_top_k=16)
   prompts = [list(range(1, 12)), [5, 9, 2]]
@@ -197,3 +202,71 @@ def test_sampler_runs_unmerged_adapters_like_the_merged_model():
   for g, w in zip(got, want):
     assert g.tokens == w.tokens
     np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-4)
+
+
+def test_a_sampling_copy_holds_the_adapters_merged_and_a_shared_one_keeps_them():
+  from sage_jax import multihost  # noqa: PLC0415
+  from sage_jax.sampler import Engine, EngineConfig, SamplingParams  # noqa: PLC0415
+
+  adapted = lora.add_adapters(init_model(CFG, seed=0), LORA)
+  graphdef, state = nnx.split(adapted)  # larger weights: greedy outputs depend on the context
+  adapted = nnx.merge(graphdef, jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, state))
+  _randomise_b(adapted)
+  # Same dtype, sharding and process: the sampler shares the arrays, adapters unmerged.
+  adapted = shd.place(adapted, multihost.WeightSync(nnx.state(adapted)).mesh)
+  shared = multihost.WeightSync(nnx.state(adapted), lora_config=adapted.config.lora)
+  model = shared.sampling_model(adapted)
+  assert not shared.folds_adapters and model.layers[0].self_attn.q_proj.lora is not None
+  assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)),
+                                    jax.tree.leaves(nnx.state(adapted))))
+  # A bfloat16 copy holds the merged kernels (summed in float32, rounded once) and no adapters.
+  bf16 = multihost.SamplerMeshConfig(param_dtype="bfloat16")
+  copying = multihost.WeightSync(nnx.state(adapted), bf16, lora_config=adapted.config.lora)
+  model = copying.sampling_model(adapted)
+  assert copying.folds_adapters and not jax.tree.leaves(nnx.state(model, lora.LoraParam))
+  assert model.layers[0].self_attn.q_proj.lora is None
+
+  def merged_bf16():
+    plain = init_model(CFG, seed=5)
+    nnx.update(plain, jax.tree.map(lambda x: x.astype(jnp.bfloat16), _merged(adapted)))
+    return plain
+
+  for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model)),
+                                    nnx.to_flat_state(nnx.state(merged_bf16()))):
+    assert got.get_value().dtype == jnp.bfloat16, path
+    np.testing.assert_allclose(np.asarray(got.get_value(), np.float32),
+                               np.asarray(want.get_value(), np.float32), rtol=2 ** -8,
+                               err_msg=str(path))
+  # The engine samples from it, and a weight sync after an update carries the new adapters.
+  engine_config = EngineConfig(num_slots=2, max_len=64, prefill_buckets=(8, 32), min_attend=32,
+                               steps_per_call=4, max_top_k=16)
+  prompts = [list(range(1, 12)), [5, 9, 2]]
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+  engine = Engine(model, engine_config, eos_ids=())
+  for _ in range(2):
+    got = engine.generate(prompts, greedy)
+    want = Engine(merged_bf16(), engine_config, eos_ids=()).generate(prompts, greedy)
+    for g, w in zip(got, want):
+      assert g.tokens == w.tokens
+      np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=0.05)
+    _randomise_b(adapted, seed=2)
+    engine.update_params(copying(nnx.state(adapted)))
+
+
+def test_a_copy_resharded_from_the_training_mesh_holds_the_adapters_merged():
+  from sage_jax import multihost  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
+
+  mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
+  adapted = loader.build_model(loader.ModelSpec(preset="tiny", lora_rank=4, lora_alpha=8.0),
+                               mesh=mesh)
+  _randomise_b(adapted)
+  sync = multihost.WeightSync(nnx.state(adapted), multihost.SamplerMeshConfig(tensor=2),
+                              lora_config=adapted.config.lora)
+  assert sync.folds_adapters
+  model = sync.sampling_model(adapted)
+  kernel = model.layers[0].mlp.up_proj.kernel[...]
+  assert kernel.sharding.mesh.devices.tolist() == sync.mesh.devices.tolist()
+  out, _ = model(TOKENS, POSITIONS)
+  want, _ = adapted(TOKENS, POSITIONS)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=1e-5)

@@ -8,15 +8,18 @@ B starts at zero, so a freshly adapted model computes exactly what its base does
 Adapters are `LoraParam`s, a subclass of `nnx.Param`: `nnx.split(model, LoraParam, ...)`
 separates the trainable part from the frozen base (`train.state.split_trainable`).
 
-The sampler runs the adapters unmerged. Per decode step of B tokens, a projection in -> out
-reads in x out base weights and does 2 B in x out FLOPs; the adapters add r (in + out) to
-both, 0.6% for the 32B's 5120 x 5120 projections and 0.4% for its MLP at rank 16, plus two
-thin matmuls per projection (launch overhead on GPUs, not measured here). Merged weights
-would save that but cost a pass over every targeted base matrix after each update, and a
-second copy of them wherever the sampler shares the trainer's arrays (the trainer's must
-stay unmerged): 62 GB for the 32B in bfloat16, memory the KV cache uses. Where the weight
-sync already writes a separate sampling copy, folding the merge into that copy would make
-merged weights free; that is not done. Merging (`merge`) serves export.
+The sampler reads merged weights wherever it has a copy of its own, unmerged adapters where it
+shares the trainer's arrays. Per decode step of B tokens, a projection in -> out reads in x
+out base weights and does 2 B in x out FLOPs; unmerged adapters add r (in + out) to both,
+0.6% for the 32B's 5120 x 5120 projections and 0.4% for its MLP at rank 16, plus two thin
+matmuls per projection (bench/lora_decode.py: 3-9% of a CPU decode step; launch overhead on
+GPUs). Merged weights save that, and cost a pass over every targeted base matrix at each
+weight sync. Where the sync writes a sampling copy anyway (another dtype, another sharding,
+several processes: `multihost.WeightSync`), it folds the adapters into that copy
+(`fold_adapters`) at no memory cost; where the sampler would share the trainer's arrays,
+merging would need a second copy of every targeted matrix (the trainer's stay unmerged):
+62 GB for the 32B in bfloat16, memory the KV cache uses, so the adapters stay unmerged there.
+Merging (`merge`) also serves export.
 """
 
 from __future__ import annotations
@@ -126,13 +129,29 @@ def merge(kernel: jax.Array, adapter: Adapter, dtype=None) -> jax.Array:
   return (kernel.astype(jnp.float32) + delta).astype(dtype or kernel.dtype)
 
 
-def merged_state(model: nnx.Module) -> nnx.State:
-  """The model's parameters with each adapter folded into its kernel and the adapters left
-  out: the state of the same model without LoRA. Merges every kernel at once; exporters that
-  must not hold a second copy merge one kernel at a time (`merge`)."""
-  adapters = adapters_by_kernel(model)
-  flat = [(path, var.replace(merge(var.get_value(), adapters[path])) if path in adapters
-           else var)
-          for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-          if not isinstance(var, LoraParam)]
-  return nnx.from_flat_state(flat)
+def fold_adapters(state: nnx.State, scale: float, dtype=None) -> nnx.State:
+  """`state` (a model's parameters, adapters included) with each adapter folded into its
+  kernel, kernel + scale * B . A summed in float32 and rounded once to `dtype` (default: the
+  kernel's), and the adapters left out: the parameters of the same model without LoRA
+  (`base_graphdef`). A pure function of the arrays, for jit."""
+  flat = dict(nnx.to_flat_state(state))
+  folded = []
+  for path, var in flat.items():
+    if isinstance(var, LoraParam):
+      continue
+    a, b = flat.get(path[:-1] + ("lora", "a")), flat.get(path[:-1] + ("lora", "b"))
+    if path[-1] == "kernel" and a is not None and b is not None:
+      kernel = var.get_value()
+      delta = scale * (b.get_value().astype(jnp.float32) @ a.get_value().astype(jnp.float32))
+      var = var.replace((kernel.astype(jnp.float32) + delta.reshape(kernel.shape)).astype(
+          dtype or kernel.dtype))
+    folded.append((path, var))
+  return nnx.from_flat_state(folded)
+
+
+def base_graphdef(model: nnx.Module) -> nnx.GraphDef:
+  """The graph of `model` (a `Qwen2`) without adapters: what `fold_adapters` gives the
+  parameters of. Built from shapes only."""
+  config = model.config.replace(lora=LoraConfig())
+  return nnx.graphdef(nnx.eval_shape(lambda: type(model)(config, rngs=nnx.Rngs(0))))
+
