@@ -16,10 +16,10 @@ matmuls per projection (bench/lora_decode.py, CPU: 6-10% of a batch-8 decode ste
 at batch 1; launch overhead on GPUs). Merged weights save that, and cost a pass over every
 targeted base matrix at each weight sync. Where the sync writes a sampling copy anyway
 (another dtype, another sharding, several processes: `multihost.WeightSync`), it folds the
-adapters into that copy (`fold_adapters`) at no memory cost; where the sampler would share the trainer's arrays,
-merging would need a second copy of every targeted matrix (the trainer's stay unmerged):
-62 GB for the 32B in bfloat16, memory the KV cache uses, so the adapters stay unmerged there.
-Merging (`merge`) also serves export.
+adapters into that copy (`fold_adapters`) at no memory cost; where the sampler would share
+the trainer's arrays, merging would need a second copy of every targeted matrix (the
+trainer's stay unmerged): 62 GB for the 32B in bfloat16, memory the KV cache uses, so the
+adapters stay unmerged there. Merging (`merge`) also serves export.
 """
 
 from __future__ import annotations
