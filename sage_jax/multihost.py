@@ -323,6 +323,7 @@ def local_mesh(config: shd.MeshConfig) -> Mesh:
 
 
 SAMPLING_DTYPES = ("auto", "float32", "bfloat16")
+MERGE_LORA = ("auto", "always", "never")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,16 +331,23 @@ class SamplerMeshConfig:
   """Where each process keeps its sampling copy of the weights. tensor: the tensor-parallel
   size of the copy within one host (the host's other devices split the sampler's slots).
   param_dtype: "auto" (bfloat16 on accelerators, the training dtype on CPU), "float32" or
-  "bfloat16"."""
+  "bfloat16". merge_lora (a model with LoRA adapters): "auto" merges them into the sampler's
+  copy wherever the sync makes one (another dtype or sharding, several processes) and keeps
+  them unmerged where the sampler shares the trainer's arrays; "always" makes a merged copy
+  even there (a second copy of the weights, for a faster decode step); "never" keeps them
+  unmerged."""
 
   tensor: int = 1
   param_dtype: str = "auto"
+  merge_lora: str = "auto"
 
   def __post_init__(self):
     if self.tensor < 1:
       raise ValueError(f"tensor must be >= 1, got {self.tensor}")
     if self.param_dtype not in SAMPLING_DTYPES:
       raise ValueError(f"param_dtype={self.param_dtype!r}; expected one of {SAMPLING_DTYPES}")
+    if self.merge_lora not in MERGE_LORA:
+      raise ValueError(f"merge_lora={self.merge_lora!r}; expected one of {MERGE_LORA}")
 
   def mesh(self) -> shd.MeshConfig:
     return shd.MeshConfig(data=-1, fsdp=1, tensor=self.tensor)
@@ -365,10 +373,10 @@ class WeightSync:
   process runs, and each process keeps the shards that live on its own devices. With one
   process, a matching sharding and dtype, the parameters are handed over as they are.
 
-  LoRA (`lora_config`): a copy of its own holds the adapters folded into their kernels
+  LoRA (`lora_config`): a merged copy holds the adapters folded into their kernels
   (`lora.fold_adapters`, rounded once to the sampling dtype), which the sampler reads faster
-  than unmerged adapters, at no memory cost; parameters handed over keep them unmerged (see
-  `model.lora`). `sampling_model` gives the sampler's model either way.
+  than unmerged adapters; `config.merge_lora` says when (see `model.lora`). `sampling_model`
+  gives the sampler's model either way.
   """
 
   def __init__(self, params: nnx.State, config: SamplerMeshConfig = SamplerMeshConfig(),
@@ -383,7 +391,8 @@ class WeightSync:
     self.dtype = sampling_dtype(config.param_dtype)
     self.local_shardings = shd.state_shardings(params, self.mesh, rules)
     copies = jax.process_count() > 1 or not self._is_local_copy(params)
-    self.folds_adapters = copies and lora_config.enabled
+    self.folds_adapters = lora_config.enabled and (
+        config.merge_lora == "always" or config.merge_lora == "auto" and copies)
     if self.folds_adapters:
       self._fold = functools.partial(lora.fold_adapters, scale=lora_config.scale,
                                      dtype=self.dtype)

@@ -453,6 +453,10 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
       raise ConfigError(f"config.pipeline.chains_per_step: {pipeline.chains_per_step} chains x "
                         f"grpo.group_size {rollout.group_size} = {rollouts} rollouts per step, "
                         f"not divisible by the mesh's data axis ({data})")
+  if run.sampler_mesh.merge_lora != "auto" and not run.model.lora_rank:
+    raise ConfigError(f"config.sampler_mesh.merge_lora: {run.sampler_mesh.merge_lora!r} with "
+                      "model.lora_rank=0, which adds no adapters to merge: set "
+                      "model.lora_rank, or leave merge_lora 'auto'")
   if local_devices is not None:
     tensor = run.sampler_mesh.tensor
     if local_devices % tensor:

@@ -219,6 +219,15 @@ def test_a_sampling_copy_holds_the_adapters_merged_and_a_shared_one_keeps_them()
   assert not shared.folds_adapters and model.layers[0].self_attn.q_proj.lora is not None
   assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)),
                                     jax.tree.leaves(nnx.state(adapted))))
+  # merge_lora="always" makes a merged copy there too; "never" keeps a copy's adapters.
+  always = multihost.SamplerMeshConfig(merge_lora="always")
+  assert multihost.WeightSync(nnx.state(adapted), always,
+                              lora_config=adapted.config.lora).folds_adapters
+  never = multihost.WeightSync(nnx.state(adapted), multihost.SamplerMeshConfig(
+      param_dtype="bfloat16", merge_lora="never"), lora_config=adapted.config.lora)
+  model = never.sampling_model(adapted)
+  assert not never.folds_adapters and model.layers[0].self_attn.q_proj.lora is not None
+  assert model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
   # A bfloat16 copy holds the merged kernels (summed in float32, rounded once) and no adapters.
   bf16 = multihost.SamplerMeshConfig(param_dtype="bfloat16")
   copying = multihost.WeightSync(nnx.state(adapted), bf16, lora_config=adapted.config.lora)

@@ -98,6 +98,10 @@ def _with(overrides, devices=1):
     ({"sampler_mesh.tensor": 3}, 8, r"config.sampler_mesh.tensor: 3 does not divide the 8 "
                                     r"devices of a host"),
     ({"sampler_mesh.param_dtype": "fp8"}, 1, r"config.sampler_mesh: .*param_dtype='fp8'"),
+    ({"sampler_mesh.merge_lora": "sometimes"}, 1, r"config.sampler_mesh: "
+     r"merge_lora='sometimes'; expected one of \('auto', 'always', 'never'\)"),
+    ({"sampler_mesh.merge_lora": "always"}, 1, r"config.sampler_mesh.merge_lora: 'always' with "
+     r"model.lora_rank=0, which adds no adapters to merge"),
     ({"agent.temperature": 0.0}, 1, r"config.agent.temperature: 0.0 samples greedily; RL"),
     ({"retrieval.strategy": "skill_embedding", "retrieval.embedding_model": "policy"}, 1,
      r"config.retrieval.embedding_model: 'policy' embeds with the policy model, and the expert "

@@ -19,7 +19,8 @@ targeted base matrix at each weight sync. Where the sync writes a sampling copy 
 adapters into that copy (`fold_adapters`) at no memory cost; where the sampler would share
 the trainer's arrays, merging would need a second copy of every targeted matrix (the
 trainer's stay unmerged): 62 GB for the 32B in bfloat16, memory the KV cache uses, so the
-adapters stay unmerged there. Merging (`merge`) also serves export.
+adapters stay unmerged there, unless `sampler_mesh.merge_lora="always"` asks for that copy
+("never": unmerged everywhere). Merging (`merge`) also serves export.
 """
 
 from __future__ import annotations
