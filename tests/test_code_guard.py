@@ -24,7 +24,7 @@ imp = __builtins__["__import__"] if isinstance(__builtins__, dict) else __builti
 tracer = imp("sys").gettrace().__self__
 for key, f in list(tracer._functions.items()):
     if f.name == "my_skill":
-        tracer._touched.setdefault(key, (f.returned, f.raised, f.discarded))
+        tracer._touched.setdefault(key, f.counts())
         f.returned += 1
 print("never called my_skill")
 """
