@@ -20,7 +20,8 @@ All rates are percentages (None when their denominator is empty):
   not pay for, and a sign of a policy paid for skills that do nothing.
 - w_use_rate / w_gen_rate: tasks for which SAGE's skill-usage / skill-generation bonus fires
   (`rl.rewards`: a later-position task that succeeded using a library skill; a task whose
-  saved skill a later successful task of its chain used), whatever the reward variant.
+  saved skill a later successful task of its chain used), whatever the reward variant, every
+  use counted as the default reward does (idle ones too: see idle_use_rate).
 - no_code_rate, truncation_rate: tasks with a turn that ended without code / a turn cut by a
   token limit before any code; also per chain position (`.../pos<k>`).
 - env_failure_rate: tasks on which the environment failed (left out of training), on the
