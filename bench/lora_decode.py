@@ -32,10 +32,9 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights' and com
 ATTEND = 1024
 
 
-def _decode_step(model, batch, dtype, merge_adapters=False):
-  sync = multihost.WeightSync(nnx.state(model), multihost.SamplerMeshConfig(param_dtype=dtype),
-                              lora_config=model.config.lora if merge_adapters else
-                              lora.LoraConfig())
+def _decode_step(model, batch, dtype, merge_lora="never"):
+  sync = multihost.WeightSync(nnx.state(model), multihost.SamplerMeshConfig(
+      param_dtype=dtype, merge_lora=merge_lora), lora_config=model.config.lora)
   graphdef, state = nnx.split(sync.sampling_model(model))
   cfg = model.config
 
@@ -57,7 +56,7 @@ def main(argv):
   variants = {"plain": _decode_step(model, f.batch, f.dtype)}
   lora.add_adapters(model, lora.LoraConfig(rank=f.rank))
   variants["unmerged_lora"] = _decode_step(model, f.batch, f.dtype)
-  variants["merged_lora"] = _decode_step(model, f.batch, f.dtype, merge_adapters=True)
+  variants["merged_lora"] = _decode_step(model, f.batch, f.dtype, merge_lora="always")
   times = {name: [] for name in variants}
   for _ in range(f.rounds):
     for name, run in variants.items():

@@ -68,7 +68,9 @@ def test_a_float32_export_of_a_bfloat16_base_keeps_the_merged_sum(tmp_path):
   path = ("layers", 0, "mlp", "up_proj", "kernel")
   kernel = dict(nnx.to_flat_state(nnx.state(model)))[path].get_value()
   assert kernel.dtype == jnp.bfloat16
-  want = np.asarray(kernel, np.float32) + np.asarray(lora.adapters_by_kernel(model)[path].delta())
+  adapter = lora.adapters_by_kernel(model)[path]
+  delta = adapter.scale * (adapter.b[...] @ adapter.a[...])
+  want = np.asarray(kernel, np.float32) + np.asarray(delta)
   hf.save_hf(model, str(tmp_path / "f32"), dtype="float32")
   name = "model.layers.0.mlp.up_proj.weight"
   index = json.load(open(tmp_path / "f32" / "model.safetensors.index.json"))

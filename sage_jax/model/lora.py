@@ -89,10 +89,6 @@ class Adapter(nnx.Module):
                        logical_axes=(axes[0] if len(out_shape) == 1 else None, None))
     self.scale = config.scale
 
-  def delta(self) -> jax.Array:
-    """scale * B . A, [out, in] flattened, float32 (for merging)."""
-    return self.scale * (self.b[...] @ self.a[...])
-
   def __call__(self, x: jax.Array, project) -> jax.Array:
     """The update for x [..., in] (flattened inputs) as [..., out] in x's dtype."""
     h = project(x, self.a[...].astype(x.dtype))
@@ -123,11 +119,12 @@ def adapters_by_kernel(model: nnx.Module) -> dict[tuple, Adapter]:
           if getattr(node, "lora", None) is not None and hasattr(node, "kernel")}
 
 
-def merge(kernel: jax.Array, adapter: Adapter, dtype=None) -> jax.Array:
-  """kernel + scale * B . A in the kernel's shape, summed in float32 and rounded once to
-  `dtype` (default: the kernel's; an export in float32 of a bfloat16 base keeps the sum)."""
-  delta = adapter.delta().reshape(kernel.shape)
-  return (kernel.astype(jnp.float32) + delta).astype(dtype or kernel.dtype)
+def merge(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float, dtype=None) -> jax.Array:
+  """kernel + scale * B . A (an adapter's factors, [out, in] flattened) in the kernel's shape,
+  summed in float32 and rounded once to `dtype` (default: the kernel's; an export in float32
+  of a bfloat16 base keeps the sum)."""
+  delta = scale * (b.astype(jnp.float32) @ a.astype(jnp.float32))
+  return (kernel.astype(jnp.float32) + delta.reshape(kernel.shape)).astype(dtype or kernel.dtype)
 
 
 def fold_adapters(state: nnx.State, scale: float, dtype=None) -> nnx.State:
@@ -142,10 +139,7 @@ def fold_adapters(state: nnx.State, scale: float, dtype=None) -> nnx.State:
       continue
     a, b = flat.get(path[:-1] + ("lora", "a")), flat.get(path[:-1] + ("lora", "b"))
     if path[-1] == "kernel" and a is not None and b is not None:
-      kernel = var.get_value()
-      delta = scale * (b.get_value().astype(jnp.float32) @ a.get_value().astype(jnp.float32))
-      var = var.replace((kernel.astype(jnp.float32) + delta.reshape(kernel.shape)).astype(
-          dtype or kernel.dtype))
+      var = var.replace(merge(var.get_value(), a.get_value(), b.get_value(), scale, dtype))
     folded.append((path, var))
   return nnx.from_flat_state(folded)
 

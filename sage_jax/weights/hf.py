@@ -445,7 +445,8 @@ def write_hf(model: Qwen2, directory: str | None, *, dtype: str | None = None,
       hf_name, kind = path_to_hf(path)
       value = params[path].get_value()
       if path in adapters:
-        value = lora.merge(value, adapters[path], np_dtype)
+        adapter = adapters[path]
+        value = lora.merge(value, adapter.a[...], adapter.b[...], adapter.scale, np_dtype)
       tensors[hf_name] = to_hf_layout(_to_host(value), kind).astype(np_dtype)
       weight_map[hf_name] = fname
     if directory is not None:
