@@ -29,7 +29,10 @@ def test_grpo_raises_reward_from_below_02_to_above_08(tmp_path):
                   eos_ids=[VOCAB - 1])
   task = SyntheticTask(engine, task_config)
   config = grpo.GRPOConfig()  # the paper's default: strictly on-policy, token-mean, no KL
-  trainer = rl_loop.grpo_trainer(model, config, OptimizerConfig(learning_rate=3e-3,
+  # 2e-3: at init seeds 0-7 the last 5 steps averaged 0.91-0.96 and every final greedy dev
+  # reward was 1.0. At 3e-3 the nearly deterministic policy of the late steps took gradient
+  # spikes (norms 17-19 at 3 of 4 seeds) and, on some CPUs, fell apart at the last step.
+  trainer = rl_loop.grpo_trainer(model, config, OptimizerConfig(learning_rate=2e-3,
                                                                 weight_decay=0.0))
   result = rl_loop.run_rl(
       trainer, rollout=task.rollout, score=task.score, evaluate=task.evaluate,
