@@ -20,7 +20,7 @@ from absl import app, flags
 from flax import nnx
 
 from sage_jax import multihost
-from sage_jax.model import get_preset, init_model, lora
+from sage_jax.model import abstract_model, get_preset, init_model, lora
 
 flags.DEFINE_float("b_std", 2e-4, "Standard deviation of the adapters' B.")
 flags.DEFINE_integer("rank", 16, "Adapter rank.")
@@ -48,14 +48,12 @@ def main(argv):
   tokens = jax.random.randint(jax.random.PRNGKey(2), (1, f.tokens), 0, model.config.vocab_size)
   # The bfloat16 sampler's graphs: compute in bfloat16 over a bfloat16 copy of the weights.
   bf16 = model.config.replace(dtype="bfloat16")
-  unmerged_graph = nnx.graphdef(nnx.eval_shape(
-      lambda: lora.add_adapters(init_model(bf16.replace(lora=lora.LoraConfig())), config)))
+  unmerged_graph = nnx.graphdef(abstract_model(bf16))
   sync = multihost.SamplerMeshConfig(param_dtype="bfloat16")
   unmerged = multihost.WeightSync(nnx.state(model), sync)(nnx.state(model))
   merged = multihost.WeightSync(nnx.state(model), sync, lora_config=config)
   assert merged.folds_adapters
-  merged_graph = nnx.graphdef(nnx.eval_shape(lambda: init_model(bf16.replace(
-      lora=lora.LoraConfig()))))
+  merged_graph = nnx.graphdef(abstract_model(bf16.replace(lora=lora.LoraConfig())))
   reference = _logits(model, tokens)
   got = {"unmerged": _logits(nnx.merge(unmerged_graph, unmerged), tokens),
          "merged": _logits(nnx.merge(merged_graph, merged(nnx.state(model))), tokens)}

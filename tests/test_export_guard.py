@@ -38,7 +38,7 @@ def test_save_hf_refuses_a_directory_it_did_not_write(model, tmp_path):
 
 def _adapted():
   return lora.add_adapters(loader.build_model(loader.ModelSpec(preset="tiny")),
-                           lora.LoraConfig(rank=2, alpha=4.0), seed=0)
+                           lora.LoraConfig(rank=2, alpha=4.0))
 
 
 def test_an_export_replaces_no_directory_beside_its_own(tmp_path):

@@ -24,7 +24,7 @@ TOKENS = np.random.RandomState(0).randint(0, 512, (2, 16))
 
 def _adapted(src, targets=lora.PROJECTIONS):
   model = lora.add_adapters(hf.load_hf(src), lora.LoraConfig(rank=4, alpha=8.0,
-                                                             targets=targets), seed=3)
+                                                             targets=targets), rngs=nnx.Rngs(3))
   rng = np.random.default_rng(1)
   for path, var in nnx.to_flat_state(nnx.state(model, lora.LoraParam)):
     if path[-1] == "b":  # B starts at zero; make the adapters matter

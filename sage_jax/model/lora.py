@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sage_jax.model.shape_only import ShapeOnlyRngs
+
 # The projections a Qwen2 decoder layer has, by their HF module names.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -95,14 +97,16 @@ class Adapter(nnx.Module):
     return project(h, (self.scale * self.b[...]).astype(x.dtype))
 
 
-def add_adapters(model: nnx.Module, config: LoraConfig, seed: int = 0) -> nnx.Module:
+def add_adapters(model: nnx.Module, config: LoraConfig,
+                 rngs: nnx.Rngs | None = None) -> nnx.Module:
   """Gives every targeted projection of `model` (a `Qwen2`) an adapter, in place, and records
-  `config` in the model's config. Weights loaded before stay as they are."""
+  `config` in the model's config. Weights loaded before stay as they are. A factors are drawn
+  from `rngs` (default `nnx.Rngs(0)`)."""
   if not config.enabled:
     return model
   if model.config.lora.enabled:
     raise ValueError("the model already has LoRA adapters")
-  rngs = nnx.Rngs(seed)
+  rngs = nnx.Rngs(0) if rngs is None else rngs
   for layer in model.layers:
     for parent in (layer.self_attn, layer.mlp):
       for name in config.targets:
@@ -148,5 +152,5 @@ def base_graphdef(model: nnx.Module) -> nnx.GraphDef:
   """The graph of `model` (a `Qwen2`) without adapters: what `fold_adapters` gives the
   parameters of. Built from shapes only."""
   config = model.config.replace(lora=LoraConfig())
-  return nnx.graphdef(nnx.eval_shape(lambda: type(model)(config, rngs=nnx.Rngs(0))))
+  return nnx.graphdef(nnx.eval_shape(lambda: type(model)(config, rngs=ShapeOnlyRngs())))
 

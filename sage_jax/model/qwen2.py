@@ -17,8 +17,9 @@ from flax import nnx
 from sage_jax.model.attention_kernels import KernelCausal, kernel_attention, kernel_for
 from sage_jax.model.blocked_attention import BlockedCausal, blocked_attention
 from sage_jax.model.config import Qwen2Config
-from sage_jax.model.lora import Adapter
+from sage_jax.model.lora import Adapter, LoraConfig, add_adapters
 from sage_jax.model.ragged_decode import RaggedDecode, decode_kernel_for, ragged_decode_attention
+from sage_jax.model.shape_only import ShapeOnlyRngs
 from sage_jax.sharding import CACHE_AXES, constrain
 
 _F32 = jnp.float32
@@ -367,3 +368,10 @@ def _training_mask(shape, segment_ids):
 def init_model(cfg: Qwen2Config, seed: int = 0) -> Qwen2:
   """A randomly initialised model on the default device."""
   return Qwen2(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: Qwen2Config) -> Qwen2:
+  """The structure, shapes and dtypes of the model `cfg` describes (with `cfg.lora`'s adapters,
+  as `add_adapters` gives them), making no weights."""
+  keys, base = ShapeOnlyRngs(), cfg.replace(lora=LoraConfig())
+  return nnx.eval_shape(lambda: add_adapters(Qwen2(base, rngs=keys), cfg.lora, rngs=keys))

@@ -35,9 +35,8 @@ from jax.sharding import AbstractMesh
 
 from sage_jax import config_file
 from sage_jax import sharding as shd
-from sage_jax.model import lora
 from sage_jax.model.config import PRESETS, Qwen2Config, get_preset
-from sage_jax.model.qwen2 import Qwen2
+from sage_jax.model.qwen2 import abstract_model
 from sage_jax.train.state import split_trainable
 
 
@@ -81,12 +80,9 @@ def _tree_bytes(abstract_tree, axes_tree, mesh, rules) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _abstract_params(cfg: Qwen2Config):
-  """Shapes and logical axes of the model's parameters, all and trainable ones. Cached: each
-  of the ~10^3 initialiser draws of a 32B model costs time linear in what was traced before
-  it (Flax checks a traced value's sharding, and JAX's error for that walks the trace), so
-  tracing one takes 7-25 s on a CPU core, and a run's plan asks for a model more than once."""
-  base = cfg.replace(lora=lora.LoraConfig())
-  model = nnx.eval_shape(lambda: lora.add_adapters(Qwen2(base, rngs=nnx.Rngs(0)), cfg.lora))
+  """Shapes and logical axes of the model's parameters, all and trainable ones. Cached: a run's
+  plan asks for a model more than once."""
+  model = abstract_model(cfg)
   params = nnx.state(model, nnx.Param)
   trainable = split_trainable(params)[0]
   is_var = lambda x: isinstance(x, nnx.Variable)

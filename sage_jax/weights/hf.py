@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from sage_jax import storage
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.model import lora
 from sage_jax.model.config import CheckpointError, Qwen2Config, read_checkpoint_json
-from sage_jax.model.qwen2 import Qwen2
+from sage_jax.model.qwen2 import Qwen2, abstract_model
 
 # kind: "copy" (same shape), "flat" (HF keeps it flat: [heads * head_dim] biases), or
 # "kernel<n>": a torch Linear weight [out, in] that we store as [out..., in...] with n
@@ -170,7 +170,7 @@ def load_tensors(cfg: Qwen2Config, tensors: Iterable[tuple[str, str, np.ndarray]
   Every tensor is checked against the model's expected name and shape; the model is only
   assembled once every parameter has arrived, so a failure never leaves a partial model.
   """
-  abstract = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+  abstract = abstract_model(cfg)
   graphdef, abstract_state = nnx.split(abstract)
   expected = _flat_paths(abstract_state)
   loaded: dict[str, jax.Array] = {}

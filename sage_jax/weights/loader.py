@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from sage_jax import sharding as shd
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.configurable import ConfigError
-from sage_jax.model import lora, ragged_decode
+from sage_jax.model import lora, qwen2, ragged_decode
 from sage_jax.model.attention_kernels import check_implementation
 from sage_jax.model.config import (Qwen2Config, check_attention_block, check_remat,
                                    dtype_from_name, get_preset)
@@ -259,13 +259,13 @@ def abstract_model(spec: ModelSpec, vocab_size: int | None = None) -> Qwen2:
   """The shapes, dtypes and structure of `build_model(spec)`'s model, without reading or
   making any weights: what a checkpoint of it restores into."""
   cfg = model_config(spec, vocab_size)
-  return nnx.eval_shape(lambda: _with_adapters(init_model(cfg, seed=0), spec))
+  return qwen2.abstract_model(cfg.replace(lora=spec.lora_config))
 
 
 def _with_adapters(model: Qwen2, spec: ModelSpec, mesh: Mesh | None = None,
                    rules: shd.ShardingRules = shd.ShardingRules()) -> Qwen2:
   if spec.lora_config.enabled:
-    lora.add_adapters(model, spec.lora_config, seed=spec.seed)
+    lora.add_adapters(model, spec.lora_config, rngs=nnx.Rngs(spec.seed))
     if mesh is not None:
       shd.place(model, mesh, rules)
   return model
