@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import warnings
 
 import numpy as np

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sage_jax.model import get_preset, init_model
-from sage_jax.rl import advantages, episode, grpo, rollout
+from sage_jax.rl import advantages, episode, grpo
 from sage_jax.rl import rewards as rewards_lib
 from sage_jax.rl import metrics as rl_metrics
 from sage_jax.rl import batch as B

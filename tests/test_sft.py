@@ -25,7 +25,7 @@ def _trajectory(i):
       "messages": [
           {"role": "system", "content": SYSTEM},
           {"role": "user", "content": f"Task {i}: send {i} dollars to Bob."},
-          {"role": "assistant", "content": f"I look up Bob.\n\n```python\nprint(apis.venmo.search_users(query='Bob'))\n```"},
+          {"role": "assistant", "content": "I look up Bob.\n\n```python\nprint(apis.venmo.search_users(query='Bob'))\n```"},
           {"role": "tool", "content": f"[{{\"id\": {i}, \"name\": \"Bob\"}}]"},
           {"role": "assistant", "content": f"```python\ndef pay(user_id, amount):\n    return apis.venmo.create_transaction(receiver_id=user_id, amount=amount)\n\n\npay({i}, {i})\napis.supervisor.complete_task()\n```"},
           {"role": "tool", "content": "Execution successful."},

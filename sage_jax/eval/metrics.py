@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
