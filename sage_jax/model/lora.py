@@ -100,8 +100,8 @@ class Adapter(nnx.Module):
 def add_adapters(model: nnx.Module, config: LoraConfig,
                  rngs: nnx.Rngs | None = None) -> nnx.Module:
   """Gives every targeted projection of `model` (a `Qwen2`) an adapter, in place, and records
-  `config` in the model's config. Weights loaded before stay as they are. A factors are drawn
-  from `rngs` (default `nnx.Rngs(0)`)."""
+  `config` in the model's config. Weights loaded before stay as they are. The A factors are
+  drawn from `rngs` (default `nnx.Rngs(0)`)."""
   if not config.enabled:
     return model
   if model.config.lora.enabled:
