@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sage_jax import sharding as shd
 from sage_jax.model import lora
+from sage_jax.model.qwen2 import abstract_model
 
 # Environment our launchers (launch/local.py, launch/multinode.sh, launch/slurm.sbatch)
 # export for every process of a run.
@@ -423,7 +424,8 @@ class WeightSync:
   def sampling_model(self, model: nnx.Module) -> nnx.Module:
     """The sampler's model: `model`'s graph (without its adapters where this copy folds them)
     over this process's copy of its weights."""
-    graphdef = lora.base_graphdef(model) if self.folds_adapters else nnx.graphdef(model)
+    graphdef = (nnx.graphdef(abstract_model(model.config.replace(lora=lora.LoraConfig())))
+                if self.folds_adapters else nnx.graphdef(model))
     return nnx.merge(graphdef, self(nnx.state(model)))
 
   def _is_local_copy(self, params: nnx.State) -> bool:

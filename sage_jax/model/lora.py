@@ -32,8 +32,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sage_jax.model.shape_only import ShapeOnlyRngs
-
 # The projections a Qwen2 decoder layer has, by their HF module names.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -135,7 +133,8 @@ def fold_adapters(state: nnx.State, scale: float, dtype=None) -> nnx.State:
   """`state` (a model's parameters, adapters included) with each adapter folded into its
   kernel, kernel + scale * B . A summed in float32 and rounded once to `dtype` (default: the
   kernel's), and the adapters left out: the parameters of the same model without LoRA
-  (`base_graphdef`). A pure function of the arrays, for jit."""
+  (`qwen2.abstract_model` of its config with `lora` off). A pure function of the arrays, for
+  jit."""
   flat = dict(nnx.to_flat_state(state))
   folded = []
   for path, var in flat.items():
@@ -146,11 +145,4 @@ def fold_adapters(state: nnx.State, scale: float, dtype=None) -> nnx.State:
       var = var.replace(merge(var.get_value(), a.get_value(), b.get_value(), scale, dtype))
     folded.append((path, var))
   return nnx.from_flat_state(folded)
-
-
-def base_graphdef(model: nnx.Module) -> nnx.GraphDef:
-  """The graph of `model` (a `Qwen2`) without adapters: what `fold_adapters` gives the
-  parameters of. Built from shapes only."""
-  config = model.config.replace(lora=LoraConfig())
-  return nnx.graphdef(nnx.eval_shape(lambda: type(model)(config, rngs=ShapeOnlyRngs())))
 
