@@ -114,8 +114,10 @@ def _median(xs):
 class Bandwidth:
   """Memory bandwidth in GB/s over 1 GiB buffers: `copy` (bytes read plus written, as STREAM
   counts them: numpy's on CPU, an XLA copy in device memory on accelerators) and `read` (a
-  read-only stream, as a decode step's weights are: an XLA sum, and on CPU also numpy sums
-  over the host buffer's shares on `threads` threads; the best of them). On CPU a copy counts
+  read-only stream, as a decode step's weights are: the best of an XLA sum, an XLA
+  matrix-vector product over the buffer as 4096-wide rows, and on CPU also numpy sums over
+  the host buffer's shares on `threads` threads and BLAS's matrix-vector product; which one
+  reads fastest differs between CPUs, BENCHMARKS.md). On CPU a copy counts
   more bytes than cores can read: its stores bypass the caches, so they do not compete with
   the reads for each core's outstanding misses (BENCHMARKS.md). Both drift by 30% or more
   within minutes on a shared machine, so the decode benchmark probes them before every
@@ -132,6 +134,8 @@ class Bandwidth:
     self.sum(self.device).block_until_ready()
     self.plus_one = jax.jit(lambda x: x + 1)
     self.plus_one(self.device).block_until_ready()
+    self.rows_times_ones = jax.jit(lambda x: x.reshape(-1, 4096) @ jnp.ones(4096, x.dtype))
+    self.rows_times_ones(self.device).block_until_ready()
 
   def copy(self, threads: int, repeats: int = 3) -> float:
     if not self.on_host:
@@ -140,10 +144,13 @@ class Bandwidth:
                            2 * self.src.nbytes, threads, repeats)
 
   def read(self, threads: int, repeats: int = 3) -> float:
-    best = self._best_gb_s(self.sum, self.device.nbytes, repeats)
+    best = max(self._best_gb_s(fn, self.device.nbytes, repeats)
+               for fn in (self.sum, self.rows_times_ones))
     if self.on_host:
       best = max(best, self._host_gb_s(lambda a, b: self.src[a:b].sum(), self.src.nbytes,
                                        threads, repeats))
+      rows, ones = self.src.reshape(-1, 4096), np.ones(4096, np.float32)
+      best = max(best, self._host_gb_s(lambda a, b: rows @ ones, self.src.nbytes, 1, repeats))
     return best
 
   def _host_gb_s(self, part, nbytes: int, threads: int, repeats: int) -> float:
