@@ -154,6 +154,18 @@ def test_config_command_exits_1_naming_the_keys_when_the_run_does_not_fit():
   assert "config.sampler_mesh.tensor" in out.stderr
 
 
+def test_config_command_names_the_hardware_flags_when_the_preset_needs_more_devices():
+  """The hardware defaults to one host of one device: a preset sized for a node says which
+  flags plan it there, after the config's own check."""
+  out = subprocess.run(
+      [sys.executable, "-m", "sage_jax.tools.memory_plan",
+       "--config=configs/sage.py:qwen2.5-32b-lora"], capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert ("config.sampler_mesh.tensor: 8 does not divide the 1 devices of a host (the "
+          "sampler's mesh is host-local); planned on --hosts=1 x --devices_per_host=1: pass the "
+          "hardware the run is for") in out.stderr
+
+
 @pytest.mark.parametrize("flag", ["--mesh=1,2,1", "--preset=qwen2.5-7b", "--param_dtype=bfloat16",
                                   "--mu_dtype=bfloat16"])
 def test_config_command_refuses_the_preset_flags(flag):

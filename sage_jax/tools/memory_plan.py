@@ -35,6 +35,7 @@ from jax.sharding import AbstractMesh
 
 from sage_jax import config_file
 from sage_jax import sharding as shd
+from sage_jax.configurable import ConfigError
 from sage_jax.model.config import PRESETS, Qwen2Config, get_preset
 from sage_jax.model.qwen2 import abstract_model
 from sage_jax.train.state import split_trainable
@@ -292,7 +293,12 @@ def main(argv):
           f"--{', --'.join(ignored)} with --config: the plan follows the run's config (its "
           "model, mesh and optimizer, whose moments take the params' dtype); override it there "
           "(e.g. --config.mesh.fsdp=8 --config.model.param_dtype=bfloat16)")
-    run = run_config.resolve(f.config, f.hosts * f.devices_per_host, f.devices_per_host)
+    run_config.resolve(f.config)  # the config's own errors, before those of the hardware
+    try:
+      run = run_config.resolve(f.config, f.hosts * f.devices_per_host, f.devices_per_host)
+    except ConfigError as e:
+      raise ConfigError(f"{e}; planned on --hosts={f.hosts} x --devices_per_host="
+                        f"{f.devices_per_host}: pass the hardware the run is for") from e
     plan_ = run_plan(run, hosts=f.hosts, devices_per_host=f.devices_per_host,
                      device_memory_gib=f.device_memory_gib)
     result = plan_.as_dict()
