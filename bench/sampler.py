@@ -530,9 +530,7 @@ def main(argv):
   if _MODEL.value and _MODEL.value.startswith("random:"):
     model_dir = random_checkpoint(_MODEL.value.removeprefix("random:"))
   else:
-    model_dir = _MODEL.value or str(assets.cached_path(
-        "models/qwen2.5-coder-0.5b-instruct-hf",
-        lambda out: gguf_import.export_hf(gguf_import.fetch_qwen25_coder_0p5b_gguf(), out)))
+    model_dir = _MODEL.value or str(gguf_import.qwen25_coder_0p5b_hf_dir())
   report = {"machine": machine_info(), "model": _MODEL.value or model_dir,
             "param_dtype": _PARAM_DTYPE.value}
   tok = tokenizer_lib.Tokenizer()

@@ -43,12 +43,10 @@ def real_gguf_path():
 
 
 @pytest.fixture(scope="session")
-def real_hf_dir(real_gguf_path):
+def real_hf_dir():
   """The same model as an HF float32 checkpoint directory, converted once and cached."""
-  from sage_jax import assets
   from sage_jax.weights import gguf_import
-  return str(assets.cached_path("models/qwen2.5-coder-0.5b-instruct-hf",
-                                lambda out: gguf_import.export_hf(real_gguf_path, out)))
+  return str(gguf_import.qwen25_coder_0p5b_hf_dir())
 
 
 @pytest.fixture(scope="session")

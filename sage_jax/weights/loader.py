@@ -57,9 +57,10 @@ def release(spec: str) -> Release:
 
 
 def resolve(spec: str) -> str:
-  """Turns a model spec into a local path, fetching the bundled model when it is named."""
+  """Turns a model spec into a local path: the bundled model's is its HF conversion, made at
+  its first use (`gguf_import.qwen25_coder_0p5b_hf_dir`)."""
   if spec == BUNDLED_0P5B:
-    return os.fspath(gguf_import.fetch_qwen25_coder_0p5b_gguf())
+    return os.fspath(gguf_import.qwen25_coder_0p5b_hf_dir())
   return spec
 
 
