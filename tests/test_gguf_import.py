@@ -296,6 +296,20 @@ def test_the_bundled_architecture_a_plan_assumes_is_the_files(coder_gguf):
 
 @pytest.mark.real_model
 @pytest.mark.slow
+def test_the_bundled_model_loads_from_its_conversion_in_the_cache(ours):
+  """The bundled name resolves to the GGUF's HF conversion, made once and cached (a load of
+  the GGUF itself parses and dequantises it again), which holds the GGUF's tensors exactly."""
+  path = loader.resolve(loader.BUNDLED_0P5B)
+  assert os.path.isfile(os.path.join(path, hf.EXPORT_MARKER))
+  _, tensors = ours
+  converted = {name: array for _, name, array in hf.iter_safetensors(path)}
+  assert sorted(converted) == sorted(tensors)
+  for name, value in tensors.items():
+    assert np.array_equal(converted[name], value), name
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_cli_writes_a_checkpoint_transformers_loads(coder_gguf, ours, tmp_path):
   out = tmp_path / "qwen2.5-coder-0.5b-instruct"
   # The export also checks that the GGUF's vocabulary and chat template are the Qwen2.5
