@@ -76,8 +76,9 @@ def checkpoint_architecture(spec: str) -> Qwen2Config:
 
 def checkpoint_config(spec: str, param_dtype: str | None = None,
                       dtype: str | None = None) -> Qwen2Config:
-  """The config `load_model(spec)` loads with, read without the weights: an HF directory's
-  config.json, a GGUF's metadata (its weights dequantised to float32 by default)."""
+  """The config `load_model(spec)` loads with: an HF directory's config.json, a GGUF's metadata
+  (its weights dequantised to float32 by default). Reads no weights, except that the first
+  use of `BUNDLED_0P5B` makes its cached HF conversion (~30 s once on a 2-core CPU)."""
   path = resolve(spec)
   if os.path.isdir(path):
     return hf.checkpoint_config(path, param_dtype=param_dtype, dtype=dtype)
