@@ -157,19 +157,25 @@ class Pipeline:
         self.run.pool, appworld_root=self.root, outputs_root=multihost.outputs_root(
             self.run.pool.outputs_root, storage.local_subdir(self.workdir, "appworld")),
         log_dir=multihost.process_subdir(self.run.pool.log_dir))
-    self.pool = appworld.EnvPool(pool_cfg).start()
-    self.tokenizer = Tokenizer()
-    compact = self.run.model.vocabulary == "compact"
-    if compact:
-      self.tokenizer = Tokenizer(self.compact_tokenizer_dir())
-    self.model = loader.build_model(self.run.model, mesh=self.mesh,
-                                    vocab_size=self.tokenizer.vocab_size if compact else None)
-    # Each process samples from its own copy of the weights on its own devices.
-    self.weight_sync = multihost.WeightSync(nnx.state(self.model), self.run.sampler_mesh,
-                                            lora_config=self.model.config.lora)
-    self.engine = Engine(self.weight_sync.sampling_model(self.model), self.run.engine,
-                         eos_ids=[self.tokenizer.eos_id, self.tokenizer.endoftext],
-                         detokenize=self.tokenizer.decode, mesh=self.weight_sync.mesh)
+    # AppWorld starts while the model is built and SFT runs; the first episode waits for it
+    # (and raises what kept it from starting, inside the stage's multi-process checks).
+    self.pool = appworld.EnvPool(pool_cfg).start_in_background()
+    try:
+      self.tokenizer = Tokenizer()
+      compact = self.run.model.vocabulary == "compact"
+      if compact:
+        self.tokenizer = Tokenizer(self.compact_tokenizer_dir())
+      self.model = loader.build_model(self.run.model, mesh=self.mesh,
+                                      vocab_size=self.tokenizer.vocab_size if compact else None)
+      # Each process samples from its own copy of the weights on its own devices.
+      self.weight_sync = multihost.WeightSync(nnx.state(self.model), self.run.sampler_mesh,
+                                              lora_config=self.model.config.lora)
+      self.engine = Engine(self.weight_sync.sampling_model(self.model), self.run.engine,
+                           eos_ids=[self.tokenizer.eos_id, self.tokenizer.endoftext],
+                           detokenize=self.tokenizer.decode, mesh=self.weight_sync.mesh)
+    except BaseException:
+      self.pool.close()
+      raise
     self.driver = AsyncEngine(self.engine)
     self.policy = rollout.SamplerPolicy(self.driver, self.run.agent)
     self.eval_policy = rollout.SamplerPolicy(self.driver, self.run.eval.agent(self.run.agent))

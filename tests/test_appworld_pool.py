@@ -1,16 +1,19 @@
 """The pool runs the real AppWorld: episodes, scoring against AppWorld's own evaluation."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from sage_jax import configurable
 from sage_jax.envs import appworld
+from sage_jax.envs.appworld.process import WorkerFault
 from tests.appworld_fixtures import all_task_ids
 from tests.appworld_fixtures import appworld_metrics
 from tests.appworld_fixtures import gold_solution
@@ -180,6 +183,54 @@ def test_bad_data_root_fails_at_start_saying_what_is_missing(mini_root, tmp_path
     start(copy)
   assert "venmo" in str(error.value) and "0.0.9" in str(error.value)
   assert "appworld download data" in str(error.value)
+
+
+def test_a_pool_started_in_background_serves_once_ready_and_raises_what_kept_it(
+    mini_root, tmp_path):  # noqa: F811
+  """`start_in_background` returns once the task files are checked, before AppWorld has
+  started (seconds); the first episode waits for the workers. A start that fails (here: the
+  template gets no time to answer) raises its error at every episode and at
+  `wait_started`, and leaves no process or scratch directory behind."""
+  task_id = appworld.read_split(mini_root, "train")[0]
+  config = pool_config(mini_root, str(tmp_path / "out"), num_workers=1)
+  others = set(_worker_children())  # other pools' templates (a module's fixture)
+  began = time.monotonic()
+  pool = appworld.EnvPool(config).start_in_background()
+  returned = time.monotonic() - began
+  try:
+    with pool.episode(task_id, "background") as ep:
+      ep.execute(gold_solution(mini_root, task_id)).result()
+    ready = time.monotonic() - began
+    assert len(set(_worker_children()) - others) == 1  # the template; the workers are its
+  finally:
+    pool.close()
+  assert ep.result.success
+  assert returned < ready / 5, (returned, ready)
+
+  failing = appworld.EnvPool(dataclasses.replace(config, start_timeout_s=0.01))
+  failing.start_in_background()
+  for attempt in (lambda: failing.begin(task_id, "never"), failing.wait_started,
+                  lambda: failing.begin(task_id, "never again")):
+    with pytest.raises(WorkerFault, match="no answer within 0.01 s while starting"):
+      attempt()
+  assert not set(_worker_children()) - others and failing._scratch is None
+  failing.close()  # idempotent
+
+
+def _worker_children() -> list[int]:
+  """This process's children that run an AppWorld worker (a pool's template)."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        parent = int(f.read().rpartition(")")[2].split()[1])
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        worker = b"sage_jax.envs.appworld.worker" in f.read()
+    except (OSError, ValueError):
+      continue
+    if parent == os.getpid() and worker:
+      found.append(int(pid))
+  return found
 
 
 def test_tasks_without_model_hashes_run_and_evaluate(mini_root, tmp_path):  # noqa: F811

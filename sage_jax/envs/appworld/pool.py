@@ -179,6 +179,8 @@ class EnvPool:
     self._scratch: str | None = None
     self._template: process.WorkerTemplate | None = None  # what the workers are forked from
     self._template_lock = threading.Lock()
+    self._start_thread: threading.Thread | None = None
+    self._started: concurrent.futures.Future = concurrent.futures.Future()  # to self
 
   # --- lifecycle --------------------------------------------------------------------------
 
@@ -186,6 +188,18 @@ class EnvPool:
     """Checks every task's files, starts the workers' template and forks the workers from
     it; raises AppWorldDataError for a bad data root, SandboxError where agent code cannot
     be confined."""
+    self.start_in_background()
+    try:
+      return self.wait_started()
+    except BaseException:  # a Ctrl-C too: nothing of the pool may stay behind
+      self.close()
+      raise
+
+  def start_in_background(self) -> "EnvPool":
+    """`start`, returning once the task files are checked (AppWorldDataError now): the
+    template and the workers start in a thread, so that the caller builds its model
+    meanwhile (AppWorld takes seconds to start). `begin` waits for them; so does
+    `wait_started`, which raises what failed."""
     cache = self.config.data_check_cache
     data_root.check_tasks(self.config.data_root(), cache and os.path.expanduser(cache))
     self._scratch = tempfile.mkdtemp(prefix="sage_jax_appworld_")
@@ -195,30 +209,49 @@ class EnvPool:
     try:
       _check_no_memory("outputs_root", os.path.abspath(self.config.outputs_root))
       _check_no_memory("system's temporary directory", self._scratch)
-      self._template = process.WorkerTemplate(self.config, self._scratch)
-    except BaseException:  # a Ctrl-C too: nothing of the pool may stay behind
+    except BaseException:
       self.close()
       raise
-    ready = [concurrent.futures.Future() for _ in range(self.config.num_workers)]
-    for slot, future in enumerate(ready):
-      thread = threading.Thread(target=self._serve, args=(slot, future), daemon=True,
-                                name=f"appworld-slot-{slot}")
-      thread.start()
-      self._threads.append(thread)
-    errors = [f.exception() for f in ready]
-    if any(errors):
+    self._start_thread = threading.Thread(target=self._start_workers, daemon=True,
+                                          name="appworld-start")
+    self._start_thread.start()
+    return self
+
+  def wait_started(self) -> "EnvPool":
+    """Waits for `start_in_background`'s workers; raises what kept them from starting (the
+    pool is closed then)."""
+    if self._start_thread is None:
+      raise RuntimeError("The pool is not running: use `with EnvPool(config) as pool`.")
+    return self._started.result()
+
+  def _start_workers(self) -> None:
+    try:
+      self._template = process.WorkerTemplate(self.config, self._scratch)
+      ready = [concurrent.futures.Future() for _ in range(self.config.num_workers)]
+      for slot, future in enumerate(ready):
+        thread = threading.Thread(target=self._serve, args=(slot, future), daemon=True,
+                                  name=f"appworld-slot-{slot}")
+        thread.start()
+        self._threads.append(thread)
+      errors = [f.exception() for f in ready]
+      if any(errors):
+        raise next(e for e in errors if e)
+    except BaseException as e:  # noqa: BLE001 - raised where the pool is waited for
       self.close()
-      raise next(e for e in errors if e)
+      self._started.set_exception(e)
+      return
     protections = self._template.protections
     logging.info("AppWorld agent code runs confined: %s.", "; ".join(protections)
                  if protections else "NOT AT ALL (sandbox='off'; it can read the answers)")
-    return self
+    self._started.set_result(self)
 
   def close(self) -> None:
     """Stops taking episodes, lets live ones finish their queued calls, stops workers."""
     if self._closed:
       return
     self._closed = True
+    if self._start_thread not in (None, threading.current_thread()):
+      self._start_thread.join()  # its workers are then all in self._threads
     with self._lock:
       unclosed = [e for e in self._live.values() if e is not None and not e._closing]
     for episode in unclosed:  # their slots wait for a close; results still get recorded
@@ -259,8 +292,9 @@ class EnvPool:
     episode. Two live episodes may not share (experiment, task_id): AppWorld would write
     both to the same output directory.
     """
-    if self._closed or not self._threads:
-      raise RuntimeError("The pool is not running: use `with EnvPool(config) as pool`.")
+    self.wait_started()  # raises what kept the workers from starting
+    if self._closed:
+      raise RuntimeError("The pool is closed.")
     _check_no_memory(f"experiment name {experiment!r}", experiment)
     key = (experiment, task_id)
     with self._lock:
