@@ -143,11 +143,19 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
            else multihost.share(len(scenarios)))
   own_task_ids = [t for ids in scenarios[share] for t in ids]
   tokenizer = tokenizer or Tokenizer()
-  driver = None
-  if policy is None:
-    if ev.policy == "scripted":
+  own_pool = None
+  if pool is None:  # several processes: each pool keeps its outputs on its own host
+    own_pool = appworld.EnvPool(dataclasses.replace(
+        s["pool"], appworld_root=root, log_dir=multihost.process_subdir(s["pool"].log_dir),
+        outputs_root=multihost.outputs_root(s["pool"].outputs_root,
+                                            storage.local_subdir(workdir, "appworld"))))
+  try:
+    if own_pool is not None:  # AppWorld starts while the model is built
+      multihost.all_succeed(own_pool.start_in_background)
+    driver = None
+    if policy is None and ev.policy == "scripted":
       policy, agent_cfg = ScriptedPolicy(root, tokenizer), scripted_agent(agent_cfg)
-    else:
+    elif policy is None:
       from sage_jax.sampler import AsyncEngine, Engine, EngineConfig
 
       if engine is None:
@@ -159,24 +167,19 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
                         detokenize=tokenizer.decode)
       driver = AsyncEngine(engine)
       policy = rollout.SamplerPolicy(driver, agent_cfg)
-  embedder = make_embedder(retrieval_cfg, engine=engine, tokenizer=tokenizer)
-  retriever = Retriever(retrieval_cfg, embedder)
+    retriever = Retriever(retrieval_cfg, make_embedder(retrieval_cfg, engine=engine,
+                                                       tokenizer=tokenizer))
+  except BaseException:
+    if own_pool is not None:
+      own_pool.close()
+    raise
   max_concurrent = ev.max_concurrent_scenarios or (1 if across else 0)
-  pool_cfg = s["pool"]
-  if pool is None:  # several processes: each pool keeps its outputs on its own host
-    pool_cfg = dataclasses.replace(pool_cfg, outputs_root=multihost.outputs_root(
-        pool_cfg.outputs_root, storage.local_subdir(workdir, "appworld")),
-        log_dir=multihost.process_subdir(pool_cfg.log_dir))
-  pool_cfg = dataclasses.replace(pool_cfg, appworld_root=root)
   library = SkillLibrary()
   started = time.time()
 
-  def play(pool: appworld.EnvPool | None) -> tuple[list[EpisodeRecord], list[str], Any]:
+  def play(pool: appworld.EnvPool) -> tuple[list[EpisodeRecord], list[str], Any]:
     """This process's share: its records, the tasks AppWorld's check scored, its scores."""
-    own_pool = pool is None
     try:
-      if own_pool:
-        pool = appworld.EnvPool(pool_cfg).start()
       ctx = rollout.RolloutContext(policy, pool, tokenizer, agent_cfg, retriever, root)
       records = asyncio.run(run_scenarios(ctx, own_task_ids, experiment=ev.experiment,
                                           library=library, max_concurrent=max_concurrent,
@@ -188,12 +191,12 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
           evaluation_timeout_s=pool.config.evaluation_timeout_s) if checked else None)
       return records, checked, scores
     finally:
-      if own_pool and pool is not None:
-        pool.close()
+      if own_pool is not None:
+        own_pool.close()
       if driver is not None:
         driver.close()
 
-  records, checked, own_scores = multihost.all_succeed(lambda: play(pool))
+  records, checked, own_scores = multihost.all_succeed(lambda: play(pool or own_pool))
   elapsed = time.time() - started
   records = [r for part in multihost.allgather_objects(records) for r in part]
   metrics = metrics_lib.evaluation_metrics(records)
