@@ -13,6 +13,7 @@ import pytest
 
 from sage_jax import configurable
 from sage_jax.envs import appworld
+from sage_jax.envs.appworld import episode_process
 from sage_jax.envs.appworld.process import WorkerFault
 from tests.appworld_fixtures import all_task_ids
 from tests.appworld_fixtures import appworld_metrics
@@ -219,18 +220,14 @@ def test_a_pool_started_in_background_serves_once_ready_and_raises_what_kept_it(
 
 def _worker_children() -> list[int]:
   """This process's children that run an AppWorld worker (a pool's template)."""
-  found = []
-  for pid in filter(str.isdigit, os.listdir("/proc")):
+  def is_worker(pid: int) -> bool:
     try:
-      with open(f"/proc/{pid}/stat") as f:
-        parent = int(f.read().rpartition(")")[2].split()[1])
       with open(f"/proc/{pid}/cmdline", "rb") as f:
-        worker = b"sage_jax.envs.appworld.worker" in f.read()
-    except (OSError, ValueError):
-      continue
-    if parent == os.getpid() and worker:
-      found.append(int(pid))
-  return found
+        return b"sage_jax.envs.appworld.worker" in f.read()
+    except OSError:  # gone meanwhile
+      return False
+
+  return [pid for pid in episode_process._children_of(os.getpid()) if is_worker(pid)]
 
 
 def test_tasks_without_model_hashes_run_and_evaluate(mini_root, tmp_path):  # noqa: F811
