@@ -43,6 +43,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sage_jax import sharding as shd
+from sage_jax import storage
 from sage_jax.model import lora
 from sage_jax.model.qwen2 import abstract_model
 
@@ -151,14 +152,18 @@ def share(n: int, index: int | None = None, count: int | None = None) -> slice:
   return slice(int(bounds[index]), int(bounds[index + 1]))
 
 
-def outputs_root(configured: str | None, run_default: str) -> str | None:
-  """Where this process's AppWorld pool writes. One process: `configured`, else the run's
-  default (under its workdir). Several: `configured`/process_<i> when set, else None (the
-  pool's own temporary directory on this host), so that hosts never share an experiment
-  directory."""
+def pool_config(pool: Any, appworld_root: str, workdir: storage.PathLike) -> Any:
+  """`pool` (an EnvPoolConfig) as this process runs it on `appworld_root`. Its outputs: with
+  one process, `pool.outputs_root`, else the run's default (<workdir>/appworld, when the
+  workdir is on this host); with several, `pool.outputs_root`/process_<i> when set, else None
+  (the pool's own temporary directory on this host), so that hosts never share an experiment
+  directory. Its worker logs: `pool.log_dir`, per process like the outputs."""
   if jax.process_count() == 1:
-    return configured or run_default
-  return process_subdir(configured)
+    outputs = pool.outputs_root or storage.local_subdir(workdir, "appworld")
+  else:
+    outputs = process_subdir(pool.outputs_root)
+  return dataclasses.replace(pool, appworld_root=appworld_root, outputs_root=outputs,
+                             log_dir=process_subdir(pool.log_dir))
 
 
 def process_subdir(path: str | None) -> str | None:

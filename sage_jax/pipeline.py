@@ -153,10 +153,7 @@ class Pipeline:
       multihost.check_batch_split(self.mesh, ("data", "fsdp"))
       self.batch_config = dataclasses.replace(self.batch_config, row_multiple=math.lcm(
           self.batch_config.row_multiple, self.mesh.shape["data"] * self.mesh.shape["fsdp"]))
-    pool_cfg = dataclasses.replace(
-        self.run.pool, appworld_root=self.root, outputs_root=multihost.outputs_root(
-            self.run.pool.outputs_root, storage.local_subdir(self.workdir, "appworld")),
-        log_dir=multihost.process_subdir(self.run.pool.log_dir))
+    pool_cfg = multihost.pool_config(self.run.pool, self.root, self.workdir)
     # AppWorld starts while the model is built and SFT runs; the first episode waits for it
     # (and raises what kept it from starting, inside the stage's multi-process checks).
     self.pool = appworld.EnvPool(pool_cfg).start_in_background()

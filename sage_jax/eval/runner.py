@@ -145,10 +145,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   tokenizer = tokenizer or Tokenizer()
   own_pool = None
   if pool is None:  # several processes: each pool keeps its outputs on its own host
-    own_pool = appworld.EnvPool(dataclasses.replace(
-        s["pool"], appworld_root=root, log_dir=multihost.process_subdir(s["pool"].log_dir),
-        outputs_root=multihost.outputs_root(s["pool"].outputs_root,
-                                            storage.local_subdir(workdir, "appworld"))))
+    own_pool = appworld.EnvPool(multihost.pool_config(s["pool"], root, workdir))
   try:
     if own_pool is not None:  # AppWorld starts while the model is built
       multihost.all_succeed(own_pool.start_in_background)
