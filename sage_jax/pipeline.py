@@ -153,10 +153,11 @@ class Pipeline:
       multihost.check_batch_split(self.mesh, ("data", "fsdp"))
       self.batch_config = dataclasses.replace(self.batch_config, row_multiple=math.lcm(
           self.batch_config.row_multiple, self.mesh.shape["data"] * self.mesh.shape["fsdp"]))
-    pool_cfg = multihost.pool_config(self.run.pool, self.root, self.workdir)
-    # AppWorld starts while the model is built and SFT runs; the first episode waits for it
-    # (and raises what kept it from starting, inside the stage's multi-process checks).
-    self.pool = appworld.EnvPool(pool_cfg).start_in_background()
+    self._pool = appworld.EnvPool(multihost.pool_config(self.run.pool, self.root, self.workdir))
+    if self._plays_episodes():
+      # AppWorld starts while the model is built and SFT runs; the first episode waits for
+      # it (and raises what kept it from starting, inside the stage's multi-process checks).
+      self._pool.start_in_background()
     try:
       self.tokenizer = Tokenizer()
       compact = self.run.model.vocabulary == "compact"
@@ -171,7 +172,7 @@ class Pipeline:
                            eos_ids=[self.tokenizer.eos_id, self.tokenizer.endoftext],
                            detokenize=self.tokenizer.decode, mesh=self.weight_sync.mesh)
     except BaseException:
-      self.pool.close()
+      self._pool.close()
       raise
     self.driver = AsyncEngine(self.engine)
     self.policy = rollout.SamplerPolicy(self.driver, self.run.agent)
@@ -181,9 +182,22 @@ class Pipeline:
     # Whether those are SFT's adopted params, not read yet (`read_sft_result`).
     self.sft_result_unread = False
 
+  def _plays_episodes(self) -> bool:
+    """Whether the configured stages play AppWorld episodes: RL, evaluations, and SFT whose
+    data is not read from a file or which evaluates as it trains. A run that plays none (SFT
+    on a file, say) starts no AppWorld, unless something asks for `pool` after all."""
+    p = self.run.pipeline
+    return bool(p.eval_before or p.eval_after or "rl" in p.stages or self.sft_pending and (
+        not p.expert_trajectories or self.run.sft.eval_every))
+
+  @property
+  def pool(self) -> appworld.EnvPool:
+    """The run's AppWorld pool, started (in the background) on first use if not at startup."""
+    return self._pool.start_in_background()
+
   def close(self) -> None:
     self.driver.close()
-    self.pool.close()
+    self._pool.close()
 
   def saved_steps(self, stage: str) -> list[int]:
     """The checkpoint steps of `stage` in the workdir (read without cleaning anything up;

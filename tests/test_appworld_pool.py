@@ -13,7 +13,6 @@ import pytest
 
 from sage_jax import configurable
 from sage_jax.envs import appworld
-from sage_jax.envs.appworld import episode_process
 from sage_jax.envs.appworld.process import WorkerFault
 from tests.appworld_fixtures import all_task_ids
 from tests.appworld_fixtures import appworld_metrics
@@ -22,6 +21,7 @@ from tests.appworld_fixtures import ground_truth_answer
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
 from tests.appworld_fixtures import task_dir
+from tests.appworld_fixtures import pool_templates
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_a_pool_started_in_background_serves_once_ready_and_raises_what_kept_it(
   `wait_started`, and leaves no process or scratch directory behind."""
   task_id = appworld.read_split(mini_root, "train")[0]
   config = pool_config(mini_root, str(tmp_path / "out"), num_workers=1)
-  others = set(_worker_children())  # other pools' templates (a module's fixture)
+  others = set(pool_templates())  # other pools' templates (a module's fixture)
   began = time.monotonic()
   pool = appworld.EnvPool(config).start_in_background()
   returned = time.monotonic() - began
@@ -202,7 +202,7 @@ def test_a_pool_started_in_background_serves_once_ready_and_raises_what_kept_it(
     with pool.episode(task_id, "background") as ep:
       ep.execute(gold_solution(mini_root, task_id)).result()
     ready = time.monotonic() - began
-    assert len(set(_worker_children()) - others) == 1  # the template; the workers are its
+    assert len(set(pool_templates()) - others) == 1  # the template; the workers are its
   finally:
     pool.close()
   assert ep.result.success
@@ -214,20 +214,8 @@ def test_a_pool_started_in_background_serves_once_ready_and_raises_what_kept_it(
                   lambda: failing.begin(task_id, "never again")):
     with pytest.raises(WorkerFault, match="no answer within 0.01 s while starting"):
       attempt()
-  assert not set(_worker_children()) - others and failing._scratch is None
+  assert not set(pool_templates()) - others and failing._scratch is None
   failing.close()  # idempotent
-
-
-def _worker_children() -> list[int]:
-  """This process's children that run an AppWorld worker (a pool's template)."""
-  def is_worker(pid: int) -> bool:
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return b"sage_jax.envs.appworld.worker" in f.read()
-    except OSError:  # gone meanwhile
-      return False
-
-  return [pid for pid in episode_process._children_of(os.getpid()) if is_worker(pid)]
 
 
 def test_tasks_without_model_hashes_run_and_evaluate(mini_root, tmp_path):  # noqa: F811

@@ -25,6 +25,7 @@ sys.path.insert(0, REPO)
 from configs import sage as sage_configs  # noqa: E402
 from tests.appworld_fixtures import demo_expert_file  # noqa: E402, F401 - pytest fixture
 from tests.appworld_fixtures import mini_root  # noqa: E402, F401 - pytest fixture
+from tests.appworld_fixtures import pool_templates  # noqa: E402
 
 
 def _live_bytes() -> int:
@@ -48,6 +49,10 @@ def test_resuming_after_sft_keeps_only_its_params(tmp_path, demo_expert_file):  
 
   pipe = pipeline.Pipeline(c, workdir)
   try:
+    # Nothing of SFT on a file plays an episode: no AppWorld runs until something asks for it.
+    assert not pool_templates()
+    pipe.pool.wait_started()
+    assert len(pool_templates()) == 1  # the template; the workers are its children
     leaves = lambda: jax.tree.leaves(nnx.state(pipe.model, nnx.Param))
     param_bytes = sum(x.nbytes for x in leaves())
     initial = np.asarray(leaves()[0])

@@ -199,7 +199,11 @@ class EnvPool:
     """`start`, returning once the task files are checked (AppWorldDataError now): the
     template and the workers start in a thread, so that the caller builds its model
     meanwhile (AppWorld takes seconds to start). `begin` waits for them; so does
-    `wait_started`, which raises what failed."""
+    `wait_started`, which raises what failed. A pool already started is returned as it is."""
+    if self._start_thread is not None:  # a failed start raises at `begin`, not here
+      return self
+    if self._closed:
+      raise RuntimeError("The pool is closed.")
     cache = self.config.data_check_cache
     data_root.check_tasks(self.config.data_root(), cache and os.path.expanduser(cache))
     self._scratch = tempfile.mkdtemp(prefix="sage_jax_appworld_")
