@@ -20,8 +20,8 @@ from tests.appworld_fixtures import gold_solution
 from tests.appworld_fixtures import ground_truth_answer
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import pool_config
-from tests.appworld_fixtures import task_dir
 from tests.appworld_fixtures import pool_templates
+from tests.appworld_fixtures import task_dir
 
 
 @pytest.fixture(scope="module")
