@@ -8,7 +8,6 @@ the build fails; the two runs also label the tests (test_data.json), as AppWorld
 Offline and deterministic for a given seed.
 """
 
-import atexit
 import concurrent.futures
 import contextlib
 import io
@@ -108,9 +107,6 @@ def _run(task_id: str, experiment: str, code: str):
     with AppWorld(task_id=task_id, experiment_name=experiment) as world:
       output = world.execute(code)
     tracker = world.evaluate(suppress_errors=True)
-  # Each world's IPython shell registers an exit handler that runs a full garbage collection:
-  # the build's 78 worlds (gold and no-op of 39 tasks) made its exit take as long as the build.
-  atexit.unregister(world.shell.atexit_operations)
   if output.startswith("Execution failed"):
     raise RuntimeError(f"{task_id}: {experiment} code failed:\n{output}")
   return tracker
@@ -132,7 +128,9 @@ def _label(data_dir: str, task_id: str) -> None:
 
 def _label_all(data_dir: str, task_ids: list[str]) -> None:
   """`_label` for every task, in forked processes, one per core: a task's two runs write
-  only its own files, and these 2 x N AppWorld runs are most of a build's time."""
+  only its own files, and these 2 x N AppWorld runs are most of a build's time. The processes
+  end without running exit handlers, so the worlds' IPython shells (each registers one that
+  runs a full garbage collection) do not slow the build's exit."""
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   processes = max(1, min(cores or 1, len(task_ids)))
   with concurrent.futures.ProcessPoolExecutor(
