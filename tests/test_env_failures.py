@@ -117,3 +117,55 @@ def test_fewer_episodes_than_mini_batches_make_fewer_updates():
   out = rl_loop.grpo_update(trainer, [_episode(8, 1.0), _episode(6, -1.0),
                                       _episode(12, 1.0, failed=True)], config, batch_config)
   assert out["updates"] == 2.0 and out["batch/real_positions"] == 7 + 5
+
+
+def _sage_group():
+  """One group of G = 3 rollouts of a 2-task chain, SAGE rewards: rollout 0 writes skill f and
+  uses it (2, 2); the environment fails under rollout 1's task 2, so its task 1's generation
+  bonus is unknown (neither is trained on); rollout 2 succeeds, then fails (1, 0)."""
+  return [[rec(0, True, generated=["f"], rollout=0), rec(1, True, used=["f"], rollout=0)],
+          [rec(0, True, generated=["f"], rollout=1), _failed(rec(1, False, rollout=1))],
+          [rec(0, True, rollout=2), rec(1, False, rollout=2)]]
+
+
+def test_reward_and_advantage_metrics_cover_the_episodes_trained_on():
+  # Rewards of episodes never trained on (their outcome or bonus unknown) stay out of the
+  # reward curves, and their advantage of 0 out of the advantage statistics.
+  chains = _sage_group()
+  rewards_lib.assign_rewards(chains, rewards_lib.RewardConfig())
+  records = [r for c in chains for r in c]
+  assert [episode.trained_on(r) for r in records] == [True, True, False, False, True, True]
+  stats = advantages.assign_advantages(records)
+  assert stats.reward_mean == pytest.approx(1.25)  # of 2, 2, 1, 0
+  assert stats.reward_std == pytest.approx(np.std([2.0, 2.0, 1.0, 0.0]))
+  assert stats.reward_mean_by_position == pytest.approx((1.5, 1.0))
+  assert rl_metrics.advantage_metrics(records) == pytest.approx(
+      {"advantage/abs_mean": 1.0, "advantage/zero_frac": 0.0}, abs=1e-5)
+  m = rl_metrics.sample_metrics(records)
+  assert m["reward/mean"] == pytest.approx(1.25) and m["reward/pos0/mean"] == 1.5
+  assert m["reward/pos1/mean"] == 1.0 and m["reward/pos1/std"] == 1.0
+  assert m["episodes"] == 6 and m["success"] == pytest.approx(4 / 6)  # what was sampled
+  assert rl_metrics.advantage_metrics(records[2:4]) == {}  # none trained on: no statistic
+  assert "reward/mean" not in rl_metrics.sample_metrics(records[2:4])
+
+
+def test_the_rollout_reward_covers_episodes_whose_reward_is_known(monkeypatch):
+  """appworld_rollout's metrics of a step whose episodes the environment partly failed under:
+  the played groups are stubbed (`rollout.run_groups`), rewards and advantages are real."""
+  from sage_jax.rl import rollout
+
+  async def run_groups(ctx, chains, config, *, first_group=0):
+    assert len(chains) == 1 and config.group_size == 3
+    return rollout.RolloutBatch(list(chains), [_sage_group()], [[None] * 3])
+
+  monkeypatch.setattr(rollout, "run_groups", run_groups)
+  run = rl_loop.appworld_rollout(None, ["s_1", "s_2"], rollout.RolloutConfig(
+      chain_length=2, group_size=3), rewards_lib.RewardConfig(), num_chains=1)
+  episodes, values = run(0, 0)
+  assert len(episodes) == 6
+  assert values["rollout/reward"] == pytest.approx(1.25)
+  assert values["rollout/reward/pos0"] == 1.5 and values["rollout/reward/pos1"] == 1.0
+  assert values["reward/mean"] == pytest.approx(1.25)
+  # The left-out episodes are counted by metrics of their own.
+  assert values["num_env_failures"] == values["num_rewards_unknown"] == 1
+  assert values["rollout/env_failure_rate"] == pytest.approx(100 / 6)

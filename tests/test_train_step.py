@@ -337,6 +337,33 @@ def test_a_sampling_temperature_trains_that_policy_with_pi_old_recomputed():
   assert abs(at_one["ratio_mean"] - 1.0) > 0.1
 
 
+def test_a_step_of_several_updates_reports_extremes_of_them_all():
+  """With several mini-batches, a step's metrics combine its updates': maxima as the largest,
+  minima as the smallest, counts as totals, the rest as means over the updates."""
+  from sage_jax.train import rl_loop  # noqa: PLC0415
+  from sage_jax.train.metrics import scalars  # noqa: PLC0415
+
+  records = _records(4, seed=6)
+  for r in records[:2]:  # pi_old far below pi_theta: far larger ratios in the first update
+    r["model_logprobs"] = np.where(r["loss_mask"], r["model_logprobs"] - 3.0, 0).astype(np.float32)
+  g = grpo.GRPOConfig(num_mini_batches=2, shuffle_mini_batches=False, logprob_chunk=0)
+  trainer = rl_loop.grpo_trainer(init_model(CFG, seed=3), g, opt.OptimizerConfig(
+      learning_rate=1e-4))
+  updates, step = [], trainer.step
+  trainer.step = lambda batch: updates.append(scalars(jax.device_get(step(batch)))) or updates[-1]
+  out = rl_loop.grpo_update(trainer, records, g, B.BatchConfig(micro_batch_tokens=64,
+                                                               length_buckets=(16,)))
+  assert out["updates"] == len(updates) == 2
+  first, second = updates
+  assert first["ratio_max"] > 5 * second["ratio_max"]
+  assert first["ratio_min"] > 5 * second["ratio_min"]
+  assert out["ratio_max"] == first["ratio_max"] and out["ratio_min"] == second["ratio_min"]
+  assert out["loss_tokens"] == sum(int(r["loss_mask"].sum()) for r in records)
+  assert out["nonfinite_skipped"] == 0.0
+  for name in ("loss", "grad_norm", "ratio_mean", "clip_frac", "learning_rate"):
+    assert out[name] == pytest.approx((first[name] + second[name]) / 2)
+
+
 def test_bf16_compute_with_fp32_master_weights():
   model = init_model(CFG.replace(dtype="bfloat16", remat="full"), seed=0)
   trainer = Trainer(model, grpo.make_loss_fn(grpo.GRPOConfig()),

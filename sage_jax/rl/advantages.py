@@ -13,8 +13,8 @@ signal) and is counted in the statistics.
 
 Episodes on which the environment failed (`EpisodeRecord.env_failed`), and those whose
 reward hangs on a later task on which it failed (`reward_unknown`, see `rl.rewards`), are
-left out of their set's normalisation and get advantage 0; the update leaves them out of the
-loss (`rl.episode.trained_on`).
+left out of their set's normalisation (and of the reward statistics) and get advantage 0; the
+update leaves them out of the loss (`rl.episode.trained_on`).
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class AdvantageStats:
   num_constant_groups: int  # of which all rewards were equal (zero advantage)
   num_env_failures: int  # episodes left out because the environment failed under them
   num_rewards_unknown: int  # left out because a later task's environment failed
+  # Rewards of the episodes normalised (those left out have no outcome's reward); NaN
+  # where there is none. By position: one entry per chain position of the records.
   reward_mean: float
   reward_std: float
   reward_mean_by_position: tuple[float, ...]
@@ -85,6 +87,10 @@ def group_advantages(rewards: Sequence[float], config: AdvantageConfig) -> np.nd
   return centred / (r.std(ddof=1 if config.std == "unbiased" else 0) + config.epsilon)
 
 
+def _mean(values: Sequence[float]) -> float:
+  return float(np.mean(values)) if len(values) else np.nan
+
+
 def assign_advantages(records: Sequence[EpisodeRecord],
                       config: AdvantageConfig = AdvantageConfig()) -> AdvantageStats:
   """Sets `.advantage` of every record from its (group, chain position) peers."""
@@ -101,15 +107,14 @@ def assign_advantages(records: Sequence[EpisodeRecord],
       constant += 1
     for m, a in zip(members, group_advantages(rewards, config)):
       m.advantage = float(a)
-  rewards = np.asarray([r.reward for r in records], np.float64)
-  positions = sorted({r.chain_position for r in records})
-  by_position = tuple(float(np.mean([r.reward for r in records if r.chain_position == p]))
-                      for p in positions)
+  known = [m for members in sets.values() for m in members]
+  rewards = np.asarray([r.reward for r in known], np.float64)
+  by_position = tuple(_mean([r.reward for r in known if r.chain_position == p])
+                      for p in sorted({r.chain_position for r in records}))
   return AdvantageStats(
       num_groups=len(sets), num_constant_groups=constant,
       num_env_failures=sum(bool(getattr(r, "env_failed", False)) for r in records),
       num_rewards_unknown=sum(bool(getattr(r, "reward_unknown", False))
                               and not getattr(r, "env_failed", False) for r in records),
-      reward_mean=float(rewards.mean()) if rewards.size else 0.0,
-      reward_std=float(rewards.std()) if rewards.size else 0.0,
+      reward_mean=_mean(rewards), reward_std=float(rewards.std()) if rewards.size else np.nan,
       reward_mean_by_position=by_position)

@@ -30,10 +30,12 @@ All rates are percentages (None when their denominator is empty):
   the agent's code, not replayable, or too slow to evaluate): failures of the agent.
 
 `sample_metrics` is the RL loop's per-step statistics of any episodes (AppWorld's or the
-synthetic task's; fractions, not percentages), of everything the step sampled: reward and
-success overall and per chain position, steps, generated tokens; `advantage_metrics` those
-of the episodes it trains on. Training logs `task_metrics` of its AppWorld episodes beside
-them, under "rollout/": skill and chain metrics have that one definition.
+synthetic task's; fractions, not percentages), of everything the step sampled: reward (of the
+episodes whose reward is known, `rl.episode.trained_on`: env_failure_rate and the loop's
+num_env_failures / num_rewards_unknown count the others) and success overall and per chain
+position, steps, generated tokens; `advantage_metrics` those of the episodes it trains on.
+Training logs `task_metrics` of its AppWorld episodes beside them, under "rollout/": skill
+and chain metrics have that one definition.
 
 `compute_counts` is what an RL step spent, so that runs of different methods can be matched
 on compute: episodes, and tokens read as context, generated and trained on.
@@ -174,18 +176,21 @@ def by_position(values: Sequence[Any], positions: Sequence[Any]) -> dict[int, li
 
 def sample_metrics(episodes: Sequence[Any]) -> dict[str, float]:
   """Per-step statistics of episodes, from whichever fields they carry: `episodes`;
-  reward/mean|std, also per chain position (reward/pos<k>/...); success (the share of
-  episodes that succeeded), also per position; steps/mean; generated_tokens/mean|total
-  (from the loss mask when not recorded)."""
+  reward/mean|std, also per chain position (reward/pos<k>/...), of the episodes whose reward
+  is known (`rl.episode.trained_on`: the environment failed neither under them nor under a
+  later task their reward hangs on); success (the share of episodes that succeeded), also
+  per position; steps/mean; generated_tokens/mean|total (from the loss mask when not
+  recorded)."""
   out: dict[str, float] = {"episodes": float(len(episodes))}
   if not episodes:
     return out
   get = lambda name: [field(e, name) for e in episodes]
-  positions = get("chain_position")
-  rewards, successes = get("reward"), get("success")
-  if all(r is not None for r in rewards):
+  positions, successes = get("chain_position"), get("success")
+  known = [e for e in episodes if trained_on(e)]
+  rewards = [field(e, "reward") for e in known]
+  if known and all(r is not None for r in rewards):
     _mean_std("reward", rewards, out)
-    for p, values in by_position(rewards, positions).items():
+    for p, values in by_position(rewards, [field(e, "chain_position") for e in known]).items():
       _mean_std(f"reward/pos{p}", values, out)
   if all(s is not None for s in successes):
     out["success"] = float(np.mean([bool(s) for s in successes]))
@@ -203,8 +208,10 @@ def sample_metrics(episodes: Sequence[Any]) -> dict[str, float]:
 
 
 def advantage_metrics(episodes: Sequence[Any]) -> dict[str, float]:
-  """advantage/abs_mean and zero_frac of the episodes (of the update), when they carry one."""
-  adv = [field(e, "advantage") for e in episodes]
+  """advantage/abs_mean and zero_frac of the episodes the update trains on
+  (`rl.episode.trained_on`; the others' advantage is 0 but none of the update's), when they
+  carry one."""
+  adv = [field(e, "advantage") for e in episodes if trained_on(e)]
   if not adv or any(a is None for a in adv):
     return {}
   adv = np.asarray(adv, np.float64)

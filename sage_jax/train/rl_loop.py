@@ -109,14 +109,34 @@ def compute_counts(episodes: Sequence[Any]) -> dict[str, float]:
 
 # --- Update ---------------------------------------------------------------------------------
 
+# Counts of an update, which the step reports as totals over its updates.
+UPDATE_TOTALS = frozenset({"loss_tokens", "nonfinite_skipped", "batch/positions",
+                           "batch/real_positions"})
+
+
+def update_reduction(name: str) -> Callable[[Sequence[float]], Any]:
+  """How a step combines the metric `name` of its updates: an extreme (`train.step` names
+  them "<stat>_max" / "<stat>_min") as the step's extreme, a count (`UPDATE_TOTALS`) as its
+  total, anything else as the mean over the updates; a mean of maxima would be no maximum."""
+  if name.endswith("_max"):
+    return np.max
+  if name.endswith("_min"):
+    return np.min
+  return np.sum if name in UPDATE_TOTALS else np.mean
+
+
+def reduce_updates(per_update: Sequence[Mapping[str, float]]) -> dict[str, float]:
+  """One step's metrics from those of its updates (`update_reduction`)."""
+  return {k: float(update_reduction(k)([m[k] for m in per_update])) for k in per_update[0]}
+
 
 def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRPOConfig,
                 batch_config: batch_lib.BatchConfig, *, seed: int = 0,
                 reference_params: nnx.State | None = None) -> dict[str, float]:
   """`grpo_config.num_mini_batches` optimiser updates on `episodes` (with advantages set),
   fewer when the processes together hold fewer episodes (a mini-batch no process has an
-  episode for is skipped); returns the update metrics (means over mini-batches) and batch
-  layout statistics.
+  episode for is skipped); returns the update metrics and batch layout statistics, combined
+  over the mini-batches by `update_reduction`.
   Episodes that `rl.episode.trained_on` rejects (the environment failed under them or under
   the later task their reward hangs on) are left out of the loss; when no process has any
   other episode, there is no update."""
@@ -151,9 +171,7 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
     m["batch/micro_batches"] = float(batch.shape[0])
     m["batch/row_len"] = float(batch.shape[2])
     per_update.append(m)
-  out = {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
-  for k in ("batch/positions", "batch/real_positions"):
-    out[k] = float(np.sum([m[k] for m in per_update]))
+  out = reduce_updates(per_update)
   out["updates"] = float(len(per_update))
   return out
 
@@ -176,8 +194,10 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
   any trains on nothing.
 
   Returns this process's episodes to train on, and metrics of every episode that every
-  process sampled: `rl.metrics.task_metrics` and the mean reward (also per chain position)
-  under "rollout/", the compute counts, the draws and the kept chains."""
+  process sampled: `rl.metrics.task_metrics` under "rollout/", `rl.metrics.sample_metrics`
+  (rewards of the episodes whose reward is known), its mean reward also as "rollout/reward"
+  (and "rollout/reward/pos<k>"), the compute counts, the episodes left out of training
+  (num_env_failures, num_rewards_unknown), the draws and the kept chains."""
   import random
 
   from sage_jax.rl import advantages as advantages_lib
@@ -226,12 +246,12 @@ def appworld_rollout(ctx: Any, task_ids: Sequence[str], rollout_config: Any, rew
     everyone = gather_episodes(sampled)
     values = {f"rollout/{k}": float(v) for k, v in metrics_lib.task_metrics(
         everyone, unit="chain").items() if v is not None}
-    rewards = [e.reward for e in everyone]
-    values["rollout/reward"] = float(np.mean(rewards))
-    for p, at in metrics_lib.by_position(rewards, [e.chain_position for e in everyone]).items():
-      values[f"rollout/reward/pos{p}"] = float(np.mean(at))
     values.update(compute_counts(sampled))
-    values.update(metrics_lib.sample_metrics(everyone))
+    sampled_metrics = metrics_lib.sample_metrics(everyone)
+    values.update(sampled_metrics)
+    # The reward curve's names (plots, benchmarks): sample_metrics' mean rewards.
+    values.update({f"rollout/{k.removesuffix('/mean')}": v for k, v in sampled_metrics.items()
+                   if k.startswith("reward/") and k.endswith("/mean")})
     for key, count in (("constant_groups", constant_sets), ("num_env_failures", env_failures),
                        ("num_rewards_unknown", rewards_unknown)):
       values[key] = float(sum(multihost.allgather_objects(count)))
