@@ -88,7 +88,9 @@ def run_arm(seed: str, rollout_seed: str, variant: str) -> dict:
     out[f"{name}_by_step"] = [round(v, 1) for v in values]
   # A step without an update (no draw had a signal) logs no gradient norm.
   out["zero_grad_steps"] = sum(r.get("grad_norm", 0.0) == 0.0 for r in rows)
-  out["reward_by_step"] = [round(r["rollout/reward"], 3) for r in rows]
+  # A step whose every reward is unknown (the environment failed under it) logs none.
+  out["reward_by_step"] = [round(r["rollout/reward"], 3) if "rollout/reward" in r else None
+                           for r in rows]
   return out
 
 
