@@ -234,6 +234,25 @@ def test_a_comprehension_variable_does_not_rebind_the_constant_of_its_name():
   assert skills.module_scope_bindings(statement) == {"n", "last"}
 
 
+def test_a_name_bound_only_in_a_nested_scope_is_read_from_the_module():
+  """A nested function's parameter or a comprehension's variable binds nothing in the
+  skill's own scope: the skill reads the module's name (a computed `token`: not saved), as
+  it does a name it declares `global`; a `nonlocal` one is the skill's own local."""
+  saved = _saved([
+      "token = len('ab')\nCOUNT = 0\nn = len('c')\n",
+      "def f(x):\n    def helper(token):\n        return token\n    return helper(token) + x\n"
+      "def g(xs):\n    sizes = [len(token) for token in xs]\n    return sizes, token\n"
+      "def h():\n    global COUNT\n    COUNT += 1\n    return COUNT\n"
+      "def k():\n    n = 0\n    def inc():\n        nonlocal n\n        n += 1\n"
+      "        return n\n    return inc()\n",
+  ])
+  assert sorted(saved) == ["h", "k"]
+  assert saved["h"].constants == ("COUNT = 0",) and saved["k"].constants == ()
+  namespace = {}
+  exec(saved["h"].code + saved["k"].code, namespace)  # noqa: S102
+  assert (namespace["h"](), namespace["k"]()) == (1, 1)
+
+
 def test_a_line_break_inside_a_string_does_not_shift_the_saved_source():
   """Python breaks lines at \\n and \\r only: a \\u2028 or \\f in a string literal is text."""
   for sep in ("\u2028", "\x0c", "\x85"):

@@ -66,7 +66,7 @@ def run_blocks(pool, task_id, blocks, library_code=None, outputs=None):
         output = await ep.execute(code)
         if outputs is not None:
           outputs.append(output)
-        tracker.observe(code, BlockTrace.from_dict(ep.last_trace))
+        tracker.observe(code, BlockTrace.from_dict(ep.last_trace), output)
     return ep.result
 
   return tracker, asyncio.run(go())
@@ -413,6 +413,53 @@ def test_a_skill_written_inside_try_or_if_is_generated_and_runs_where_installed(
   tracker, output = run_where_installed(pool, tracker, 'print(join_titles(["c"]))\n')
   assert output.strip() == 'titles:\n      "c"'
   assert tracker.events().used == ("join_titles",)
+
+
+def test_a_skill_carries_the_constants_its_task_bound_in_code_that_ran(pool):
+  """A block that raised before rebinding a constant (or that the code guard refused) left
+  the constant as it was: the skill is saved with the value it ran with, and a computed
+  value it never bound does not make the skill unsaveable. What a failed block bound before
+  its failing line, or may have bound in a `finally` around it, counts."""
+  define = [block("""
+      LIMIT = 5
+      def limit():
+          return LIMIT
+      """)]
+  for rebind, printed, constants in (
+      ("1/0\nLIMIT = 99\n", "5", ("LIMIT = 5",)),
+      ("LIMIT = 99; x = globals()\n", "5", ("LIMIT = 5",)),  # refused by the code guard
+      ("1/0\nLIMIT = len('abc')\n", "5", ("LIMIT = 5",)),
+      ("LIMIT = 7\n1/0\n", "7", ("LIMIT = 7",)),
+      ("try:\n    1/0\nfinally:\n    LIMIT = 8\n", "8", None)):  # 8: not told by the text
+    outputs = []
+    tracker, _ = run_blocks(pool, f"{SCENARIO}_1", [*define, rebind, "print(limit())\n"],
+                            outputs=outputs)
+    assert outputs[1].startswith("Execution failed.") and outputs[2].strip() == printed
+    saved = tracker.saved_functions()
+    if constants is None:
+      assert saved == {} and tracker.events().failed_definitions == ("limit",), rebind
+    else:
+      assert saved["limit"].constants == constants, rebind
+
+
+def test_a_name_a_nested_scope_binds_is_still_read_from_the_module(pool):
+  """A nested function's parameter and a comprehension's variable are theirs alone: the
+  skill's own `LIMIT` is the module's constant, which it carries where it is installed."""
+  blocks = ["LIMIT = 3\n", block("""
+      def scaled(xs):
+          def pick(LIMIT):
+              return LIMIT
+          firsts = [LIMIT for LIMIT in xs]
+          return pick(firsts[0]) * LIMIT
+
+      print(scaled([2]))
+      """)]
+  outputs = []
+  tracker, _ = run_blocks(pool, f"{SCENARIO}_1", blocks, outputs=outputs)
+  assert outputs[1].strip() == "6"
+  assert tracker.saved_functions()["scaled"].constants == ("LIMIT = 3",)
+  tracker, output = run_where_installed(pool, tracker, "print(scaled([4]))\n")
+  assert output.strip() == "12" and tracker.events().used == ("scaled",)
 
 
 _SAME_OUTPUT_SCRIPT = r"""

@@ -19,10 +19,10 @@ from sage_jax.agent import parsing, prompts
 from sage_jax.agent.config import AgentConfig
 from sage_jax.agent.library import Skill
 from sage_jax.agent.policy import Policy, TaskContext, TurnRequest
-from sage_jax.agent.skills import BlockTrace, FunctionInfo, SkillEvents, SkillTracker
+from sage_jax.agent.skills import (FAILED_PREFIX, BlockTrace, FunctionInfo, SkillEvents,
+                                   SkillTracker)
 from sage_jax.tokenizer import Conversation, Tokenizer
 
-FAILED_PREFIX = "Execution failed."
 TRUNCATED = ("max_new_tokens", "context_full")  # finish reasons of a turn cut by a token limit
 END_REASONS = ("completed", "max_steps", "token_limit", "env_error")
 
@@ -165,7 +165,7 @@ async def run_task(*, policy: Policy, episode: Any, tokenizer: Tokenizer, config
         ok = not output.startswith(FAILED_PREFIX)
         trace = None if env_error is not None or episode.last_trace is None else (
             BlockTrace.from_dict(episode.last_trace))
-        tracker.observe(code, trace)
+        tracker.observe(code, trace, output)
         observation = prompts.observation(output, config.max_observation_chars)
       turns.append(TurnRecord(first, seen, text, code, output, ok, turn.finish_reason))
       if env_error is None and getattr(episode, "error", None):

@@ -16,8 +16,9 @@ task was shown and had installed):
   was called successfully, unless the name is a builtin's (`len`: ordinary code calling the
   builtin would count as a use where it is installed); the rollout adds it to the library
   when the task ends, with the imports of its block and what it reads of the task's other
-  imports and literal constants (`LIMIT = 20`), as bound by the end of the last block in
-  which it ran successfully, so that it runs as it did where it is installed. A value
+  imports and literal constants (`LIMIT = 20`), as the code that ran had bound them by the
+  end of the last block in which it ran successfully (a block that failed bound nothing
+  after its failing line), so that it runs as it did where it is installed. A value
   computed by code (`token = apis...`) is not carried: it would run again; nor is a constant
   bound inside an `if`, a loop or an `except` (the text does not say which value the name
   held). A definition whose decorators, default values or annotations read anything else (a
@@ -47,6 +48,7 @@ import builtins
 import dataclasses
 import io
 import re
+import symtable
 import tokenize
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -56,6 +58,9 @@ _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _OWN_SCOPE_EXPRESSIONS = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
                           ast.GeneratorExp)
 _BUILTINS = frozenset(dir(builtins))
+FAILED_PREFIX = "Execution failed."  # how AppWorld's output of a block that raised begins
+# A frame of the block's own top level in AppWorld's traceback (lines of the stripped block).
+_TOP_LEVEL_FRAME = re.compile(r'^[ \t]*File "<python-input>", line (\d+), in <module>$', re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,7 @@ class FunctionInfo:
   calls: frozenset[str]  # plain names called anywhere in its body
   imports: tuple[str, ...] = ()  # top-level imports of its block (they travel with it)
   line: int = 0  # its first line in the block (decorators included)
-  reads: frozenset[str] = frozenset()  # global names it reads (not its own locals)
+  reads: frozenset[str] = frozenset()  # global names its body (nested scopes too) reads
   # Module constants it reads (`LIMIT = 20`: literal values only; a value computed by
   # code, e.g. an API call, is not run again elsewhere), as the task had bound them.
   constants: tuple[str, ...] = ()
@@ -120,22 +125,22 @@ def _called_names(nodes: Iterable[ast.AST], *, skip_defs: bool) -> set[str]:
   return names
 
 
-def _global_reads(node: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
-  """Names the function (nested code included) reads that none of it binds: its parameters
-  and assigned names are its own, unless declared `global`."""
-  loaded, local, declared = set(), set(), set()
-  for n in ast.walk(node):
-    if isinstance(n, ast.Name):
-      (loaded if isinstance(n.ctx, ast.Load) else local).add(n.id)
-    elif isinstance(n, ast.arg):
-      local.add(n.arg)
-    elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not node:
-      local.add(n.name)
-    elif isinstance(n, ast.Global):
-      declared.update(n.names)
-  for dec in node.decorator_list:  # run where the function is defined, in module scope
-    loaded.update(n.id for n in ast.walk(dec) if isinstance(n, ast.Name))
-  return frozenset(loaded - (local - declared))
+def _global_reads(source: str, name: str) -> frozenset[str]:
+  """Module names the body of function `name` (all of `source`) reads, in its nested
+  functions, classes and comprehensions too. Python's own scoping (symtable) says which: a
+  nested function's parameter or a comprehension's variable binds nothing in the function.
+  A name declared `global` counts as read (`G += 1` reads it; symtable does not say so)."""
+  try:
+    scopes = [symtable.symtable(source, "<skill>", "exec").lookup(name).get_namespace()]
+  except SyntaxError:  # `nonlocal x` with no `x`: its block never compiles, nothing ran
+    return frozenset()
+  names = set()
+  while scopes:
+    scope = scopes.pop()
+    names.update(s.get_name() for s in scope.get_symbols()
+                 if s.is_global() and (s.is_referenced() or s.is_declared_global()))
+    scopes.extend(scope.get_children())
+  return frozenset(names)
 
 
 def _definition_reads(node: ast.FunctionDef | ast.AsyncFunctionDef) -> frozenset[str]:
@@ -247,9 +252,21 @@ def top_level_bindings(code: str) -> list[tuple[str, Binding]]:
     return []
 
 
-def _bindings(tree: ast.Module, code: str) -> list[tuple[str, Binding]]:
+def _bindings(tree: ast.Module, code: str, failed_line: int | None = None
+              ) -> list[tuple[str, Binding]]:
+  """`failed_line`: where the code's top level raised. Statements from there on never ran,
+  except in a `try` around it (its handlers and `finally` may have): what those bind is
+  taken as computed, since the text does not say whether they ran."""
+  statements = list(_module_scope(tree.body))
+  try_ends = [node.end_lineno for node, _ in statements
+              if failed_line is not None and isinstance(node, (ast.Try, ast.TryStar))
+              and node.lineno < failed_line <= node.end_lineno]
   out = []
-  for node, conditional in _module_scope(tree.body):
+  for node, conditional in statements:
+    if failed_line is not None and node.lineno >= failed_line:
+      if not any(node.lineno <= end for end in try_ends):
+        continue
+      conditional = True
     # A constant bound in a branch may not be what the name held: carried, it could run
     # with another value than the task's. An import binds the same module wherever it ran.
     kind = ("import" if isinstance(node, (ast.Import, ast.ImportFrom))
@@ -260,6 +277,17 @@ def _bindings(tree: ast.Module, code: str) -> list[tuple[str, Binding]]:
     source = (ast.get_source_segment(code, node) or ast.unparse(node)) if kind else None
     out.extend((name, Binding(source, kind)) for name in sorted(_bound_names(node)))
   return out
+
+
+def _failed_line(output: str | None) -> int | None:
+  """The line at which a block's top level raised, from AppWorld's output of it (None: it
+  ran to its end). The traceback's first frame of the block's top level is where the error
+  first left its code; with no such frame a guard refused the block: line 1, none of it ran.
+  (Printed text can imitate this output: a signal from the worker would be sturdier.)"""
+  if output is None or not output.startswith(FAILED_PREFIX):
+    return None
+  frame = _TOP_LEVEL_FRAME.search(output)
+  return int(frame.group(1)) if frame else 1
 
 
 def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
@@ -316,11 +344,12 @@ def analyze(code: str) -> CodeAnalysis:
   for node, _ in _module_scope(tree.body):
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
       first = node.decorator_list[0] if node.decorator_list else node
+      source = _definition_source(lines, node)
       functions.append(FunctionInfo(
-          name=node.name, source=_definition_source(lines, node), signature=_signature(node),
+          name=node.name, source=source, signature=_signature(node),
           docstring=ast.get_docstring(node) or "",
           calls=frozenset(_called_names(node.body, skip_defs=False)), imports=imports,
-          line=first.lineno, reads=_global_reads(node),
+          line=first.lineno, reads=_global_reads(source, node.name),
           definition_reads=_definition_reads(node)))
   return CodeAnalysis(True, None, tuple(functions),
                       frozenset(_called_names(tree.body, skip_defs=True)), imports,
@@ -399,11 +428,14 @@ class SkillTracker:
     self._syntax_errors = 0
     self._untraced = 0
 
-  def observe(self, code: str, trace: BlockTrace | None) -> CodeAnalysis:
-    """Records one executed block and the worker's call records of it (None when the
-    environment failed under it: nothing ran that can be credited). The code is read as
-    AppWorld runs it, stripped (the records' lines count from its first line)."""
-    analysis = analyze(code.strip())
+  def observe(self, code: str, trace: BlockTrace | None, output: str | None = None
+              ) -> CodeAnalysis:
+    """Records one executed block, the worker's call records of it (None when the
+    environment failed under it: nothing ran that can be credited) and AppWorld's output of
+    it, which says whether and where it failed (None: it ran to its end). The code is read
+    as AppWorld runs it, stripped (the records' lines count from its first line)."""
+    code = code.strip()
+    analysis = analyze(code)
     order = self._blocks
     self._blocks += 1
     if not analysis.syntax_ok:
@@ -412,7 +444,12 @@ class SkillTracker:
     self._observe_text(analysis)
     if trace is None:
       return analysis
-    for i, (name, binding) in enumerate(analysis.bindings):
+    # What the block bound is read from its text, so only what ran of it counts: a block
+    # that failed before rebinding a name left the name as it was.
+    failed_line = _failed_line(output)
+    bindings = (analysis.bindings if failed_line is None
+                else _bindings(ast.parse(code), code, failed_line))
+    for i, (name, binding) in enumerate(bindings):
       self._bindings[name] = ((order, i), binding)
     for f in analysis.functions:
       self._definitions[(trace.block, f.line, f.name)] = ((order, f.line), f)
