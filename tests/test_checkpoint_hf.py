@@ -227,7 +227,7 @@ def test_settings_the_model_does_not_implement_are_refused(src, field, value, pr
 
 @pytest.mark.parametrize("window", [
     {"max_window_layers": 28, "layer_types": None},  # Qwen2.5 3B-72B: no layer from 28 on
-    {"max_window_layers": 0, "sliding_window": None},  # no window size: no window
+    {"max_window_layers": 0, "sliding_window": None, "layer_types": None},  # no window size
     {"max_window_layers": 0, "layer_types": ["full_attention"] * 2},  # transformers 5's list
 ])
 def test_a_sliding_window_flag_that_windows_no_layer_loads(src, window):
@@ -240,6 +240,50 @@ def test_a_sliding_window_flag_that_windows_no_layer_loads(src, window):
   assert loaded.keys() == expected.keys()
   for path, value in expected.items():
     np.testing.assert_array_equal(loaded[path], value)
+
+
+# Sliding-window settings of a 2-layer model, each read by transformers and by the loader.
+WINDOW_SETTINGS = [
+    {"use_sliding_window": True, "sliding_window": None},  # null: no window
+    {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+    {"use_sliding_window": True, "max_window_layers": 1},  # absent: transformers' 4096
+    {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+    {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0},
+    {"use_sliding_window": True, "sliding_window": 8,
+     "layer_types": ["full_attention", "sliding_attention"]},
+    {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0,
+     "layer_types": ["full_attention"] * 2},
+    # Layers marked sliding without a window: transformers builds the model, then cannot run it.
+    {"use_sliding_window": False, "sliding_window": 8,
+     "layer_types": ["full_attention", "sliding_attention"]},
+    {"use_sliding_window": True, "sliding_window": None,
+     "layer_types": ["sliding_attention"] * 2},
+]
+
+
+@pytest.mark.parametrize("window", WINDOW_SETTINGS)
+def test_sliding_window_settings_are_read_as_transformers_reads_them(window):
+  """The config loads exactly where transformers runs every layer with full attention; a
+  window on some layer is refused naming the layers and the window transformers uses."""
+  shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+  theirs = transformers.Qwen2Config(**shape, **window)
+  sliding = [i for i, kind in enumerate(theirs.layer_types) if kind == "sliding_attention"]
+  ours = {"model_type": "qwen2", **shape, **window}
+  if not sliding:
+    assert Qwen2Config.from_hf(ours).num_hidden_layers == 2
+  elif theirs.sliding_window is not None:
+    with pytest.raises(hf.CheckpointError, match=rf"window of {theirs.sliding_window} tokens on "
+                                                 rf"layers \[{', '.join(map(str, sliding))}\]"):
+      Qwen2Config.from_hf(ours)
+  else:
+    model = transformers.Qwen2ForCausalLM(theirs).eval()
+    with pytest.raises(TypeError), torch.no_grad():
+      model(torch.zeros((1, 4), dtype=torch.long))
+    with pytest.raises(hf.CheckpointError, match=rf"layer_types marks layers "
+                                                 rf"\[{', '.join(map(str, sliding))}\] "
+                                                 "'sliding_attention' without a window"):
+      Qwen2Config.from_hf(ours)
 
 
 @pytest.mark.parametrize("rope_scaling", [None, {"type": "default"}, {"rope_type": "default"}])
@@ -296,6 +340,23 @@ def test_generation_config_stops_at_both_turn_ends_and_keeps_the_sources_values(
       "bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
       **values}
   assert json.load(open(src / "out" / "config.json"))["eos_token_id"] == 151643
+
+
+def test_null_special_token_ids_stay_null_through_import_and_export(src):
+  """transformers 5 writes null bos/eos ids for a config built without them, and reads an
+  absent one as null: an export keeps them so, not Qwen2.5's ids, which lie outside a small
+  vocabulary (transformers warns about those)."""
+  source = json.load(open(src / "src" / "config.json"))
+  assert (source["bos_token_id"], source["eos_token_id"]) == (None, None)
+  hf.save_hf(hf.load_hf(str(src / "src")), str(src / "out"))
+  for directory in ("src", "out"):
+    config = transformers.AutoConfig.from_pretrained(str(src / directory))
+    assert (config.bos_token_id, config.eos_token_id) == (None, None), directory
+  del source["bos_token_id"], source["eos_token_id"]
+  cfg = Qwen2Config.from_hf(source)
+  assert (cfg.bos_token_id, cfg.eos_token_id) == (None, None)
+  generation = json.load(open(src / "out" / "generation_config.json"))
+  assert "bos_token_id" not in generation and None not in generation["eos_token_id"]
 
 
 def test_compact_vocabulary_exports_its_own_token_ids(tmp_path):

@@ -55,15 +55,20 @@ def read_checkpoint_json(path: str) -> Any:
     raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
+def sliding_window(hf: dict[str, Any]) -> int | None:
+  """The window transformers gives sliding layers: none without use_sliding_window, else
+  sliding_window (null: none; absent: transformers' default, 4096)."""
+  return hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+
+
 def windowed_layers(hf: dict[str, Any]) -> list[int]:
-  """The layers transformers runs with sliding-window attention: none without
-  use_sliding_window or with a null sliding_window; else those `layer_types` marks
-  "sliding_attention", or without layer_types those from max_window_layers on (the Qwen2.5
-  releases set max_window_layers to at least their depth)."""
-  if not hf.get("use_sliding_window") or hf.get("sliding_window", 4096) is None:
-    return []
-  if hf.get("layer_types"):
+  """The layers transformers marks "sliding_attention": those `layer_types` marks, or without
+  layer_types, where there is a window, those from max_window_layers on (the Qwen2.5 releases
+  set max_window_layers to at least their depth)."""
+  if hf.get("layer_types") is not None:
     return [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
+  if sliding_window(hf) is None:
+    return []
   first = hf.get("max_window_layers", 28)
   return list(range(first, hf.get("num_hidden_layers") or 0))
 
@@ -82,13 +87,20 @@ def check_supported(hf: dict[str, Any], source: str) -> None:
           f"{source}: {field}={rope}: the model implements the default RoPE only, not "
           f"{rope_type!r}. To train at the native context, {fix}"
           + (f" and set max_position_embeddings to {native}" if native else ""))
-  windowed = windowed_layers(hf)
+  windowed, window = windowed_layers(hf), sliding_window(hf)
+  full = " and every layer 'full_attention' in layer_types" if hf.get("layer_types") else ""
+  if windowed and window is None:  # transformers builds such a model but fails to run it
+    raise CheckpointError(
+        f"{source}: layer_types marks layers {windowed} 'sliding_attention' without a window "
+        f"(use_sliding_window={hf.get('use_sliding_window', False)!r}, sliding_window="
+        f"{hf.get('sliding_window', 4096)!r}), which transformers cannot run. Mark every layer "
+        "'full_attention' in config.json to use it with full attention")
   if windowed:
     raise CheckpointError(
         f"{source}: use_sliding_window={hf['use_sliding_window']!r} with a window of "
-        f"{hf.get('sliding_window', 4096)} tokens on layers {windowed}: the model implements "
-        "full attention only. Set use_sliding_window to false in config.json (as the Qwen2.5 "
-        "releases do) to use it with full attention")
+        f"{window} tokens on layers {windowed}: the model implements full attention only. Set "
+        f"use_sliding_window to false{full} in config.json (as the Qwen2.5 releases do) to use "
+        "it with full attention")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise CheckpointError(f"{source}: hidden_act={act!r}: the model implements 'silu' only "
@@ -110,8 +122,9 @@ class Qwen2Config:
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 32768
-  bos_token_id: int = 151643
-  eos_token_id: int = 151645
+  # Qwen2.5's ids; None where a checkpoint's config.json has none (transformers' reading).
+  bos_token_id: int | None = 151643
+  eos_token_id: int | None = 151645
   # Numerics: parameters are stored in `param_dtype`, matmuls run in `dtype`; norms,
   # softmax and logits are always accumulated in float32.
   param_dtype: str = "float32"
@@ -181,7 +194,8 @@ class Qwen2Config:
       path = os.path.join(hf, "config.json") if os.path.isdir(hf) else str(hf)
       source = path
       hf = read_checkpoint_json(path)
-    hf = {k: v for k, v in hf.items() if v is not None}  # null means unset, as in transformers
+    # Null means unset, as in transformers, but for sliding_window, where it means no window.
+    hf = {k: v for k, v in hf.items() if v is not None or k == "sliding_window"}
     arch = hf.get("model_type")
     if arch not in ("qwen2", None):
       raise CheckpointError(f"{source}: model_type={arch!r}, expected 'qwen2'")
@@ -193,8 +207,6 @@ class Qwen2Config:
     rope = hf.get("rope_parameters") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     eos = hf.get("eos_token_id")
-    eos = 151645 if eos is None else eos
-    bos = hf.get("bos_token_id")
     kwargs = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -207,7 +219,7 @@ class Qwen2Config:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        bos_token_id=151643 if bos is None else bos,
+        bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
     kwargs.update(overrides)

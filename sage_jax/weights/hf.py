@@ -368,15 +368,18 @@ def write_configs(out_dir: str, cfg: Qwen2Config, *, dtype: str,
 
   Special token ids are those of the exported tokenizer (`tokenizer_dir`, else Qwen2.5's):
   `cfg` holds Qwen2.5 ids, which a compact vocabulary renumbers, so each is carried over by its
-  token. generation_config.json keeps the values of `source_dir`'s (transformers' `generate`
-  and vLLM sample with them unless told otherwise), its token ids only when the exported
+  token; an id `cfg` lacks (None) stays null, as in the source's config.json.
+  generation_config.json keeps the values of `source_dir`'s (transformers' `generate` and vLLM
+  sample with them unless told otherwise), its token ids only when the exported
   tokenizer is the source's (ids of another vocabulary would name other tokens), and stops at
   both turn ends the sampler stops on (`<|im_end|>`, `<|endoftext|>`) besides the source's.
   """
   qwen = tokenizer_lib.Tokenizer()
   vocab = tokenizer_lib.Tokenizer(tokenizer_dir) if tokenizer_dir else qwen
 
-  def exported(token_id: int) -> int:
+  def exported(token_id: int | None) -> int | None:
+    if token_id is None:
+      return None
     [new_id] = vocab.encode(qwen.id_to_token(token_id))  # An added token's text encodes to it.
     return new_id
 
@@ -386,10 +389,11 @@ def write_configs(out_dir: str, cfg: Qwen2Config, *, dtype: str,
           and os.path.realpath(tokenizer_dir) == os.path.realpath(source_dir)):
     source = {k: v for k, v in source.items() if not k.endswith("_token_id")}
   stop = source.get("eos_token_id", [])
+  stops = (*(stop if isinstance(stop, list) else [stop]), vocab.im_end, vocab.endoftext,
+           ids["eos_token_id"])
   # pad only here: in config.json, transformers would freeze that embedding row (padding_idx).
-  generation = {**ids, "pad_token_id": vocab.pad_id, **source, "eos_token_id": list(dict.fromkeys(
-      (*(stop if isinstance(stop, list) else [stop]), vocab.im_end, vocab.endoftext,
-       ids["eos_token_id"])))}
+  generation = {**{k: v for k, v in ids.items() if v is not None}, "pad_token_id": vocab.pad_id,
+                **source, "eos_token_id": [i for i in dict.fromkeys(stops) if i is not None]}
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump({**cfg.to_hf(torch_dtype=dtype), **ids}, f, indent=2)
   with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
