@@ -10,10 +10,13 @@ resolved config (sage_jax_config.json) and a model card (README.md) with the tra
 summary. A run from an HF directory (model.spec) ships that directory's own tokenizer files
 (chat template, special tokens, model_max_length) and generation_config.json values, so the
 export loads like the source, when its tokenizer encodes text to the ids the run trained with
-(`hf.export_tokenizer_dir`); otherwise, and for other runs, the run's tokenizer. RUN and
-HF_DIR may be remote (gs://...): the files are written locally, then uploaded
-(`sage_jax.storage`). HF_DIR is replaced only if it is missing, empty or a previous export,
-and never when it is or contains RUN or the source model (`hf.check_export_target`).
+(`hf.export_tokenizer_dir`); otherwise, and for other runs, the run's tokenizer. The weights
+are in the dtype of the HF checkpoint the run started from (its config.json's: bfloat16 for
+the Qwen2.5 releases, whatever the run's param_dtype), else (a random init, a .gguf file, the
+bundled model) in the run's param_dtype; --dtype overrides both. RUN and HF_DIR may be remote
+(gs://...): the files are written locally, then uploaded (`sage_jax.storage`). HF_DIR is
+replaced only if it is missing, empty or a previous export, and never when it is or contains
+RUN or the source model (`hf.check_export_target`).
 """
 
 from __future__ import annotations
@@ -47,18 +50,31 @@ def check_target(out: str, keep: Sequence[str] = ()) -> None:
     raise refused or hf.ExportError(f"{out}: refused as the export directory on another host")
 
 
+def source_dtype(base_model: str) -> str | None:
+  """The dtype of the weights a run started from, `base_model` (its model.spec): what an HF
+  directory's config.json states; None for no spec, a directory without config.json, and GGUF
+  weights (a .gguf file, the bundled model), quantised with no dtype to return to."""
+  if (not base_model or base_model == loader.BUNDLED_0P5B
+      or not os.path.isfile(os.path.join(base_model, "config.json"))):
+    return None
+  return hf.stated_dtype(base_model)
+
+
 def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
                 base_model: str = "", dtype: str | None = None,
                 text_files: Mapping[str, str] | None = None) -> None:
   """The HF directory of `model`, whose ids are `tokenizer_dir`'s, in `dtype` (default: the
-  model's param_dtype), with the tokenizer and generation settings of `base_model`, the spec
-  the run loaded, where it is an HF directory whose tokenizer encodes as `tokenizer_dir`'s
+  dtype `base_model` is stored in, `source_dtype` as process 0 reads it, else the model's
+  param_dtype: float32 master weights trained from a bfloat16 release export as bfloat16, as
+  the release ships), with the tokenizer and generation settings of `base_model`, the spec the
+  run loaded, where it is an HF directory whose tokenizer encodes as `tokenizer_dir`'s
   (`hf.write_hf`), else `tokenizer_dir`; with LoRA, the adapters merged in and also alone
   under `out/lora_adapter` in PEFT's format, naming `base_model` as others load it
   (`loader.release`); `text_files` (name -> text) beside them. Every file is written before
   the directory takes `out`'s place (`hf.export_dir`), so an interrupted export never looks
   complete. Every process calls it (the gathers are collective); process 0 writes."""
   check_target(out)  # A remote `out` is replaced by the staged copy, unseen by export_dir.
+  dtype = dtype or multihost.from_lead(lambda: source_dtype(base_model))
   writer = jax.process_index() == 0
   with (storage.staged_dir(out, writer=writer) as local,
         hf.export_dir(local, writer=writer) as directory):
@@ -75,7 +91,7 @@ def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
 
 def export(workdir: str, out: str, step: int | None = None, stage: str = "rl",
            dtype: str | None = None) -> dict:
-  """Writes the checkpoint's model to `out` (in `dtype`, default the run's param_dtype) with
+  """Writes the checkpoint's model to `out` (in `dtype`, default `write_model`'s) with
   the run's config (sage_jax_config.json) and a model card (README.md); returns what was
   exported."""
   config = run_checkpoint.read_config(workdir)
@@ -140,5 +156,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
   flags.DEFINE_enum("stage", "rl", list(run_checkpoint.STAGE_DIRS), "Which stage's checkpoints.")
   flags.DEFINE_enum("dtype", None, list(hf.NP_DTYPES), "Dtype of the exported weights "
-                    "(default: the run's param_dtype), e.g. bfloat16 for a float32 run.")
+                    "(default: the source checkpoint's, else the run's param_dtype).")
   app.run(main)

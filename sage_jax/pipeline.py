@@ -499,7 +499,9 @@ class Pipeline:
 
   def export(self, summary: dict) -> str:
     """Writes the model as trained to workdir/hf, with what `sage_jax.export` writes beside a
-    checkpoint's: the run's config and a model card (`summary`'s evaluations in its table)."""
+    checkpoint's: the run's config and a model card (`summary`'s evaluations in its table). The
+    weights are in the dtype of the HF checkpoint the run started from, else in param_dtype
+    (`export.write_model`)."""
     self.read_sft_result("the model exported")
     out = os.fspath(self.workdir / "hf")
     held = self.weights_from or {"stage": None, "step": 0}

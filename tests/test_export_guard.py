@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from sage_jax import export, storage
 from sage_jax import tokenizer as tokenizer_lib
@@ -184,6 +186,44 @@ def test_write_model_exports_in_the_dtype_asked_for(model, tmp_path):
   os.umask(umask)
   for name in os.listdir(tmp_path / "out"):
     assert os.stat(tmp_path / "out" / name).st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_write_model_exports_in_the_dtype_of_the_source_checkpoint(model, tmp_path):
+  """A run trained with float32 master weights from a bfloat16 checkpoint (an official Qwen2.5
+  release) exports bfloat16, as the release ships; a float32 source, a random init and a GGUF
+  source (the bundled model: no dtype to keep) keep the params' dtype; `dtype` wins."""
+  import torch  # noqa: PLC0415
+
+  from tests.hf_reference import tiny_hf_model  # noqa: PLC0415
+
+  tokenizer = tokenizer_lib.ensure_qwen25_tokenizer_dir()
+  tiny_hf_model(str(tmp_path / "bf16"), dtype=torch.bfloat16)
+  tiny_hf_model(str(tmp_path / "f32"))
+  trained = loader.load_model(str(tmp_path / "bf16"), param_dtype="float32")
+  assert trained.config.param_dtype == "float32"
+  for name, (weights, base, dtype, want) in {
+      "from_bf16": (trained, tmp_path / "bf16", None, "bfloat16"),
+      "from_f32": (loader.load_model(str(tmp_path / "f32")), tmp_path / "f32", None, "float32"),
+      "random_init": (model, "", None, "float32"),
+      "asked": (trained, tmp_path / "bf16", "float32", "float32")}.items():
+    export.write_model(weights, str(tmp_path / name), tokenizer, base_model=str(base),
+                       dtype=dtype)
+    config = json.load(open(tmp_path / name / "config.json"))
+    assert config["dtype"] == config["torch_dtype"] == want, name
+    index = json.load(open(tmp_path / name / "model.safetensors.index.json"))
+    for tensor, fname in index["weight_map"].items():
+      with safe_open(str(tmp_path / name / fname), framework="np") as f:
+        assert f.get_slice(tensor).get_dtype() == {"bfloat16": "BF16", "float32": "F32"}[want]
+  # The bfloat16 export of bfloat16 weights held in float32 is the source, bit for bit.
+  source = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+  index = json.load(open(tmp_path / "from_bf16" / "model.safetensors.index.json"))
+  exported = {}
+  for fname in set(index["weight_map"].values()):
+    exported.update(load_file(str(tmp_path / "from_bf16" / fname)))
+  assert source.keys() == exported.keys()
+  for tensor in source:
+    assert np.array_equal(source[tensor].view(np.uint16), exported[tensor].view(np.uint16))
+  assert export.source_dtype(loader.BUNDLED_0P5B) is None  # read without fetching it
 
 
 def test_a_remote_output_directory_is_checked_too(gcs_url, model):

@@ -156,10 +156,15 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
         yield path, name, f.get_tensor(name)
 
 
-def _checkpoint_dtype(model_dir: str) -> str:
+def stated_dtype(model_dir: str) -> str | None:
+  """The weights' dtype the checkpoint's config.json states, if it is one we write."""
   hf = read_checkpoint_json(os.path.join(model_dir, "config.json"))
-  name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-  return name if name in NP_DTYPES else "float32"
+  name = hf.get("dtype") or hf.get("torch_dtype")
+  return name if name in NP_DTYPES else None
+
+
+def _checkpoint_dtype(model_dir: str) -> str:
+  return stated_dtype(model_dir) or "float32"
 
 
 def load_tensors(cfg: Qwen2Config, tensors: Iterable[tuple[str, str, np.ndarray]],
