@@ -255,6 +255,22 @@ def test_greedy_on_a_diverged_row_stays_in_the_vocabulary():
   assert np.asarray(tokens).tolist() == np.asarray(jnp.argmax(logits, -1)).tolist() == [2, 1]
 
 
+def test_a_tiny_temperature_samples_the_argmax_with_a_finite_logprob():
+  """Near-greedy temperatures draw the most likely token with sampling logprob ~0, as the
+  limit T -> 0 does, down to T = 1e-18 (logits / T far past float32's exact integers)."""
+  rows, vocab = 4, 300
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(rows, vocab)) * 3, jnp.float32)
+  batch = lambda x, dtype: jnp.full((rows,), x, dtype)
+  for temperature in (1e-6, 1e-10, 1e-14, 1e-18):
+    tokens, sample_lp, _ = sample(
+        logits, batch(temperature, jnp.float32), batch(1.0, jnp.float32), batch(0, jnp.int32),
+        jnp.arange(rows, dtype=jnp.uint32), batch(3, jnp.int32), min_p=batch(0.0, jnp.float32),
+        repetition_penalty=batch(1.0, jnp.float32), seen=jnp.zeros((rows, vocab), bool),
+        candidates=8)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jnp.argmax(logits, -1)))
+    np.testing.assert_allclose(np.asarray(sample_lp), 0.0, atol=1e-5)
+
+
 def test_seeded_sampling_is_independent_of_slot_and_batch(model):
   a, b, c = _prompts([12, 30, 7], seed=2)
   params = SamplingParams(temperature=1.0, max_new_tokens=12)

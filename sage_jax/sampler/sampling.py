@@ -172,7 +172,10 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
   greedy_tokens = _first_argmax(penalized)
 
   def stochastic():
-    scaled = penalized / jnp.where(greedy, 1.0, temperature)[:, None]
+    # The max is taken out before the division: at a tiny temperature, logits / T rounds at
+    # magnitudes where XLA's fused recomputations of it disagree by more than exp's range.
+    shifted = penalized - jnp.max(penalized, axis=-1, keepdims=True)
+    scaled = shifted / jnp.where(greedy, 1.0, temperature)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
     threshold = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1) | (min_p > 0)),
                              lambda: _filter_threshold(probs, top_k, top_p, min_p, candidates),
