@@ -5,6 +5,7 @@ no recompilation, sharding."""
 import asyncio
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -590,6 +591,109 @@ def test_async_driver_overlaps_conversations(model):
       want.append(alone.run()[0].tokens)
     alone.free(seq)
     assert got[i] == want
+
+
+def _block_until(condition):
+  """Waits (blocking the event loop, if any) for the engine thread to make `condition` true."""
+  deadline = time.monotonic() + 60
+  while not condition():
+    assert time.monotonic() < deadline
+    time.sleep(0.002)
+
+
+def test_cancelled_starts_and_freed_turns_release_their_slots(model):
+  """A caller cancelled in `start` (a TaskGroup's sibling failed) never learns its sequence's
+  id: the driver frees it, whether it waited for a slot, was decoding, or had just come back.
+  Freeing a sequence cancels the caller of its turn in flight. One slot: a leak would leave
+  every later start waiting for good."""
+  engine = Engine(model, dataclasses.replace(ENGINE, num_slots=1), eos_ids=NO_EOS)
+  prompt = _prompts([5], seed=14)[0]
+  short = SamplingParams(temperature=1.0, max_new_tokens=2)
+  long = SamplingParams(temperature=1.0, max_new_tokens=100)
+
+  async def one_turn(driver):  # only possible if the slot is free
+    turn = await asyncio.wait_for(driver.start(prompt, short), 30)
+    await driver.free(turn.seq_id)
+
+  async def cancelled(driver, task):
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+      await task
+    await one_turn(driver)
+    assert (engine._seqs, engine._slots, driver._pending) == ({}, [None], {})
+
+  async def scenarios():
+    async with AsyncEngine(engine) as driver:
+      await one_turn(driver)  # compiles what the turns below run
+      held = await driver.start(prompt, short)  # idle, in the slot
+      waiting = asyncio.create_task(driver.start(prompt, long))
+      await asyncio.sleep(0)
+      _block_until(lambda: engine._waiting)
+      waiting.cancel()
+      with pytest.raises(asyncio.CancelledError):
+        await waiting
+      await driver.free(held.seq_id)
+      await one_turn(driver)
+      assert (engine._seqs, engine._slots, driver._pending) == ({}, [None], {})
+
+      decoding = asyncio.create_task(driver.start(prompt, long))
+      await asyncio.sleep(0)
+      _block_until(lambda: any(s.phase == "decode" for s in list(engine._seqs.values())))
+      await cancelled(driver, decoding)
+
+      for result_set in (False, True):  # the turn is back, not yet handed to its caller
+        back = asyncio.create_task(driver.start(prompt, short))
+        await asyncio.sleep(0)
+        _block_until(lambda: any(s.phase == "idle" for s in list(engine._seqs.values()))
+                    and not driver._pending)
+        time.sleep(0.1)  # the thread hands the turn to the loop
+        if result_set:  # the turn reaches its future: the task still wakes up cancelled
+          await asyncio.sleep(0)
+        await cancelled(driver, back)
+
+      turn = await driver.start(prompt, short)
+      appending = asyncio.create_task(driver.append(turn.seq_id, prompt, long))
+      await asyncio.sleep(0)
+      _block_until(lambda: engine._seqs[turn.seq_id].phase == "decode")
+      await driver.free(turn.seq_id)
+      with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(appending, 30)
+      await one_turn(driver)
+      assert (engine._seqs, engine._slots, driver._pending) == ({}, [None], {})
+
+  asyncio.run(scenarios())
+
+
+def test_a_turn_whose_event_loop_closed_leaves_the_engine_usable(model):
+  """The trainer runs each step's rollouts under their own `asyncio.run`, on one engine: a
+  step that raised leaves turns in flight whose loop is gone. The engine thread frees such a
+  first turn's sequence (nobody learns its id), and lets the next step use the slots."""
+  engine = Engine(model, dataclasses.replace(ENGINE, num_slots=2), eos_ids=NO_EOS)
+  prompt = _prompts([5], seed=15)[0]
+  long = SamplingParams(temperature=1.0, max_new_tokens=100)
+
+  async def failing_step(driver):
+    owned = await driver.start(prompt, SamplingParams(max_new_tokens=2))
+    asyncio.create_task(driver.append(owned.seq_id, prompt, long))
+    asyncio.create_task(driver.start(prompt, long))
+    await asyncio.sleep(0)
+    _block_until(lambda: sum(s.phase == "decode" for s in list(engine._seqs.values())) == 2)
+    return owned.seq_id  # asyncio.run cancels both turns' callers and closes the loop
+
+  async def next_step(driver, owned):
+    await driver.free(owned)
+    turn = await asyncio.wait_for(driver.start(prompt, long), 30)
+    await driver.free(turn.seq_id)
+
+  driver = AsyncEngine(engine)
+  try:
+    owned = asyncio.run(failing_step(driver))
+    _block_until(lambda: not driver._pending)  # the turns ended, or the cancelled start's
+    time.sleep(0.1)  # was freed; the thread is done handing them back
+    asyncio.run(next_step(driver, owned))
+  finally:
+    driver.close()
+  assert (engine._seqs, engine._slots, driver._pending) == ({}, [None, None], {})
 
 
 def test_sharded_engine_matches_single_device(model):

@@ -24,7 +24,8 @@ class AsyncEngine:
   def __init__(self, engine: Engine):
     self.engine = engine
     self._commands: queue.SimpleQueue = queue.SimpleQueue()
-    self._pending: dict[int, asyncio.Future] = {}
+    # The turn in flight of each sequence: its caller's (loop, future, command kind).
+    self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, str]] = {}
     self._error: BaseException | None = None
     self._thread = threading.Thread(target=self._loop, name="sampler-engine", daemon=True)
     self._thread.start()
@@ -37,8 +38,18 @@ class AsyncEngine:
 
   async def start(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                   seed: int = 0) -> TurnResult:
-    """Starts a sequence and returns its first turn (its `seq_id` names it from then on)."""
-    return await self._submit("start", list(prompt_ids), sampling, seed)
+    """Starts a sequence and returns its first turn (its `seq_id` names it from then on).
+    A caller cancelled before it returns never learns the id, so its sequence is freed here:
+    else it would hold its slot for good."""
+    future = self._submit("start", list(prompt_ids), sampling, seed)
+    try:
+      return await future
+    except asyncio.CancelledError:
+      if future.cancelled():  # The turn is in flight, or `_deliver` finds it cancelled.
+        self._commands.put(("forget", None, future, (None,)))
+      elif future.exception() is None:  # The turn came back as the caller was cancelled.
+        self._commands.put(("forget", None, future, (future.result().seq_id,)))
+      raise
 
   async def append(self, seq_id: int, new_ids: Sequence[int],
                    sampling: SamplingParams | None = None) -> TurnResult:
@@ -46,7 +57,8 @@ class AsyncEngine:
     return await self._submit("append", seq_id, list(new_ids), sampling)
 
   async def free(self, seq_id: int) -> None:
-    """Releases a sequence's slot (before the engine's next step)."""
+    """Releases a sequence's slot (before the engine's next step); a caller awaiting its turn
+    is cancelled."""
     await self._submit("free", seq_id)
 
   def close(self) -> None:
@@ -63,12 +75,12 @@ class AsyncEngine:
     if not self._thread.is_alive():
       raise RuntimeError("the sampler engine is closed")
 
-  async def _submit(self, kind: str, *args) -> TurnResult | None:
+  def _submit(self, kind: str, *args) -> asyncio.Future:
     self._check_alive()
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     self._commands.put((kind, loop, future, args))
-    return await future
+    return future
 
   def _loop(self) -> None:
     try:
@@ -84,19 +96,23 @@ class AsyncEngine:
           self._run_command(*command)
           continue  # Drain all queued commands before stepping.
         for result in self.engine.step():
-          loop, future = self._pending.pop(result.seq_id)
-          loop.call_soon_threadsafe(_resolve, future, result, None)
+          loop, future, kind = self._pending.pop(result.seq_id)
+          if not _call_soon(loop, self._deliver, future, kind, result) and kind == "start":
+            self.engine.free(result.seq_id)  # Nobody learns its id now.
     except BaseException as error:  # Every waiter must learn that the engine died.
       self._error = error
-      for loop, future in self._pending.values():
-        loop.call_soon_threadsafe(_resolve, future, None, error)
+      for loop, future, _ in self._pending.values():
+        _call_soon(loop, _resolve, future, None, error)
       raise
     finally:
-      for loop, future in self._pending.values():
-        loop.call_soon_threadsafe(future.cancel)
+      for loop, future, _ in self._pending.values():
+        _call_soon(loop, future.cancel)
       self._pending.clear()
 
   def _run_command(self, kind: str, loop, future, args) -> None:
+    if kind == "forget":
+      self._forget(args[0], future)
+      return
     try:
       if kind == "start":
         seq_id = self.engine.start(*args)
@@ -105,12 +121,42 @@ class AsyncEngine:
         self.engine.append(*args)
       else:
         self.engine.free(*args)
-        loop.call_soon_threadsafe(_resolve, future, None, None)
+        dropped = self._pending.pop(args[0], None)  # its turn, which never comes back now
+        if dropped is not None:
+          _call_soon(dropped[0], dropped[1].cancel)
+        _call_soon(loop, _resolve, future, None, None)
         return
     except (ValueError, KeyError) as error:  # A bad request fails its caller only.
-      loop.call_soon_threadsafe(_resolve, future, None, error)
+      _call_soon(loop, _resolve, future, None, error)
       return
-    self._pending[seq_id] = (loop, future)
+    self._pending[seq_id] = (loop, future, kind)
+
+  def _forget(self, seq_id: int | None, future: asyncio.Future) -> None:
+    """Frees the sequence of a cancelled `start`: by id, or else the one whose turn `future`
+    awaits (none when that turn came back meanwhile: `_deliver` names it then)."""
+    if seq_id is None:
+      seq_id = next((s for s, (_, f, _) in self._pending.items() if f is future), None)
+      if seq_id is None:
+        return
+    self._pending.pop(seq_id, None)
+    self.engine.free(seq_id)
+
+  def _deliver(self, future: asyncio.Future, kind: str, result: TurnResult) -> None:
+    """Hands a finished turn to its caller (on the caller's loop)."""
+    if not future.cancelled():
+      future.set_result(result)
+    elif kind == "start":  # Its caller was cancelled and never learns the sequence's id.
+      self._commands.put(("forget", None, future, (result.seq_id,)))
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
+  """Runs `callback` on a caller's loop; False when that loop is closed (its `asyncio.run`
+  ended, cancelling the caller): the engine thread must not die of it."""
+  try:
+    loop.call_soon_threadsafe(callback, *args)
+  except RuntimeError:
+    return False
+  return True
 
 
 def _resolve(future: asyncio.Future, result, error) -> None:
