@@ -227,10 +227,56 @@ def test_a_signal_during_a_step_saves_before_the_evaluation_due(tmp_path):
   assert evaluated == [] and ckpt.Checkpointer(config).all_steps() == [2]
 
 
-def test_a_failed_evaluation_keeps_its_step_and_a_rerun_goes_on_after_it(tmp_path):
+def test_a_resumed_run_first_makes_the_evaluation_a_signal_skipped(tmp_path):
+  """The step a signal stopped was due an evaluation: the resumed run makes it before its
+  first step, on the weights that step saved, and logs it at that step: else the dev curve
+  would miss that point."""
+  config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), save_every=100,
+                                 async_save=False)
+  calls = []
+
+  def run(one_step, init_seed):
+    trainer = rl_loop.grpo_trainer(
+        init_model(get_preset("tiny").replace(vocab_size=VOCAB), seed=init_seed), GRPO, OPTIM)
+
+    def evaluate(step):
+      calls.append(("evaluate", step))
+      seen.append(jax.tree.map(np.asarray, trainer.params))
+      return {"tgc": step / 10}
+
+    seen = []
+    result = loop.run_steps(trainer, one_step, total_steps=4, eval_every=2, evaluate=evaluate,
+                            checkpointer=ckpt.Checkpointer(config),
+                            metrics=MetricsConfig(log_dir=str(tmp_path), tensorboard=False,
+                                                  progress=False))
+    return result, trainer, seen
+
+  def stopped_in_the_second_step(step, _):
+    if step == 1:
+      signal.raise_signal(signal.SIGTERM)
+    return {"loss": 1.0}
+
+  first, stopped_trainer, _ = run(stopped_in_the_second_step, init_seed=0)
+  assert (first.end_step, first.preempted, calls) == (2, True, [])
+  saved = jax.tree.map(np.asarray, stopped_trainer.params)
+  resumed, _, seen = run(lambda step, _: calls.append(("step", step)) or {"loss": 1.0},
+                         init_seed=99)  # a fresh init: the evaluation must see the checkpoint's
+  assert (resumed.start_step, resumed.end_step, resumed.preempted) == (2, 4, False)
+  assert calls == [("evaluate", 2), ("step", 2), ("step", 3), ("evaluate", 4)]
+  for a, b in zip(jax.tree.leaves(seen[0]), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(a, b)
+  assert resumed.history[0]["dev/tgc"] == 0.2
+  assert [(r["step"], r.get("dev/tgc")) for r in read_jsonl(str(tmp_path))] == [
+      (1, None), (2, None), (2, 0.2), (3, None), (4, 0.4)]
+
+
+def test_a_failed_evaluation_keeps_its_step_and_a_rerun_makes_it_then_goes_on(tmp_path):
   """The evaluation due after step 2 fails (AppWorld's scoring disagreed, say): the step's
   update is saved before the error ends the loop, so a rerun resumes after it rather than
-  training step 2 again into the same evaluation."""
+  training step 2 again into the same evaluation. The rerun first tries that evaluation again
+  (once; if it fails again, so does the rerun, the checkpoint unchanged): a failure is most
+  often the environment's, fixed by the time of the rerun, and a dev curve with a hole at
+  step 2 is not what the run was asked for."""
   config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), save_every=100,
                                  async_save=False)
 
@@ -250,4 +296,4 @@ def test_a_failed_evaluation_keeps_its_step_and_a_rerun_goes_on_after_it(tmp_pat
   assert ckpt.Checkpointer(config).all_steps() == [2]
   evaluated = []
   resumed = run(lambda step: evaluated.append(step) or {"tgc": 1.0})
-  assert (resumed.start_step, resumed.end_step, evaluated) == (2, 4, [4])
+  assert (resumed.start_step, resumed.end_step, evaluated) == (2, 4, [2, 4])

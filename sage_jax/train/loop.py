@@ -10,9 +10,12 @@ SIGTERM / SIGINT saves, waits for the save to land, and returns. With several pr
 signal to any one of them stops all of them after the same step, with one checkpoint. A signal
 that comes while the last step is being saved lets that save land and still counts as a stop,
 so that what follows the loop does not start. An evaluation that fails saves its step before
-the error ends the loop: a rerun resumes after it. A save that fails raises
-`CheckpointSaveError` at the next save, or for the last one (at the end or at a stop) before
-the loop returns: a run whose checkpoint did not land is never reported done or stopped.
+the error ends the loop: a rerun resumes after it. A run resumed at a step whose evaluation was
+due and is not in its checkpoint (a signal stopped that step, or its evaluation failed) makes
+it first, on the restored weights, and logs it at that step: no point of the dev curve goes
+missing. A save that fails raises `CheckpointSaveError` at the next save, or for the last one
+(at the end or at a stop) before the loop returns: a run whose checkpoint did not land is
+never reported done or stopped.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ SyncParams = Callable[[nnx.State], None]
 class LoopResult:
   """start_step: where this run began (after a resume); end_step: completed steps;
   preempted: stopped by a signal (a checkpoint was saved; end_step is total_steps when the
-  signal came during the last save); history: metrics per step;
+  signal came during the last save); history: metrics per step (first the restored step's
+  evaluation, when this run made the one it was owed);
   stop_signal: the signal this process caught (None when another process's signal or a
   preemption notice stopped it), so that its command can exit as that signal asks."""
 
@@ -62,16 +66,22 @@ def restore_latest(trainer: Trainer, checkpointer: Checkpointer | None) -> int:
   in the directory are an error: the new run's steps would mix with them. Whether there is a
   checkpoint is process 0's word (`Checkpointer.latest_step`): a process that listed none on
   storage that lists differently from host to host would start afresh beside the others."""
+  meta = _restore_newest(trainer, checkpointer)
+  return 0 if meta is None else int(meta["step"])
+
+
+def _restore_newest(trainer: Trainer, checkpointer: Checkpointer | None) -> dict | None:
+  """`restore_latest`, returning the restored step's meta (None when there was none)."""
   latest = None if checkpointer is None else checkpointer.latest_step()
   if latest is None:
-    return 0
+    return None
   if not checkpointer.config.resume:
     raise ValueError(f"{checkpointer.directory} holds checkpoints (latest step {latest}) and "
                      "resuming is off: a new run there would mix its steps with them. Use "
                      "another directory, or remove them to start over")
   trainer.state, meta = checkpointer.restore_newest_intact(trainer.release_state())
   logging.info("resumed from %s at step %d", checkpointer.directory, meta["step"])
-  return int(meta["step"])
+  return meta
 
 
 def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]], *,
@@ -82,7 +92,11 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
               meta: Mapping[str, object] | None = None,
               on_step: Callable[[int, dict], None] | None = None) -> LoopResult:
   """Runs `one_step` until `total_steps` steps are done (see the module doc)."""
-  start = restore_latest(trainer, checkpointer)
+  restored = _restore_newest(trainer, checkpointer)
+  start = 0 if restored is None else int(restored["step"])
+  # A signal or a failed evaluation saved the restored step without the evaluation it was due.
+  owed = (restored is not None and evaluate is not None and eval_every
+          and start % eval_every == 0 and not restored.get("metrics"))
   if sync_params is not None:
     sync_params(trainer.params)
   writer = MetricsWriter(metrics, total_steps=total_steps, start_step=start,
@@ -90,9 +104,22 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
   history: list[dict[str, float]] = []
   step, preempted = start, False
   extra_meta = dict(meta or {})
+
+  def evaluation(at: int) -> tuple[dict[str, float], float]:
+    """The dev numbers of step `at` and the seconds they took. Rates with an empty
+    denominator are None, breakdowns nest. A failure is every process's (all_succeed)."""
+    t = time.perf_counter()
+    dev = {f"dev/{k}": float(v) for k, v in multihost.all_succeed(lambda: evaluate(at)).items()
+           if isinstance(v, numbers.Real)}
+    return dev, time.perf_counter() - t
+
   with PreemptionGuard() as guard:
     try:
-      while step < total_steps:
+      if owed:  # a failure leaves the step as it is: the next rerun tries again
+        dev, seconds = evaluation(start)
+        history.append(writer.write(start, {**dev, "time/eval_s": seconds}))
+        preempted = multihost.any_process(guard.requested)
+      while step < total_steps and not preempted:
         t0 = time.perf_counter()
         values = dict(one_step(step, step_seed(seed, step)))
         if sync_params is not None:
@@ -110,20 +137,16 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         preempted = multihost.any_process(guard.requested)
         dev = {}
         if evaluate is not None and eval_every and step % eval_every == 0 and not preempted:
-          t1 = time.perf_counter()
           try:
-            # The evaluation's numbers: rates with an empty denominator are None, breakdowns
-            # nest. A failure is every process's (all_succeed), and so is the save below.
-            dev = {f"dev/{k}": float(v)
-                   for k, v in multihost.all_succeed(lambda: evaluate(step)).items()
-                   if isinstance(v, numbers.Real)}
-          except Exception:
-            if checkpointer is not None:  # the step's update is kept: a rerun goes on after
-              checkpointer.save(step, trainer.state,  # it, not into the same evaluation
+            dev, values["time/eval_s"] = evaluation(step)
+          except Exception:  # every process's, and so is this save
+            # The step's update is kept: a rerun evaluates it again and goes on after it,
+            # instead of training it anew.
+            if checkpointer is not None:
+              checkpointer.save(step, trainer.state,
                                 meta={**extra_meta, "step": step, "seed": seed})
             raise
           values.update(dev)
-          values["time/eval_s"] = time.perf_counter() - t1
         values = writer.write(step, values)
         writer.progress(step, values)
         history.append(values)
