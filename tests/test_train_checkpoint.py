@@ -3,6 +3,7 @@ restore into another sharding, failed reads and saves named; metrics JSONL / Ten
 resume truncation."""
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -72,6 +73,27 @@ def test_the_best_checkpoint_survives_a_restart(tmp_path, trainer):
     saver.close()
   saver = ckpt.Checkpointer(config)
   assert saver.all_steps() == [2, 5, 6] and saver.best_step() == 2
+  saver.close()
+
+
+def test_a_run_resumed_under_another_best_metric_ranks_only_by_it(tmp_path, trainer):
+  """checkpoint.best_metric may change on resume: the steps ranked by the old metric rank
+  below every one the new metric ranks (never kept as the best), and saving goes on."""
+  config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), keep_last=1, keep_best=1,
+                                 best_metric="dev/tgc", save_every=1, async_save=False)
+  saver = ckpt.Checkpointer(config)
+  for step, tgc in ((1, 0.9), (2, 0.1)):
+    saver.save(step, trainer.state, meta={"step": step}, metrics={"dev/tgc": tgc})
+  saver.close()
+  config = dataclasses.replace(config, best_metric="dev/sgc")
+  for steps in ((3, 4), (5, 6)):  # and a rerun after it
+    saver = ckpt.Checkpointer(config)
+    for step in steps:
+      metrics = {"dev/tgc": 1.0, "dev/sgc": 0.5} if step == 3 else {"dev/tgc": 0.95}
+      assert saver.save(step, trainer.state, meta={"step": step}, metrics=metrics)
+    saver.close()
+  saver = ckpt.Checkpointer(config)
+  assert saver.all_steps() == [3, 6] and saver.best_step() == 3
   saver.close()
 
 

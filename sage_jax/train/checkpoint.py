@@ -212,6 +212,20 @@ def _read_item(handler: ocp.CheckpointHandler, directory: epath.Path,
     handler.close()
 
 
+@dataclasses.dataclass(kw_only=True)
+class _BestByMetric(cm.BestN):
+  """BestN over the steps whose metrics hold `metric`. A step saved under another best_metric
+  (checkpoint.* may change on resume) has none to rank it by: it ranks below all of them,
+  never kept as the best, instead of failing every save with its missing key."""
+
+  metric: str
+
+  def should_preserve(self, checkpoints, *, context):
+    ranked = [c if self.metric in (c.metrics or {}) else dataclasses.replace(c, metrics=None)
+              for c in checkpoints]
+    return super().should_preserve(ranked, context=context)
+
+
 class Checkpointer:
   """Saves and restores TrainStates with orbax's CheckpointManager (see the module doc)."""
 
@@ -245,9 +259,9 @@ class Checkpointer:
     policies = [cm.LatestN(n=config.keep_last)]
     metric = lambda m: m[config.best_metric]
     if config.keep_best:
-      policies.append(cm.BestN(get_metric_fn=metric, n=config.keep_best,
-                               reverse=config.best_mode == "min",
-                               keep_checkpoints_without_metrics=False))
+      policies.append(_BestByMetric(metric=config.best_metric, get_metric_fn=metric,
+                                    n=config.keep_best, reverse=config.best_mode == "min",
+                                    keep_checkpoints_without_metrics=False))
     # With best_fn orbax also stores each step's metrics beside it, which it reads back when
     # the run restarts: without them the best step had none then, and BestN let it go.
     best = {"best_fn": metric, "best_mode": config.best_mode} if config.keep_best else {}
