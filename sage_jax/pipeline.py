@@ -30,7 +30,8 @@ loop runs it again. An evaluation done before is redone when the weights it scor
 settings have changed since (a rerun with more steps evaluates the new last step). A rerun
 may change how long and how the run goes (steps, layout, evaluation;
 `run_config.RESUMABLE_KEYS`), not the experiment its checkpoints belong to: that fails,
-naming the keys changed. More SFT steps
+naming the keys changed; a workdir whose run stopped before it saved or evaluated anything
+(`Pipeline.progress`) takes any config. More SFT steps
 continue a finished SFT stage, until RL has trained from its result. Once RL has saved, a
 resumed run reads SFT's last checkpoint only as KL's reference (grpo.kl_coef > 0) or for an
 evaluation or export of SFT's result not made yet: without KL, SFT's checkpoints may be
@@ -68,6 +69,7 @@ from sage_jax import (compact_tokenizer, config_file, export, multihost, plot, r
 from sage_jax import sharding as shd
 from sage_jax.agent.retrieval import Retriever, make_embedder
 from sage_jax.envs import appworld
+from sage_jax.envs.appworld import data_root
 from sage_jax.eval import runner
 from sage_jax.rl import rollout
 from sage_jax.sampler import AsyncEngine, Engine
@@ -135,17 +137,22 @@ class Pipeline:
     self.workdir = storage.open_workdir(workdir, flag="--workdir")
     self.config_dict = run_config.with_seeds(config, self.run)
     recorded = _read_json_on_lead(self.workdir / "config.json")
+    if recorded is not None:
+      run_config.check_recorded(recorded, f"{workdir}/config.json")
+    if recorded is not None and not (progress := self.progress()):
+      logging.warning("%s/config.json records a run that stopped before it saved or evaluated "
+                      "anything: this config replaces it", workdir)
+      recorded = None
     if recorded is not None and not self.run.checkpoint.resume:
       raise run_config.ConfigError(
-          f"--workdir {workdir} holds a run ({workdir}/config.json), and "
-          "checkpoint.resume=False starts a new one: its checkpoints, metrics and evaluations "
-          "would mix with the new run's. Use a new --workdir, or remove that one")
+          f"--workdir {workdir} holds a run ({workdir}/config.json; {', '.join(progress)}), "
+          "and checkpoint.resume=False starts a new one: its checkpoints, metrics and "
+          "evaluations would mix with the new run's. Use a new --workdir, or remove that one")
     if recorded is not None:
       run_config.check_resume(recorded, self.config_dict, f"{workdir}/config.json")
     self.sft_pending = self._check_saved_stages(workdir)
+    self.root = self._check_data()
     _write_json(self.workdir / "config.json", self.config_dict)
-    p = self.run.pipeline
-    self.root = appworld.resolve_root(p.data)
     self.mesh = shd.make_mesh(self.run.mesh)
     multihost.connect(self.mesh)
     self.batch_config = self.run.batch
@@ -181,6 +188,56 @@ class Pipeline:
     self.weights_from: dict | None = None
     # Whether those are SFT's adopted params, not read yet (`read_sft_result`).
     self.sft_result_unread = False
+
+  def progress(self) -> list[str]:
+    """What the workdir holds that a rerun takes up as its run's: checkpoints, a finished SFT
+    stage, evaluation reports, and the SFT data and compact tokenizer made once per workdir.
+    None: the run its config.json records stopped before it made any (a bad input, a crash),
+    and nothing of it ties the workdir to that config."""
+    found = [f"{run_checkpoint.STAGE_DIRS[stage]} {steps}" for stage in ("sft", "rl")
+             if (steps := self.saved_steps(stage))]
+
+    def files() -> list[str]:
+      w = self.workdir
+      made = [self.sft_marker, w / "expert_trajectories.jsonl",
+              compact_tokenizer.run_tokenizer_dir(w, "compact") / "tokenizer.json"]
+      return ([os.fspath(path.relative_to(w)) for path in made if path.exists()]
+              + sorted(os.fspath(path.relative_to(w)) for path in w.glob("eval_*/eval_*.json")))
+
+    return found + multihost.from_lead(files)
+
+  def _check_data(self) -> str:
+    """The AppWorld root of `pipeline.data`, checked with the splits the run reads there and
+    a given SFT file before config.json records the run: a wrong path fails naming its key,
+    with nothing written."""
+    p, run = self.run.pipeline, self.run
+    try:
+      root = appworld.resolve_root(p.data)
+    except appworld.AppWorldDataError as e:
+      raise run_config.ConfigError(f"config.pipeline.data: {e}") from e
+    datasets = os.path.join(root, "data", "datasets")
+    if not os.path.isdir(datasets):
+      raise run_config.ConfigError(
+          f"config.pipeline.data: {p.data!r} holds no AppWorld data ({datasets} is not a "
+          f"directory). {data_root.HOW_TO_GET_DATA}")
+    splits = {}  # split -> the key that names it
+    if p.eval_before or p.eval_after or run.rl.eval_every or run.sft.eval_every:
+      splits[run.eval.split] = "eval.split"
+    # The expert plays for the SFT data (a compact vocabulary is cut to it).
+    plays = not p.expert_trajectories and ("sft" in p.stages or run.model.vocabulary == "compact")
+    if plays:
+      splits.update((split, "expert.splits") for split in run.expert.splits)
+    if "rl" in p.stages or p.eval_train or p.train_scenarios or plays and not run.expert.splits:
+      splits[p.train_split] = "pipeline.train_split"
+    for split, key in splits.items():
+      try:
+        appworld.read_split(root, split)
+      except (OSError, ValueError) as e:
+        raise run_config.ConfigError(f"config.{key}: {e}") from e
+    if p.expert_trajectories and not storage.path(p.expert_trajectories).exists():
+      raise run_config.ConfigError(
+          f"config.pipeline.expert_trajectories: {p.expert_trajectories}: no such file")
+    return root
 
   def _plays_episodes(self) -> bool:
     """Whether the configured stages play AppWorld episodes: RL, evaluations, and SFT whose
@@ -472,10 +529,7 @@ class Pipeline:
       self._trained("rl", step)
       return self.evaluate(f"eval_step{step}")
 
-    checkpointer = Checkpointer(dataclasses.replace(
-        run.checkpoint, directory=os.fspath(self.workdir / run_checkpoint.STAGE_DIRS["rl"]),
-        keep_best=run.checkpoint.keep_best if run.rl.eval_every else 0),
-        run_config=self.config_dict)
+    checkpointer = self._rl_checkpointer()
     # KL's reference, frozen and sharded like the parameters; nothing is kept when KL is off.
     reference = rl_loop.frozen_copy(trainer.params) if run.grpo.use_kl else None
     try:
@@ -490,6 +544,23 @@ class Pipeline:
     self.sync_sampler(trainer.params)
     self._trained("rl", result.end_step)
     return result
+
+  def _rl_checkpointer(self) -> Checkpointer:
+    """RL's checkpoints: without dev evaluations (rl.eval_every 0) no metric ranks them, and
+    none is kept as the best, unless an earlier run of this workdir kept one: orbax would
+    delete that one at the next save."""
+    directory = os.fspath(self.workdir / run_checkpoint.STAGE_DIRS["rl"])
+    checkpoint = dataclasses.replace(self.run.checkpoint, directory=directory)
+    if not self.run.rl.eval_every:
+      reader = Checkpointer(CheckpointConfig(
+          directory=directory, read_only=True, best_metric=checkpoint.best_metric,
+          best_mode=checkpoint.best_mode))
+      try:
+        if reader.best_step() is None:
+          checkpoint = dataclasses.replace(checkpoint, keep_best=0)
+      finally:
+        reader.close()
+    return Checkpointer(checkpoint, run_config=self.config_dict)
 
   def sync_sampler(self, params: nnx.State) -> None:
     """Every process's sampler samples from `params` (a collective: all processes call it)."""

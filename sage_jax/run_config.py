@@ -200,6 +200,22 @@ def _comparable(config: dict) -> dict[str, Any]:
   return flat
 
 
+def check_recorded(recorded: Any, source: str) -> None:
+  """Raises ConfigError when `recorded`, the config.json found in a --workdir (at `source`), is
+  not a training run's (it has no `pipeline` section, as `run_checkpoint.run_config_at`
+  tells them apart): that directory is something else, such as a run's HF export, and
+  recording a run there would overwrite its file."""
+  if isinstance(recorded, dict) and "pipeline" in recorded:
+    return
+  looks = (f"an HF model config (model_type {recorded['model_type']!r})"
+           if isinstance(recorded, dict) and "model_type" in recorded
+           else "some other file (no `pipeline` section)")
+  raise ConfigError(
+      f"{source} is not a training run's config: it looks like {looks}, so this directory "
+      "is not a run's workdir (a run's HF export, <workdir>/hf, is a model). Nothing was "
+      "written; pass a new --workdir, or the workdir of the run to resume")
+
+
 def check_resume(recorded: dict, config: dict, source: str) -> None:
   """Raises ConfigError when `config` (as `with_seeds` gives it) changes a key of the
   experiment that `recorded` (the workdir's config.json, at `source`) started. Keys only one

@@ -3,6 +3,7 @@ bench/real_model.py does for its SAGE and GRPO arms) starts from SFT's last para
 nothing else of SFT: SFT's optimizer state (Adam: twice the params) would otherwise sit beside
 RL's own for the whole run, which put the real 0.5B's SAGE stage over a 24 GB machine."""
 
+import dataclasses
 import gc
 import json
 import os
@@ -15,8 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import pipeline
+from sage_jax import pipeline, run_config
 from sage_jax.configurable import ConfigError
+from sage_jax.train import rl_loop
+from sage_jax.train.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.slow
 
@@ -186,3 +189,87 @@ def test_the_summary_table_writes_token_counts_whole():
                                   "after": {"tgc": 100.0, "avg_generated_tokens": 13613.2}})
   assert "| tgc | 33.3 | 100 |" in table
   assert "| avg_generated_tokens | 1475 | 13613 |" in table  # not 1.48e+03
+
+
+def _sft_on_file(expert_file):
+  """The demo's SFT stage on a given file, without evaluations: a Pipeline of it starts no
+  AppWorld."""
+  c = sage_configs.get_config("demo")
+  c.pipeline.update(stages=("sft",), eval_before=False, eval_after=False, eval_train=False,
+                    export=False, plot=False, expert_trajectories=expert_file)
+  c.engine.num_slots = 8  # slots split over the session's 8 simulated devices
+  return c
+
+
+def test_a_directory_holding_another_config_json_is_no_workdir(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """A model's directory (a run's HF export, <workdir>/hf) is refused as --workdir, naming
+  what its config.json looks like; the file stays as it was."""
+  hf = tmp_path / "run" / "hf"
+  hf.mkdir(parents=True)
+  text = json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                     "hidden_size": 896, "seed": 0})
+  (hf / "config.json").write_text(text)
+  with pytest.raises(ConfigError, match=re.escape(
+      f"{hf}/config.json is not a training run's config: it looks like an HF model config "
+      "(model_type 'qwen2')")):
+    pipeline.Pipeline(_sft_on_file(demo_expert_file), str(hf))
+  assert (hf / "config.json").read_text() == text and os.listdir(hf) == ["config.json"]
+
+
+def test_a_run_that_failed_before_training_leaves_its_workdir_to_the_next(
+    tmp_path, demo_expert_file, caplog):  # noqa: F811
+  """A bad pipeline.data fails naming its key, before config.json records the run. A workdir
+  whose run stopped before it saved or evaluated anything (its config.json alone) takes the
+  next config, whatever it changes; once it holds a result, that config is the experiment's."""
+  workdir = tmp_path / "run"
+  bad = _sft_on_file(demo_expert_file)
+  bad.pipeline.data = str(tmp_path / "nonexistent")
+  with pytest.raises(ConfigError, match=re.escape(
+      f"config.pipeline.data: {bad.pipeline.data!r} holds no AppWorld data")):
+    pipeline.Pipeline(bad, str(workdir))
+  assert not (workdir / "config.json").exists()
+  # What a run that crashed before its first checkpoint leaves: its config.json.
+  stopped = _sft_on_file(demo_expert_file)
+  stopped.seed = 5
+  (workdir / "config.json").write_text(json.dumps(
+      run_config.with_seeds(stopped, run_config.resolve(stopped)), default=str))
+  c = _sft_on_file(demo_expert_file)
+  with caplog.at_level("WARNING"):
+    pipe = pipeline.Pipeline(c, str(workdir))
+  pipe.close()
+  assert "stopped before it saved or evaluated anything: this config replaces it" in caplog.text
+  assert json.loads((workdir / "config.json").read_text())["seed"] == 0
+  (workdir / "eval_before").mkdir()
+  (workdir / "eval_before" / "eval_dev.json").write_text("{}")
+  with pytest.raises(ConfigError, match=r"config.seed: 0 -> 5"):
+    pipeline.Pipeline(stopped, str(workdir))
+
+
+def test_rl_without_evaluations_keeps_the_best_checkpoint_it_has(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """rl.eval_every=0 on resume ranks no new step, and the step earlier evaluations kept as
+  the best stays (orbax deleted it at the next save when best-keeping was off)."""
+  workdir = tmp_path / "run"
+  c = _sft_on_file(demo_expert_file)
+  c.pipeline.update(stages=("rl",), chains_per_step=1, train_scenarios=1)
+  c.grpo.group_size = 2
+  c.rl.update(total_steps=6, eval_every=0)
+  c.checkpoint.update(keep_last=1, keep_best=1, async_save=False)
+  c.pool.num_workers = 2
+  pipe = pipeline.Pipeline(c, str(workdir))
+  try:
+    state = rl_loop.grpo_trainer(pipe.model, pipe.run.grpo, pipe.run.optimizer,
+                                 pipe.run.trainer, mesh=pipe.mesh).state
+    earlier = Checkpointer(dataclasses.replace(
+        pipe.run.checkpoint, directory=str(workdir / "checkpoints")))
+    for step, tgc in ((1, 0.9), (2, 0.1), (3, None)):  # evaluated every 2 steps before
+      earlier.save(step, state, metrics=None if tgc is None else {"dev/tgc": tgc})
+    earlier.close()
+    resumed = pipe._rl_checkpointer()
+    for step in (4, 5):
+      resumed.save(step, state)
+    resumed.close()
+  finally:
+    pipe.close()
+  assert _rl_steps(workdir) == [1, 5]

@@ -5,6 +5,7 @@ it builds anything (tests/test_demo.py checks the same through the command line)
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -433,12 +434,23 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
   run_config.check_resume(_recorded(sft_only), recorded, "run/config.json")
 
 
+def test_a_config_json_of_no_run_is_named_for_what_it_looks_like():
+  run_config.check_recorded(_recorded(_config("sage", "demo")), "w/config.json")
+  for found, looks in (({"model_type": "qwen2"}, "an HF model config (model_type 'qwen2')"),
+                       ({"seed": 0}, "some other file (no `pipeline` section)"),
+                       ([1, 2], "some other file (no `pipeline` section)")):
+    with pytest.raises(ConfigError, match=re.escape(
+        f"w/config.json is not a training run's config: it looks like {looks}")):
+      run_config.check_recorded(found, "w/config.json")
+
+
 def test_train_refuses_to_resume_a_workdir_under_another_experiment(tmp_path):
   import json  # noqa: PLC0415
   config = _config("sage", "demo")
   config.grpo.group_size = 8
   workdir = tmp_path / "run"
-  workdir.mkdir()
+  (workdir / "eval_before").mkdir(parents=True)
+  (workdir / "eval_before" / "eval_dev.json").write_text("{}")  # the run has a result
   text = json.dumps(_recorded(config), default=str)
   (workdir / "config.json").write_text(text)
   out = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
@@ -455,6 +467,6 @@ def test_train_refuses_to_resume_a_workdir_under_another_experiment(tmp_path):
                          env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
                               "JAX_PLATFORMS": "cpu"})
   assert fresh.returncode != 0
-  assert (f"--workdir {workdir} holds a run ({workdir}/config.json), and "
-          "checkpoint.resume=False starts a new one") in fresh.stderr, fresh.stderr[-3000:]
+  assert (f"--workdir {workdir} holds a run ({workdir}/config.json; eval_before/eval_dev.json),"
+          " and checkpoint.resume=False starts a new one") in fresh.stderr, fresh.stderr[-3000:]
   assert (workdir / "config.json").read_text() == text
