@@ -315,12 +315,6 @@ def test_kl_clamp():
     assert np.isfinite(float(kl)) and np.isfinite(np.asarray(grad)).all()
   np.testing.assert_allclose(grpo.kl_penalty(new, far), [np.exp(20) - 21, np.exp(-20) + 19],
                              rtol=1e-6)
-  # By default each token's estimate is clamped to 10, as verl clamps k3.
-  _, stats = _loss_tokens(grpo.GRPOConfig(kl_coef=1.0), ref=[-1.0, 15.0, -1.0, -1.0])
-  assert stats["kl"][1] == pytest.approx(10.0)
-  _, stats = _loss_tokens(grpo.GRPOConfig(kl_coef=1.0, kl_clamp=None), ref=[-1.0, 15.0, -1.0,
-                                                                             -1.0])
-  assert stats["kl"][1] > 1e6
   with pytest.raises(ValueError, match="kl_clamp"):
     grpo.GRPOConfig(kl_clamp=0.0)
   with pytest.raises(ValueError, match="ratio_level"):

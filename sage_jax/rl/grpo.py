@@ -17,8 +17,8 @@ Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_ol
   truncated importance weight (optional): pg *= min(pi_old / pi_sampler, tis_cap), no gradient
   KL to a frozen reference (optional, k3): kl = exp(d) - d - 1, d = ref - logp clipped to
     [-20, 20] as verl does (a token 89 nats likelier under the reference overflows the exp
-    to inf, and the step is skipped as non-finite), clamped to [-kl_clamp, kl_clamp]
-    (default 10, as verl clamps k3); off the mask it is 0 before the exp, so a very
+    to inf, and the step is skipped as non-finite), optionally clamped to [-kl_clamp,
+    kl_clamp] (verl clamps k3 to [-10, 10]); off the mask it is 0 before the exp, so a very
     unlikely prompt token cannot overflow it (its gradient would be NaN even though the mask
     drops its value)
   loss_t = pg + kl_coef * kl - entropy_coef * entropy
@@ -67,8 +67,7 @@ class GRPOConfig:
     budget in tokens.
   kl_coef: weight of the KL penalty to the frozen reference (0 = off, no reference forward).
   kl_estimator: k3 (Schulman's unbiased, non-negative estimator; default), k1 or k2.
-  kl_clamp: clamp each token's KL estimate to [-kl_clamp, kl_clamp] (10: verl's bound on k3;
-    a token 20 nats likelier under the reference gives k3 = 4.9e8 unclamped); None = off.
+  kl_clamp: clamp each token's KL estimate to [-kl_clamp, kl_clamp]; None = off.
   ratio_level: "token" (GRPO), "sequence" (GSPO) or "sequence-token" (GSPO-token); see the
     module docstring. GSPO's paper uses seq-mean-token-mean and much tighter clip ranges
     (e.g. 3e-4 / 4e-4).
@@ -104,7 +103,7 @@ class GRPOConfig:
   norm_constant: float | None = None
   kl_coef: float = 0.0
   kl_estimator: KLEstimator = "k3"
-  kl_clamp: float | None = 10.0
+  kl_clamp: float | None = None
   ratio_level: str = "token"
   entropy_coef: float = 0.0
   negative_weight: float = 1.0
