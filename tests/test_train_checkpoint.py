@@ -262,6 +262,27 @@ def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):
   assert (purge.step, purge.session_log.status) == (1, purge.session_log.START)
 
 
+def test_metrics_of_the_resumed_step_join_its_line(tmp_path):
+  """A resumed run's owed evaluation is logged at the restored step: one line per step."""
+  config = metrics_lib.MetricsConfig(log_dir=str(tmp_path), progress=False, tensorboard=False)
+  writer = metrics_lib.MetricsWriter(config, total_steps=4)
+  for step in (1, 2):
+    writer.write(step, {"loss": float(step)})
+  writer.close()
+  writer = metrics_lib.MetricsWriter(config, total_steps=4, start_step=2)
+  writer.write(2, {"dev/success": 0.5, "loss": 20.0})
+  writer.write(3, {"loss": 3.0})
+  writer.close()
+  rows = metrics_lib.read_jsonl(str(tmp_path))
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert (rows[1]["loss"], rows[1]["dev/success"]) == (20.0, 0.5)
+  writer = metrics_lib.MetricsWriter(config, total_steps=4, start_step=3)
+  writer.write(4, {"loss": 4.0})  # a later step only appends
+  writer.close()
+  assert [(r["step"], r["loss"]) for r in metrics_lib.read_jsonl(str(tmp_path))] == [
+      (1, 1.0), (2, 20.0), (3, 3.0), (4, 4.0)]
+
+
 def _tensorboard_events(path):
   """The Event protos of a TensorBoard event file, read and checked with tensorboardX's own
   protos and record checksum (TFRecord framing: length, its checksum, data, its checksum)."""

@@ -3,7 +3,8 @@
 `metrics.jsonl` holds one JSON object per step (`{"step": s, "time": ..., <name>: value}`),
 `s` counting completed steps (1 = after the first update). A run resumed after `start_step`
 completed steps first drops the lines of later steps, which it will redo (TensorBoard purges
-them too), so the logs of an interrupted + resumed run read like those of a straight run.
+them too), so the logs of an interrupted + resumed run read like those of a straight run; what
+it logs at `start_step` itself (an evaluation the interrupted run owed) joins that step's line.
 With several processes only process 0 writes (the values it gets are already global).
 In a remote log_dir (gs://...), both files are written locally and copied up whole after each
 step (`storage.LocalMirror`): a bucket cannot append.
@@ -95,14 +96,16 @@ class MetricsWriter:
     self._tb = None
     self._bar = None
     self._mirror = None
+    self._kept: list[str] = []  # the resumed file's lines, while start_step's may still grow
+    self._start_step = start_step
     lead = multihost.is_lead()
     if config.log_dir and lead:
       self._mirror = storage.LocalMirror(config.log_dir)
       if config.jsonl:
-        path = os.path.join(self._mirror.local, METRICS_FILE)
-        storage.write_text(path, "".join(_kept_lines(self._mirror.target / METRICS_FILE,
-                                                     start_step)))
-        self._jsonl = open(path, "a")
+        self._path = os.path.join(self._mirror.local, METRICS_FILE)
+        self._kept = _kept_lines(self._mirror.target / METRICS_FILE, start_step)
+        storage.write_text(self._path, "".join(self._kept))
+        self._jsonl = open(self._path, "a")
       if config.tensorboard:
         # Steps after start_step are redone: TensorBoard drops their earlier events (also a
         # run's that started over from step 0, killed before its first checkpoint).
@@ -122,6 +125,13 @@ class MetricsWriter:
     if self._jsonl is not None:
       record = {"step": int(step), "time": time.time()}
       record.update({k: (v if math.isfinite(v) else str(v)) for k, v in values.items()})
+      if step == self._start_step and self._kept and (
+          (last := json.loads(self._kept[-1])).get("step") == step):
+        self._jsonl.close()  # one line per step: the step's earlier line takes the new values
+        record = {**last, **record}
+        storage.write_text(self._path, "".join(self._kept[:-1]))
+        self._jsonl = open(self._path, "a")
+      self._kept = []
       self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
       self._jsonl.flush()
     if self._tb is not None:
