@@ -31,14 +31,33 @@ def code(text: str) -> str:
 # --- parsing ---------------------------------------------------------------------------------
 
 def test_extract_code_joins_blocks_and_handles_unclosed_and_missing():
-  text = "Plan.\n```python\nx = 1\n```\nthen\n```\nprint(x)\n```\n```json\n{}\n```"
+  text = "Plan.\n```python\nx = 1\n```\nthen\n```py\nprint(x)\n```\n```json\n{}\n```"
   parsed = parsing.extract_code(text)
   assert parsed.code == "x = 1\n\nprint(x)\n" and parsed.num_blocks == 2 and not parsed.unclosed
+  untagged = parsing.extract_code("Plan.\n```\nx = 1\n``` and then\n```\nprint(x)\n```")
+  assert untagged.code == "x = 1\n\nprint(x)\n" and untagged.num_blocks == 2
   cut = parsing.extract_code("```python\ndef f():\n    return 1")
   assert cut.code == "def f():\n    return 1\n" and cut.unclosed
   assert parsing.extract_code("I will not write code.").code is None
   assert parsing.extract_code("```python\n\n```").code is None
   assert parsing.extract_code('```python\ns = "```"\n```').code == 's = "```"\n'
+
+
+def test_extract_code_reads_the_fences_models_write():
+  """Beside a Python block, an untagged block is an imagined output, not code; a fence in a
+  list item is indented; Windows line ends; an info string; a block closed by the next
+  block's opening fence."""
+  imagined = "```python\nprint(apis.supervisor.show_profile())\n```\nOutput:\n```\nDone.\n```"
+  assert parsing.extract_code(imagined).code == "print(apis.supervisor.show_profile())\n"
+  listed = "Steps:\n1. Log in:\n   ```python\n   token = login()\n   print(token)\n   ```\n"
+  assert parsing.extract_code(listed).code == "token = login()\nprint(token)\n"
+  assert parsing.extract_code("```python\r\nx = 1\r\nprint(x)\r\n```\r\n").code == (
+      "x = 1\nprint(x)\n")
+  titled = '```python title="step 1"\nprint(1)\n```\nThe output above.\n```\n'
+  assert parsing.extract_code(titled).code == "print(1)\n"
+  reopened = parsing.extract_code("```python\nx = 1\n```python\ny = 2\n```\nDone.")
+  assert reopened.code == "x = 1\n\ny = 2\n" and reopened.num_blocks == 2
+  assert parsing.extract_code("```python\nx = 1\n```python\ny = 2").unclosed
 
 
 # --- skill events ----------------------------------------------------------------------------
