@@ -393,6 +393,43 @@ def test_retrieval_strategies():
   assert strict.retrieve(lib, scenario="x", instruction=query) == []
 
 
+def test_retrieval_across_scenarios_installs_each_skill_with_its_own_callees():
+  """Two scenarios each save a `login`: each skill installed calls its own scenario's."""
+  def returning(skill, value):
+    return dataclasses.replace(skill, code=f"def {skill.name}(*args):\n    return {value!r}\n")
+  venmo = "Send money to Ann on Venmo."
+  lib = SkillLibrary([
+      returning(_skill("login", "s1", venmo), "venmo token"),
+      dataclasses.replace(_skill("send_money", "s1", venmo, calls=["login"]),
+                          code="def send_money(who):\n    return login()\n"),
+      returning(_skill("login", "s2", "Send money to Bob on Venmo please."), "spotify token"),
+  ])
+  r = retrieval.Retriever(RetrievalConfig(strategy="query_ngram", top_k=5))
+  # s2's login matches best: s1's send_money, which calls s1's login, is left out.
+  got = r.retrieve(lib, scenario="x", instruction="Send money to Bob on Venmo please.")
+  assert [(s.scenario, s.name) for s in got] == [("s2", "login")]
+  # send_money matches best: it comes with its own login, and s2's is left out.
+  got = r.retrieve(lib, scenario="x", instruction="Send money to Ann on Venmo.")
+  assert [(s.scenario, s.name) for s in got] == [("s1", "login"), ("s1", "send_money")]
+  namespace = {}
+  exec(install_code(got), namespace)  # noqa: S102
+  assert namespace["send_money"]("Ann") == "venmo token"
+
+
+def test_same_scenario_lists_the_newest_skills_first():
+  """A listing cut to fit the prompt hides the oldest skills, not the one just updated."""
+  lib = SkillLibrary()
+  a = skills.analyze(SKILL)
+  lib.save({f.name: f for f in a.functions}, scenario="s1", task_id="s1_1", instruction="")
+  changed = dataclasses.replace(a.functions[0], source=a.functions[0].source.replace(
+      "== genre", "== genre.lower()"))
+  lib.save({"count_songs": changed}, scenario="s1", task_id="s1_2", instruction="")
+  got = retrieval.Retriever(RetrievalConfig()).retrieve(lib, scenario="s1", instruction="")
+  assert [s.name for s in got] == ["count_songs", "login"]
+  listing = prompts.skill_listing(got, max_chars=1)  # room for the first skill only
+  assert "def count_songs(" in listing and "def login(" not in listing
+
+
 def test_hashing_embedder_is_normalised_and_deterministic():
   e = retrieval.HashingEmbedder(64)
   m = e.embed(["hello world", "hello world", ""])

@@ -199,26 +199,24 @@ class Retriever:
     return (matrix[1:] @ matrix[0]).tolist()
 
   def retrieve(self, library: SkillLibrary, *, scenario: str, instruction: str) -> list[Skill]:
+    """The skills a task sees, the ones a cut listing should keep first. A skill comes with
+    the skills of its scenario that it calls; the prompt and the world hold one skill per
+    name, so a skill is left out where its name, or that of a skill it calls, is taken by a
+    better match from another scenario: each skill installed calls its own scenario's."""
     strategy = self.config.strategy
     if strategy == "none" or not len(library):
       return []
     if strategy == "same_scenario":
-      return library.skills(scenario)
+      return library.skills(scenario)[::-1]  # newest first: a cut listing hides the oldest
     skills = library.skills()
     scores = self.scores(skills, instruction)
     ranked = sorted(range(len(skills)), key=lambda i: (-scores[i], i))
-    picked, names = [], set()
+    picked, scenario_of = [], {}  # name -> scenario of the picked skills and their callees
     for i in ranked:
       if len(picked) == self.config.top_k or scores[i] < self.config.min_score:
         break
-      if skills[i].name not in names:  # one skill per name: the prompt shows one definition
-        names.add(skills[i].name)
+      closure = library.with_dependencies([skills[i]])
+      if all(scenario_of.get(s.name, s.scenario) == s.scenario for s in closure):
         picked.append(skills[i])
-    full = library.with_dependencies(picked)
-    seen, out = set(), []
-    for s in full:
-      if s.name not in seen:
-        seen.add(s.name)
-        out.append(s)
-    return out
-
+        scenario_of.update((s.name, s.scenario) for s in closure)
+    return library.with_dependencies(picked)
