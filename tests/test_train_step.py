@@ -397,6 +397,8 @@ def test_schedules():
 def test_weight_decay_mask_and_clipping():
   model = init_model(CFG, seed=0)
   _, params = nnx.split(model)
+  q_proj = params["layers"][0]["self_attn"]["q_proj"]
+  q_proj["bias"] = jax.tree.map(jnp.ones_like, q_proj["bias"])  # a loaded bias is not zero
   tx, _ = opt.make_optimizer(opt.OptimizerConfig(learning_rate=0.1, weight_decay=0.5,
                                                  weight_decay_mask="matrices", max_grad_norm=1.0))
   updates, _ = jax.jit(lambda p: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p))(
@@ -404,6 +406,8 @@ def test_weight_decay_mask_and_clipping():
   norm_update = updates["norm"]["weight"][...]
   kernel_update = updates["layers"][0]["mlp"]["up_proj"]["kernel"][...]
   assert float(jnp.abs(norm_update).max()) == 0.0  # 1-D: no decay
+  bias_update = updates["layers"][0]["self_attn"]["q_proj"]["bias"][...]
+  assert bias_update.ndim == 2 and float(jnp.abs(bias_update).max()) == 0.0  # per head: no decay
   np.testing.assert_allclose(np.asarray(kernel_update),
                              -0.1 * 0.5 * np.asarray(params["layers"][0]["mlp"]["up_proj"]
                                                      ["kernel"][...]), rtol=1e-6)

@@ -75,7 +75,11 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 
 def _matrices(params):
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """The weight matrices: not norms, and not biases, which q/k/v keep per head ([heads, dim])."""
+  def is_matrix(path, p):
+    return p.ndim >= 2 and not any(getattr(k, "key", getattr(k, "name", None)) == "bias"
+                                   for k in path)
+  return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
