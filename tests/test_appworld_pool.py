@@ -108,6 +108,18 @@ def test_gold_passes_noop_fails_and_tgc_sgc_match_appworld(pool, mini_root, outp
   assert appworld.scenario_goal_completion(mixed) < appworld.task_goal_completion(mixed)
 
 
+def test_tgc_sgc_score_a_task_once_by_its_last_result():
+  """pool.results keeps every attempt: a retried task counts once, by its retry, as AppWorld
+  counts tasks."""
+  ok = appworld.Evaluation(success=True, num_passed=2, num_failed=0)
+  results = [appworld.EpisodeResult("aaaaaaa_1", "run", None, 3, False, error="worker died"),
+             appworld.EpisodeResult("aaaaaaa_1", "run", ok, 3, True),
+             appworld.EpisodeResult("aaaaaaa_2", "run", ok, 3, True)]
+  assert appworld.task_goal_completion(results) == appworld.scenario_goal_completion(
+      results) == 100.0
+  assert appworld.task_goal_completion([results[1], results[0], results[2]]) == 50.0
+
+
 def test_wrong_answers_fail(pool, mini_root):  # noqa: F811
   qa = [t for t in all_task_ids(mini_root) if ground_truth_answer(mini_root, t) is not None]
   runs = []

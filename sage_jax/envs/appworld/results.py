@@ -63,19 +63,24 @@ class EpisodeResult:
     return self.evaluation.fraction_passed if self.error is None and self.evaluation else 0.0
 
 
-def task_goal_completion(results: list[EpisodeResult]) -> float:
-  """TGC in percent: share of tasks whose tests all pass."""
+def _last_per_task(results: list[EpisodeResult]) -> list[EpisodeResult]:
+  """One result per task, as AppWorld scores them: a task given several (an attempt the
+  environment failed under and its retry, say) counts by the last."""
   if not results:
     raise ValueError("No results to score.")
+  return list({r.task_id: r for r in results}.values())
+
+
+def task_goal_completion(results: list[EpisodeResult]) -> float:
+  """TGC in percent: share of tasks whose tests all pass."""
+  results = _last_per_task(results)
   return 100.0 * sum(r.success for r in results) / len(results)
 
 
 def scenario_goal_completion(results: list[EpisodeResult]) -> float:
   """SGC in percent: share of scenarios all of whose tasks pass."""
-  if not results:
-    raise ValueError("No results to score.")
   passed = {}
-  for r in results:
+  for r in _last_per_task(results):
     key = dataset.scenario_id(r.task_id)
     passed[key] = passed.get(key, True) and r.success
   return 100.0 * sum(passed.values()) / len(passed)
