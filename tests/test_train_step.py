@@ -392,6 +392,8 @@ def test_schedules():
   assert [float(s(i)) for i in (0, 2, 4, 9)] == [1.0, 0.5, 0.0, 0.0]
   with pytest.raises(ValueError, match="decay_steps"):
     opt.OptimizerConfig(schedule="cosine")
+  with pytest.raises(ValueError, match="never decays"):  # the schedule was left at constant
+    opt.OptimizerConfig(decay_steps=1000)
 
 
 def test_weight_decay_mask_and_clipping():

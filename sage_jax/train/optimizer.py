@@ -47,6 +47,10 @@ class OptimizerConfig:
       raise ValueError(f"schedule={self.schedule!r}; expected constant, cosine or linear")
     if self.schedule != "constant" and self.decay_steps <= 0:
       raise ValueError(f"schedule={self.schedule!r} needs decay_steps > 0")
+    if self.schedule == "constant" and (self.decay_steps or self.end_lr_ratio):
+      raise ValueError(f"schedule='constant' never decays: decay_steps={self.decay_steps} and "
+                       f"end_lr_ratio={self.end_lr_ratio} would do nothing; set schedule to "
+                       "'cosine' or 'linear', or leave them 0")
     if self.weight_decay_mask not in ("all", "matrices"):
       raise ValueError(f"weight_decay_mask={self.weight_decay_mask!r}; expected all or matrices")
     if self.max_grad_norm < 0:
