@@ -6,6 +6,7 @@ into parameterised skills, scores TGC = SGC = 100 (AppWorld's evaluator agrees) 
 SFT data for every task."""
 
 import ast
+import re
 
 import pytest
 
@@ -143,6 +144,91 @@ def test_helpers_of_the_solution_file_travel_with_the_skill(pool, official_root)
   [reuse] = gold_solutions.expert_turns(with_helpers, {name: definition},
                                         instruction=instruction)
   assert _code(reuse).strip() == call
+
+
+def _task(root: str, task_id: str) -> tuple[str, str]:
+  return (gold_solutions.read_solution(root, task_id),
+          gold_solutions.read_instruction(root, task_id))
+
+
+def test_a_library_skill_with_another_tasks_constant_is_not_called(official_root):  # noqa: F811
+  """A module constant of the solution file travels with the skill as it is: a library skill
+  whose constant holds another task's value is not this task's skill, though its function
+  is the same."""
+  def with_constant(task_id: str) -> tuple[str, str]:
+    source, instruction = _task(official_root, task_id)
+    description = re.search(r"description=('[^']*')", source)[1]
+    source = source.replace(f"description={description}", "description=DESCRIPTION").replace(
+        "def solution(", f"DESCRIPTION = {description}\n\n\ndef solution(")
+    return source, instruction
+  first, second = with_constant("ead7476_1"), with_constant("ead7476_2")
+  name, definition, call = gold_solutions.official_skill(*first, [second])
+  assert definition.startswith("DESCRIPTION = 'Pottery class'\n")
+  library = {name: gold_solutions.with_docstrings(definition)}
+  [again] = gold_solutions.expert_turns(first[0], library, instruction=first[1],
+                                        siblings=[second])
+  assert _code(again).strip() == call
+  [turn] = gold_solutions.expert_turns(second[0], library, instruction=second[1],
+                                       siblings=[first])
+  assert "DESCRIPTION = 'Half of the cabin deposit'" in _code(turn)
+  assert f"def {name}(" in _code(turn)
+
+
+def test_a_value_bound_in_a_nested_function_stays_there(pool, official_root):  # noqa: F811
+  """A variable assigned once, but inside a function nested in the solution, is not the
+  skill's parameter itself: the skill runs as the solution does."""
+  task_id = "ead7476_1"
+  source, instruction = _task(official_root, task_id)
+  nested = source.replace(
+      "    apis.venmo.create_transaction(",
+      "    def describe():\n        description = 'Pottery class'\n        return description\n"
+      "    apis.venmo.create_transaction(").replace("description='Pottery class'",
+                                                   "description=describe()")
+  [turn] = gold_solutions.expert_turns(nested, instruction=instruction)
+  assert "description = description_2" in _code(turn)
+  with pool.episode(task_id, "official_nested") as ep:
+    ep.execute(_code(turn)).result()
+  assert ep.result.success
+
+
+def test_siblings_phrased_in_another_order_name_the_same_skill(official_root):  # noqa: F811
+  """The name's words keep one order for the whole scenario, so a sibling that says them in
+  another order calls the skill its scenario wrote."""
+  tasks = [_task(official_root, f"ead7476_{i}") for i in (1, 2, 3)]
+  tasks[1] = (tasks[1][0], "On Venmo, send $120.00 to Hannah Brooks with the description "
+              "'Half of the cabin deposit'.")
+  skills = [gold_solutions.official_skill(*task, tasks[:i] + tasks[i + 1:])
+            for i, task in enumerate(tasks)]
+  [name] = {name for name, _, _ in skills}
+  definition = skills[0][1]
+  [turn] = gold_solutions.expert_turns(tasks[1][0], {name: definition}, instruction=tasks[1][1],
+                                       siblings=[tasks[0], tasks[2]])
+  assert _code(turn).strip() == skills[1][2]
+
+
+def test_a_name_that_is_a_keyword_or_a_builtin_gets_a_suffix():
+  """`def return(...)` would not parse, and `def open(...)` would hide the builtin."""
+  def task(verb: str, item: str) -> tuple[str, str]:
+    return (f"def solution(apis, requester):\n    apis.amazon.{verb}_item(name={item!r})\n"
+            f"    apis.supervisor.complete_task()\n", f"{verb.title()} {item}.")
+  for verb in ("return", "open"):
+    name, definition, call = gold_solutions.official_skill(
+        *task(verb, "Blue Kettle"), [task(verb, "Red Lamp")])
+    assert name == f"{verb}_task" and call == f"{verb}_task('Blue Kettle')"
+    compile(definition, "<skill>", "exec")
+
+
+def test_a_solution_that_cannot_be_rewritten_is_named(official_root, tmp_path):  # noqa: F811
+  """A gold solution the expert cannot rewrite stops the build before any play, naming its
+  task."""
+  import shutil  # noqa: PLC0415
+  task_id = "ead7476_1"
+  root = tmp_path / "root"
+  shutil.copytree(f"{official_root}/data/tasks/{task_id}", root / "data" / "tasks" / task_id)
+  (root / "data" / "tasks" / task_id / "ground_truth" / "compiled_solution.py").write_text(
+      "def solution(apis, requester):\n    apis.supervisor.complete_task(\n")
+  with pytest.raises(ValueError, match=rf"task {task_id}: .*SyntaxError"):
+    gold_solutions.check_readable(str(root), [task_id])
 
 
 def test_the_generator_program_alone_is_named_as_not_a_gold_solution(official_root, tmp_path):  # noqa: F811

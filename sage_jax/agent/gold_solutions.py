@@ -26,6 +26,7 @@ the turns through the same agent, rollout and evaluation code as a model.
 from __future__ import annotations
 
 import ast
+import builtins
 import collections
 import copy
 import dataclasses
@@ -107,6 +108,7 @@ _STOPWORDS = frozenset(
     "a an the my me i of to in into on for from and or with by at as is are be it its this "
     "that all any e g eg please".split())
 MAX_NAME_WORDS = 6
+_BUILTIN_NAMES = frozenset(dir(builtins))
 
 
 def _parse(source: str) -> ast.Module | None:
@@ -188,7 +190,7 @@ def _in_instruction(value: str | int | float, instruction: str) -> bool:
 def _parameter_name(node: ast.Constant, parents: dict[int, ast.AST], taken: set[str],
                     bound_once: set[str]) -> str:
   """A name from where the value stands: `f(title=...)`, `x = ...`, `d["title"] == ...`.
-  `x = <value>` where `x` is bound nowhere else (`bound_once`) makes `x` itself the
+  `x = <value>` where that statement alone binds `x` (`bound_once`) makes `x` itself the
   parameter (the assignment, then `x = x`, is dropped)."""
   parent = parents.get(id(node))
   name = "value"
@@ -213,9 +215,15 @@ def _parameter_name(node: ast.Constant, parents: dict[int, ast.AST], taken: set[
   return name
 
 
-def _skill_name(instruction: str, siblings: Iterable[str], values: Iterable) -> str:
+def _skill_name(instruction: str, siblings: Iterable[str], values: Iterable,
+                reserved: set[str]) -> str:
   """Words of the instruction shared by every sibling instruction (the scenario's template),
-  minus the task's values and stopwords, as a snake_case name."""
+  minus the task's values and stopwords, as a snake_case name. The words keep the order of
+  one of the instructions, the same for every task of the scenario, so that siblings phrased
+  in another order name the same skill. A name that is a keyword, a builtin or one of
+  `reserved` (the names the skill's file binds or reads) gets a suffix: defined, it would be
+  a syntax error or hide what it names."""
+  siblings = list(siblings)
   text = instruction
   for v in values:
     text = text.replace(str(v), " ")
@@ -227,7 +235,25 @@ def _skill_name(instruction: str, siblings: Iterable[str], values: Iterable) -> 
   for w in words(text):
     if w in shared and w not in _STOPWORDS and w not in picked:
       picked.append(w)
-  return "_".join(picked[:MAX_NAME_WORDS]) or "solve_task"
+  picked.sort(key=words(min([instruction, *siblings])).index)
+  name = "_".join(picked[:MAX_NAME_WORDS]) or "solve_task"
+  if keyword.iskeyword(name) or name in _BUILTIN_NAMES or name in reserved:
+    name += "_task"
+  return name
+
+
+def _assigned_once(fn: ast.FunctionDef) -> set[str]:
+  """Names that one statement of the function's own body, `x = ...`, binds, and that nothing
+  else in it binds or declares global or nonlocal, nested scopes included: such an `x` can be
+  the parameter itself, its assignment dropped (not one bound in a nested function)."""
+  stores = collections.Counter(n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
+                               and isinstance(n.ctx, (ast.Store, ast.Del)))
+  declared = {name for n in ast.walk(fn) if isinstance(n, (ast.Global, ast.Nonlocal))
+              for name in n.names}
+  return {st.targets[0].id for st in fn.body
+          if isinstance(st, ast.Assign) and len(st.targets) == 1
+          and isinstance(st.targets[0], ast.Name) and stores[st.targets[0].id] == 1
+          } - declared - set(OFFICIAL_ARGS)
 
 
 def _read_names(node: ast.AST) -> set[str]:
@@ -295,17 +321,16 @@ def official_skill(solution: str, instruction: str,
     chosen = [c for c in constants if _in_instruction(c.value, instruction)
               and not (isinstance(parents.get(id(c)), ast.Subscript)
                        and parents[id(c)].slice is c)]
-  taken = (_read_names(fn) | set(OFFICIAL_ARGS)
-           | set().union(*(module_scope_bindings(n) for n in module.body)))
-  stores = collections.Counter(n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
-                               and isinstance(n.ctx, (ast.Store, ast.Del)))
-  bound_once = {n for n, count in stores.items() if count == 1} - set(OFFICIAL_ARGS)
+  reserved = (_read_names(fn) | set(OFFICIAL_ARGS)
+              | set().union(*(module_scope_bindings(n) for n in module.body)))
+  taken = set(reserved)
+  bound_once = _assigned_once(fn)
   params: dict[tuple[type, object], str] = {}
   for c in chosen:
     key = (type(c.value), c.value)
     if key not in params:
       params[key] = _parameter_name(c, parents, taken, bound_once)
-  name = _skill_name(instruction, [i for _, i in siblings], [v for _, v in params])
+  name = _skill_name(instruction, [i for _, i in siblings], [v for _, v in params], reserved)
   new = copy.deepcopy(fn)
   chosen_ids = {id(c) for c in chosen}
   targets = {id(n) for n, old in zip(_constants(new), constants) if id(old) in chosen_ids}
@@ -338,18 +363,29 @@ def official_skill(solution: str, instruction: str,
   return name, definition, call
 
 
-def _same_function(a: str, b: str, name: str) -> bool:
-  """Whether two sources define the same function `name`, docstrings aside."""
-  def shape(source: str) -> str | None:
-    try:
-      fn = next(n for n in ast.parse(source).body
-                if isinstance(n, ast.FunctionDef) and n.name == name)
-    except (SyntaxError, StopIteration):
-      return None
-    if ast.get_docstring(fn) is not None:
-      fn.body = fn.body[1:]
-    return ast.dump(fn)
-  return shape(a) is not None and shape(a) == shape(b)
+def _statements(source: str) -> set[str]:
+  """The top-level statements of `source`, docstrings, layout and comments aside (none when
+  it does not parse)."""
+  try:
+    tree = ast.parse(source)
+  except SyntaxError:
+    return set()
+  for node in ast.walk(tree):
+    if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and ast.get_docstring(node) is not None):
+      node.body = node.body[1:]
+  return {ast.dump(node) for node in tree.body}
+
+
+def _installed(definition: str, codes: Mapping[str, str]) -> bool:
+  """Whether the library's skills install `definition` as it is, docstrings and layout aside:
+  the code of the skills named like what it binds (each one's imports and constants, then its
+  function; a helper is a skill of its own) holds all its statements and none it lacks (a
+  constant of another task's value)."""
+  ours = _statements(definition)
+  names = set().union(*(module_scope_bindings(n) for n in ast.parse(definition).body))
+  theirs = [_statements(codes[n]) for n in names & codes.keys()]
+  return all(t <= ours for t in theirs) and ours <= set().union(*theirs)
 
 
 def expert_turns(solution: str, library: Iterable[str] | Mapping[str, str] = (), *,
@@ -360,14 +396,15 @@ def expert_turns(solution: str, library: Iterable[str] | Mapping[str, str] = (),
   already there are called, the others are defined (with docstrings) and called. For an
   official-form solution, `instruction` and `siblings` ((solution, instruction) of the
   scenario's other tasks) decide its parameters and name (`official_skill`); a library skill
-  of that name is called only when it is the same function (when its code is given).
+  of that name is called only when the library installs the same code, the constants and
+  helpers it reads included (when its code is given).
   """
   codes = dict(library) if isinstance(library, Mapping) else {}
   known = set(library)
   official = official_skill(solution, instruction, siblings)
   if official is not None:
     name, definition, call = official
-    if name in known and (name not in codes or _same_function(codes[name], definition, name)):
+    if name in known and (name not in codes or _installed(definition, codes)):
       return [f"The library skill `{name}` fits this task, so I call it.\n\n"
               f"```python\n{call}\n```"]
     definition = with_docstrings(definition).strip()
@@ -438,11 +475,11 @@ def read_instruction(appworld_root: str, task_id: str) -> str:
 
 
 def check_readable(appworld_root: str, task_ids: Iterable[str]) -> None:
-  """Reads every task's gold solution and instruction as a play would: a missing or malformed
-  file fails here, naming it, before any task is played rather than partway through."""
+  """Reads every task's gold solution and instruction and writes its expert turns as a play
+  would: a missing or malformed file, or a solution that cannot be rewritten, fails here,
+  naming it, before any task is played rather than partway through."""
   for task_id in task_ids:
-    read_solution(appworld_root, task_id)
-    read_instruction(appworld_root, task_id)
+    expert_turns_for_task(appworld_root, task_id)
 
 
 def expert_turns_for_task(appworld_root: str, task_id: str,
@@ -454,8 +491,13 @@ def expert_turns_for_task(appworld_root: str, task_id: str,
   siblings = [(read_solution(appworld_root, t), read_instruction(appworld_root, t))
               for t in sorted(os.listdir(tasks))
               if t != task_id and t.rsplit("_", 1)[0] == scenario]
-  return expert_turns(read_solution(appworld_root, task_id), library,
-                      instruction=read_instruction(appworld_root, task_id), siblings=siblings)
+  solution = read_solution(appworld_root, task_id)
+  instruction = read_instruction(appworld_root, task_id)
+  try:
+    return expert_turns(solution, library, instruction=instruction, siblings=siblings)
+  except Exception as e:  # noqa: BLE001 - any failure of the rewriting, named by its task
+    raise ValueError(f"task {task_id}: its gold solution could not be written as expert "
+                     f"turns ({type(e).__name__}: {e})") from e
 
 
 # The budgets a scripted play (gold or replayed turns) gets at least. Its turns are fixed,
