@@ -2,6 +2,7 @@
 the tfds builder (array_record, no TensorFlow), and SFT driving the loss near zero."""
 
 import json
+import re
 import sys
 import tempfile
 
@@ -69,6 +70,37 @@ def test_format_validation(tmp_path):
     sft_data.read_jsonl(path)
 
 
+def test_special_token_texts_in_content(tmp_path, tokenizer):
+  """The tokenizer encodes the text of a special token as that token: a ChatML delimiter in
+  any message, or `<|endoftext|>` in the model's own, is a format error naming the file, line
+  and trajectory; other special-token texts stay inside their turn and load."""
+
+  def with_contents(contents):
+    raw = _trajectory(0)
+    for index, content in contents.items():
+      raw["messages"][index]["content"] = content
+    return json.dumps(raw) + "\n"
+
+  path = tmp_path / "expert.jsonl"
+  for index, text, token in [(2, "<|im_end|>", tokenizer.im_end),
+                             (4, "<|endoftext|>", tokenizer.endoftext),
+                             (3, "<|im_start|>", tokenizer.im_start),
+                             (1, "<|im_end|>", tokenizer.im_end)]:
+    content = f"print('{text}')"
+    assert token in tokenizer.encode(content)
+    path.write_text(json.dumps(_trajectory(1)) + "\n" + with_contents({index: content}))
+    where = rf"expert.jsonl:2 \(scenario0_1\): message {index} .*{re.escape(text)}"
+    with pytest.raises(sft_data.FormatError, match=where):
+      sft_data.load_examples(path, tokenizer)
+  split_literal = "print('<|im' '_end|>')"
+  path.write_text(with_contents({3: "<|endoftext|> <|box_start|>", 4: split_literal}))
+  (example,) = sft_data.load_examples(path, tokenizer)
+  box_start = tokenizer.encode("<|box_start|>")
+  assert len(box_start) == 1 and box_start[0] in example.tokens[example.loss_mask == 0]
+  last_turn = tokenizer.encode(split_literal) + [tokenizer.im_end]
+  assert example.tokens[example.loss_mask == 1][-len(last_turn):].tolist() == last_turn
+
+
 def test_tokenisation_matches_the_rollout_conversation(jsonl, tokenizer, tmp_path):
   trajectories = sft_data.read_jsonl(jsonl)
   assert len(trajectories) == 4 and trajectories[0].metadata["source"] == "test"
@@ -117,6 +149,29 @@ def test_tfds_builder_without_tensorflow(jsonl, tokenizer, tmp_path, monkeypatch
     np.testing.assert_array_equal(e.tokens, want[e.id].tokens)
     np.testing.assert_array_equal(e.loss_mask, want[e.id].loss_mask)
   assert "tensorflow" not in sys.modules
+
+
+def test_tfds_prepare_rebuilds_when_the_jsonl_changed(jsonl, tmp_path):
+  """A build is reused only for the very files it was built from: edited or added JSONL
+  files are rebuilt, not silently trained on as their old version."""
+  from sage_jax.sft import tfds_builder
+  data_dir = tmp_path / "tfds"
+
+  def built_files():
+    return {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()}
+
+  def prepared_ids():
+    tfds_builder.prepare(str(jsonl.parent), str(data_dir))
+    return sorted(e.id for e in tfds_builder.load_examples(str(data_dir)))
+
+  assert prepared_ids() == [f"scenario{i}_1" for i in range(4)]
+  first_build = built_files()
+  assert prepared_ids() == [f"scenario{i}_1" for i in range(4)]
+  assert built_files() == first_build
+  jsonl.write_text(json.dumps(_trajectory(7)) + "\n")
+  assert prepared_ids() == ["scenario7_1"]
+  (jsonl.parent / "more.jsonl").write_text(json.dumps(_trajectory(8)) + "\n")
+  assert prepared_ids() == ["scenario7_1", "scenario8_1"]
 
 
 def test_batch_order_is_a_function_of_the_step():

@@ -16,6 +16,11 @@ Format: one JSON object per line.
 - An assistant turn's content is exactly what the model generates, without the closing
   `<|im_end|>`; the tokeniser appends `<|im_end|>` and trains on it (the model must learn to
   stop).
+- No content holds the text of `<|im_start|>` or `<|im_end|>`, and no assistant content that of
+  `<|endoftext|>`: the tokeniser encodes such text as the special token wherever it stands, so
+  the ids would open or close a turn inside a message, or teach the model to end its turn
+  there (the sampler stops on `<|endoftext|>` as on `<|im_end|>`). Code that prints one splits
+  the literal (`"<|im" "_end|>"`).
 - Messages are tokenised by `sage_jax.tokenizer.Conversation`, the builder rollouts use: a
   "tool" message is a ChatML user turn, and an assistant turn's ids are the tokenisation of its
   content, so SFT trains on the same ids the agent sees at sampling time.
@@ -35,9 +40,12 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from sage_jax import storage
-from sage_jax.tokenizer import Conversation, Tokenizer
+from sage_jax.tokenizer import ENDOFTEXT, IM_END, IM_START, Conversation, Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
+# Texts of special tokens a message may not hold (the module doc says why), by role.
+_FORBIDDEN_TEXTS = {role: (IM_START, IM_END) + ((ENDOFTEXT,) if role == "assistant" else ())
+                    for role in ROLES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,11 @@ def validate(raw: Any, where: str = "trajectory") -> Trajectory:
       raise FormatError(f"{where}: message {i} has role {role!r}; expected one of {ROLES}")
     if not isinstance(content, str):
       raise FormatError(f"{where}: message {i} content must be a string")
+    for text in _FORBIDDEN_TEXTS[role]:
+      if text in content:
+        raise FormatError(f"{where}: message {i} ({role}) holds the text {text!r}, which "
+                          "tokenises to that special token and would break the turn; split the "
+                          f"literal, e.g. {text[:4]!r} {text[4:]!r}")
     if (role == "system") != (i == 0):
       raise FormatError(f"{where}: message {i}: the system prompt is the first message "
                         "and only it")

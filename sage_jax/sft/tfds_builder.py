@@ -14,14 +14,18 @@ directory, tokenises each trajectory with the Qwen2.5 tokenizer through the same
     source = builder.as_data_source()["train"]   # random access, no TensorFlow
     source[0]["tokens"], source[0]["loss_mask"]
 
-`load_examples(data_dir)` returns the split as `SFTExample`s for the SFT loop.
+`prepare(jsonl_dir, data_dir)` builds it, again when the JSONL files changed (the dataset
+records their fingerprint); `load_examples(data_dir)` returns the split as `SFTExample`s for
+the SFT loop.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import inspect
 import json
+import logging
 import os
 
 import numpy as np
@@ -30,6 +34,29 @@ from etils import epath
 
 from sage_jax.sft import data as data_lib
 from sage_jax.tokenizer import Tokenizer
+
+# The dataset's metadata key of `input_fingerprint` of the files it was built from.
+INPUTS_KEY = "inputs"
+
+
+def jsonl_paths(jsonl_dir: str | os.PathLike) -> list[str]:
+  paths = sorted(glob.glob(os.path.join(os.fspath(jsonl_dir), "*.jsonl")))
+  if not paths:
+    raise FileNotFoundError(f"no *.jsonl in {jsonl_dir}")
+  return paths
+
+
+def input_fingerprint(paths: list[str]) -> str:
+  """How many files and bytes, and a digest of each file's name, size and content in order."""
+  digest, total = hashlib.sha256(), 0
+  for path in paths:
+    with open(path, "rb") as f:
+      content = hashlib.file_digest(f, "sha256").digest()
+      size = f.tell()
+    name = os.path.basename(path).encode()
+    digest.update(len(name).to_bytes(8, "little") + name + size.to_bytes(8, "little") + content)
+    total += size
+  return f"{len(paths)} files, {total} bytes, sha256 {digest.hexdigest()[:16]}"
 
 
 class LocalDatasetInfo(tfds.core.DatasetInfo):
@@ -72,12 +99,12 @@ class ExpertTrajectories(tfds.core.GeneratorBasedBuilder):
             "messages": tfds.features.Text(),
         }),
         supervised_keys=None,
+        metadata=tfds.core.MetadataDict(),
     )
 
   def _split_generators(self, dl_manager: tfds.download.DownloadManager):
-    paths = sorted(glob.glob(os.path.join(os.fspath(dl_manager.manual_dir), "*.jsonl")))
-    if not paths:
-      raise FileNotFoundError(f"no *.jsonl in {dl_manager.manual_dir}")
+    paths = jsonl_paths(dl_manager.manual_dir)
+    self.info.metadata[INPUTS_KEY] = input_fingerprint(paths)
     return {"train": self._generate_examples(paths)}
 
   def _generate_examples(self, paths):
@@ -98,10 +125,20 @@ class ExpertTrajectories(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(jsonl_dir: str, data_dir: str) -> ExpertTrajectories:
-  """Builds (once) the dataset from the JSONL files in `jsonl_dir` under `data_dir`."""
+  """Builds the dataset from the JSONL files in `jsonl_dir` under `data_dir`, unless it was
+  built from these very files (a reused build of edited files would train on the old data).
+  One process prepares; others read once it returned (TFDS writes a build in a temporary
+  directory, then replaces the old one)."""
   builder = ExpertTrajectories(data_dir=data_dir)
-  builder.download_and_prepare(
-      download_config=tfds.download.DownloadConfig(manual_dir=jsonl_dir))
+  inputs = input_fingerprint(jsonl_paths(jsonl_dir))
+  if builder.is_prepared():
+    built_from = builder.info.metadata.get(INPUTS_KEY)
+    if built_from == inputs:
+      return builder
+    logging.info("Rebuilding %s: built from %s, %s now holds %s", builder.data_dir,
+                 built_from, jsonl_dir, inputs)
+  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+      manual_dir=jsonl_dir, download_mode=tfds.download.GenerateMode.REUSE_CACHE_IF_EXISTS))
   return builder
 
 
