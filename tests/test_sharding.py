@@ -77,7 +77,7 @@ def test_create_sharded_places_every_parameter():
   model = shd.create_sharded(lambda: init_model(CFG, seed=1), mesh)
   for path, var in nnx.to_flat_state(nnx.state(model)):
     value = var.get_value()
-    spec = shd.ShardingRules().spec(shd.logical_axes_of(var), value.shape, mesh)
+    spec = shd.ShardingRules().param_spec(shd.logical_axes_of(var), value.shape, mesh)
     assert value.sharding.spec == spec, path
   plain = init_model(CFG, seed=1)
   # Same random stream as an unsharded init (up to fusion rounding in the jitted init).
@@ -92,6 +92,36 @@ def test_rules_skip_axes_that_do_not_divide():
   assert rules.spec(("embed", "heads", "head_dim"), (896, 14, 64), mesh) == P("fsdp", None, None)
   assert rules.spec(("act_batch", None), (6, 3), mesh) == P("fsdp", None)
   assert rules.spec(shd.CACHE_AXES, (8, 16, 4, 8), mesh) == P("fsdp", None, "tensor", None)
+
+
+def test_fsdp_stores_a_parameter_on_another_dimension_where_the_model_dimension_does_not_split():
+  """Qwen2.5-32B on 12-way fsdp: 5120 does not split 12 ways, the MLP and vocabulary do."""
+  rules = shd.ShardingRules()
+  mesh = shd.make_mesh(shd.MeshConfig(fsdp=3), jax.devices()[:3])
+  assert rules.param_spec(("mlp", "embed"), (27648, 5120), mesh) == P("fsdp", None)
+  assert rules.param_spec(("vocab", "embed"), (152064, 5120), mesh) == P("fsdp", None)
+  assert rules.param_spec(("mlp", "embed"), (27647, 5122), mesh) == P(None, None)  # nowhere
+  assert rules.param_spec(("mlp", "embed"), (27648, 5124), mesh) == P(None, "fsdp")
+  assert rules.param_spec(("norm",), (5120,), mesh) == P(None)  # its rules name no fsdp
+  assert rules.spec(("mlp", "embed"), (27648, 5120), mesh) == P(None, None)  # activations stay
+  # `tensor` splits compute, not storage: it stays where its rules put it.
+  mesh = shd.make_mesh(shd.MeshConfig(fsdp=3, tensor=2), jax.devices()[:6])
+  assert rules.param_spec(("mlp", "embed"), (27648, 5120), mesh) == P("tensor", None)
+  assert rules.param_spec(("heads", "head_dim", "embed"), (15, 128, 5122), mesh) == P(
+      "fsdp", None, None)
+  # Placed that way, the model computes what the unsharded one does, and the plan counts it.
+  cfg = CFG.replace(intermediate_size=96, vocab_size=513)  # 64-wide: not a multiple of 3
+  model = shd.create_sharded(lambda: init_model(cfg, seed=2), shd.make_mesh(
+      shd.MeshConfig(fsdp=3), jax.devices()[:3]))
+  assert model.layers[0].mlp.up_proj.kernel[...].sharding.spec == P("fsdp", None)
+  tokens = jnp.asarray(np.random.RandomState(1).randint(0, 513, (3, 8)))
+  np.testing.assert_allclose(np.asarray(_forward(model, tokens)),
+                             np.asarray(_forward(init_model(cfg, seed=2), tokens)),
+                             rtol=2e-5, atol=2e-5)
+  from sage_jax.tools import memory_plan
+  big = get_preset("qwen2.5-32b")
+  eight, twelve = (memory_plan.plan(big, (1, n, 1)).params_bytes_per_device for n in (8, 12))
+  assert twelve < 2 * eight  # the attention projections (40 x 128) stay whole; all was: 8x
 
 
 def test_mesh_config_errors():

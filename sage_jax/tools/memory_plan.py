@@ -63,7 +63,7 @@ class MemoryPlan:
 
 
 def _per_device_bytes(shape, dtype, axes, mesh, rules) -> int:
-  spec = rules.spec(axes, shape, mesh)
+  spec = rules.param_spec(axes, shape, mesh)
   local = list(shape)
   for i, entry in enumerate(spec):
     for axis in (entry,) if isinstance(entry, str) else (entry or ()):

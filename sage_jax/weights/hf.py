@@ -215,7 +215,7 @@ def load_tensors(cfg: Qwen2Config, tensors: Iterable[tuple[str, str, np.ndarray]
 def _place(value: np.ndarray, axes, mesh: Mesh | None, rules: shd.ShardingRules) -> jax.Array:
   if mesh is None:
     return jnp.asarray(value)
-  sharding = shd.named_sharding(axes, value.shape, mesh, rules)
+  sharding = shd.param_sharding(axes, value.shape, mesh, rules)
   return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
 
