@@ -17,6 +17,7 @@ import time
 import pytest
 
 from sage_jax.envs import appworld
+from sage_jax.envs.appworld import sandbox
 from sage_jax.envs.appworld import saved_state
 from sage_jax.eval import metrics
 from tests.appworld_fixtures import _copy_tree
@@ -251,3 +252,56 @@ def test_agent_code_cannot_read_the_packages_other_files(pool, world):
   with pool.episode(all_task_ids(world)[0], "package_files") as ep:
     observation = ep.execute(code).result()
   assert observation.count("DENIED PermissionError") == len(paths), observation
+
+
+def test_format_fields_reach_no_refused_attribute(pool, world):
+  """A string.Formatter subclass is handed the object a format field names: with the code
+  guard off, the episode process still resolves no field the guard's attribute rule refuses,
+  and resolves the others."""
+  grab = ("import string\n"
+          "class Grab(string.Formatter):\n"
+          "    def format_field(self, value, format_spec):\n"
+          "        print('GRABBED', type(value).__name__)\n"
+          "        return ''\n\n"
+          "def f():\n    pass\n\n"
+          "Grab().format('{0.__globals__}', f)\n")
+  with pool.episode(all_task_ids(world)[0], "format_fields") as ep:
+    grabbed = ep.execute(grab).result()
+    formatted = ep.execute("print(string.Formatter().format('{0} {1.real}', 'a', 2))").result()
+  assert "GRABBED" not in grabbed, grabbed
+  assert "the format field '0.__globals__' is not resolved" in grabbed, grabbed
+  assert formatted.strip() == "a 2", formatted
+
+
+CONFINED_READS = """
+import json, os, sys
+from sage_jax.envs.appworld import sandbox
+site, package = sys.argv[1:]
+sandbox.confine(sandbox.system_read_paths() + sandbox.withhold([site], package), [])
+read = {}
+for path in (os.path.join(site, "other", "__init__.py"), os.path.join(site, "top.pth"),
+             os.path.join(package, "mini", "scenarios.py")):
+  try:
+    read[path] = open(path).read()
+  except OSError as e:
+    read[path] = type(e).__name__
+print("RESULT" + json.dumps(read))
+"""
+
+
+def test_a_package_installed_inside_a_granted_directory_stays_unreadable(tmp_path):
+  """Under a non-editable install the package lies in site-packages, which agent code reads:
+  its files (the mini world's gold procedures) stay unreadable, site-packages' others not."""
+  site = tmp_path.resolve() / "lib" / "site-packages"
+  package = site / "sage_jax"
+  (package / "mini").mkdir(parents=True)
+  (package / "mini" / "scenarios.py").write_text("GOLD = 1\n")
+  (site / "other").mkdir()
+  (site / "other" / "__init__.py").write_text("OTHER = 1\n")
+  (site / "top.pth").write_text("other\n")
+  assert sandbox.withhold([str(tmp_path)], str(package)) == [str(site / "other"),
+                                                             str(site / "top.pth")]
+  out = subprocess.run([sys.executable, "-c", CONFINED_READS, str(site), str(package)],
+                       capture_output=True, text=True, timeout=120)
+  read = json.loads(out.stdout.rpartition("RESULT")[2])
+  assert list(read.values()) == ["OTHER = 1\n", "other\n", "PermissionError"], out.stderr

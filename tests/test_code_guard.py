@@ -28,6 +28,26 @@ for key, f in list(tracer._functions.items()):
         f.returned += 1
 print("never called my_skill")
 """
+# The same through string.Formatter, whose format_field a subclass overrides: it is handed
+# the object that a format field's attributes lead to.
+FORMAT_FORGE_USE = """
+import string
+grabbed = []
+class Grab(string.Formatter):
+    def format_field(self, value, format_spec):
+        grabbed.append(value)
+        return ""
+def get(obj, path):
+    Grab().format("{0" + path + "}", obj)
+    return grabbed.pop()
+imp = get(get, ".__globals__[__builtins__].__import__")
+tracer = get(get(imp("sys"), ".gettrace")(), ".__self__")
+for key, f in list(get(tracer, "._functions").items()):
+    if f.name == "my_skill":
+        get(tracer, "._touched").setdefault(key, f.counts())
+        f.returned += 1
+print("never called my_skill")
+"""
 
 
 @pytest.mark.parametrize("code", [
@@ -42,6 +62,11 @@ print("never called my_skill")
     "import operator\nt = operator.attrgetter('__self__')(print)",
     "from operator import attrgetter",
     "import string\nt = string.Formatter().get_field('0.x', [print], {})",
+    FORMAT_FORGE_USE,
+    "from string import Formatter",
+    "import string as s\nclass F(s.Formatter):\n    pass",
+    "t = formatter.vformat('{0.x}', [print], {})",
+    "t = formatter.convert_field(print, 'r')",
     "match print:\n    case object(__self__=t):\n        pass",
     "v = vars()",
     "g = globals()['apis']",
@@ -100,6 +125,10 @@ def test_interpreter_reaching_code_is_refused(code):
     "def f(x):\n    '''Doc.'''\n    return x\n\n\nprint(f.__doc__)",
     "import datetime, json, re\nprint(json.dumps({'t': datetime.date.today().isoformat()}))",
     "import re\nprint(re.compile('a+').findall('aab'))",
+    # formatting that gives back only text
+    "x = 3.5\nprint('{} {:>6} {0.real}'.format(x, 'a'), f'{x!r:>5} {x.real}')",
+    "print('{name}'.format_map({'name': 'a'}))",
+    "import string\nprint(string.Template('$a').substitute(a=1))",
     "import yaml\nprint(yaml.safe_load('a: 1'), yaml.load('b: 2', Loader=yaml.SafeLoader))",
     "import typing\ndef f(x: typing.List[int]) -> typing.Optional[str]:\n    return None",
     "def f(songs: 'list[Song]', n: 'int' = 3) -> 'Optional[Song]':\n    return None\n"
@@ -119,7 +148,7 @@ def test_ordinary_code_passes(code):
 # through modules and classes, skipping the attributes the guard refuses; prints what it
 # found of the interpreter's internals. Runs apart: the test process does not import appworld.
 WALK = r"""
-import builtins, collections, gc, importlib, inspect, json, logging.config, sys, types
+import builtins, collections, gc, importlib, inspect, json, logging.config, string, sys, types
 from appworld.common.safety_guard import ALLOWED_MODULE_NAMES
 from sage_jax.envs.appworld import code_guard
 internal_modules = {"builtins", "sys", "gc", "inspect", "importlib", "types", "ctypes", "code",
@@ -156,6 +185,8 @@ while queue:
       found.append(f"{path}.{name}: {value.__name__}")
     elif id(value) in internal:
       found.append(f"{path}.{name}: {internal[id(value)]}")
+    elif isinstance(value, type) and issubclass(value, string.Formatter):
+      found.append(f"{path}.{name}: a string.Formatter")
     elif isinstance(value, (types.ModuleType, type)):
       queue.append((value, f"{path}.{name}", depth + 1))
 sys.__stdout__.write("FOUND" + json.dumps(found))
@@ -178,16 +209,17 @@ def test_every_gold_solution_passes(mini_root):  # noqa: F811
       assert code_guard.refusal(turn.split("```python\n", 1)[-1].split("```")[0]) is None
 
 
-def test_a_forged_skill_use_is_refused_in_a_world(mini_root, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("forge", [FORGE_USE, FORMAT_FORGE_USE], ids=["import", "format_field"])
+def test_a_forged_skill_use_is_refused_in_a_world(mini_root, tmp_path, forge):  # noqa: F811
   config = pool_config(mini_root, str(tmp_path / "outputs"), num_workers=1)
   with appworld.EnvPool(config) as pool:
     with pool.episode(all_task_ids(mini_root)[0], "forge_use", library_code=LIBRARY) as ep:
       assert ep.start.library_ok
-      output = ep.execute(FORGE_USE).result()
+      output = ep.execute(forge).result()
       trace = ep.last_trace
   assert output.startswith("Execution failed.") and "never called" not in output
   tracker = SkillTracker({"my_skill": analyze(LIBRARY).functions[0].calls})
-  tracker.observe(FORGE_USE, BlockTrace.from_dict(trace))
+  tracker.observe(forge, BlockTrace.from_dict(trace))
   assert tracker.events().used == ()
 
 

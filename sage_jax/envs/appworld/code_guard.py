@@ -13,9 +13,12 @@ What is refused: the names `__import__`, `__builtins__`, `globals`, `locals`, `v
 code); attributes (also in `match` class patterns and imported names) that start with an
 underscore, other than a few everyday ones (`__init__`, `__name__`, `__doc__`, namedtuple
 methods), or that lead to frames, tracing, modules or code run from text (`f_back`,
-`gi_frame`, `gettrace`, `sys`, `modules`, `bltns`, `types`, `attrgetter`, `get_field`,
-`get_type_hints`, YAML's unsafe loaders, ...); the modules that AppWorld lets code import but
-that hand it the interpreter (`builtins`: its `exec` and `getattr` as attributes;
+`gi_frame`, `gettrace`, `sys`, `modules`, `bltns`, `types`, `attrgetter`, `get_type_hints`,
+YAML's unsafe loaders, ...), among them `string.Formatter` and its methods (its `get_field`
+resolves the attribute path that a format field names, `{0.__globals__}`, and hands the
+object to `convert_field` and `format_field`, which a subclass overrides; `str.format`,
+`format_map` and `string.Template` give back only text); the modules that AppWorld lets code
+import but that hand it the interpreter (`builtins`: its `exec` and `getattr` as attributes;
 `unittest`: `mock.patch` sets any attribute named by a string), the helpers of `appworld`
 that get attributes or modules by a name in a string (`getter_plus`, `import_module_file`,
 ...; its solutions and agents import its date and paging helpers), and `from ... import *`;
@@ -24,20 +27,24 @@ passes the same rule. A string annotation is code too (pydantic evaluates one wh
 or a validated function is made; `typing` where hints are read): the expression it holds is
 checked by the same rules, and so is every string that `typing` evaluates as an annotation
 while the code runs (`guard_forward_references`: `x: T` with `T = "..."` hands pydantic a
-string that no check of the code's text sees). AppWorld's own objects (`apis`,
-`requester`) and the modules the code imports are not changed: no attribute of theirs is set
-or deleted (`requester.request_tracker = None` broke every later block's bookkeeping, which
-would count as the environment's failure, not the agent's; a module's attributes are read by
-annotations and by AppWorld's own code). The code checked is what AppWorld runs: the block
-without its surrounding blank space. Ordinary task code (API calls, data handling, function
-definitions) never needs any of them. A static check raises the bar rather than closing
-every door: the packages AppWorld imports hold deserialisers and name resolvers of their
-own, and those found by walking the attributes that allowed imports reach are refused above.
+string that no check of the code's text sees), and so is every attribute of a format field
+that `string.Formatter` resolves while the code runs (`guard_format_fields`). AppWorld's own
+objects (`apis`, `requester`) and the modules the code imports are not changed: no attribute
+of theirs is set or deleted (`requester.request_tracker = None` broke every later block's
+bookkeeping, which would count as the environment's failure, not the agent's; a module's
+attributes are read by annotations and by AppWorld's own code). The code checked is what
+AppWorld runs: the block without its surrounding blank space. Ordinary task code (API calls,
+data handling, function definitions) never needs any of them. A static check raises the bar
+rather than closing every door: the packages AppWorld imports hold deserialisers and name
+resolvers of their own, and those found by walking the attributes that allowed imports reach
+are refused above.
 """
 
 from __future__ import annotations
 
+import _string
 import ast
+import string
 import typing
 
 FORBIDDEN_NAMES = frozenset({
@@ -61,8 +68,10 @@ FORBIDDEN_ATTRIBUTES = frozenset({
     "dictConfig", "fileConfig", "resolve_name", "locate", "ImportString", "import_string",
     "ForwardRef", "evaluate_forwardref", "update_forward_refs", "model_rebuild",
     "create_model",
-    # attribute access by a name chosen at run time
-    "attrgetter", "methodcaller", "get_field",
+    # attribute access by a name chosen at run time; format fields resolved to objects
+    # (string.Formatter's machinery, and IPython's subclasses, which evaluate a field as code)
+    "attrgetter", "methodcaller", "Formatter", "EvalFormatter", "FullEvalFormatter",
+    "DollarFormatter", "get_field", "get_value", "convert_field", "format_field", "vformat",
     # code run from text: string annotations (evaluated by these), YAML's Python tags
     "get_type_hints", "singledispatch", "singledispatchmethod", "unsafe_load",
     "unsafe_load_all", "full_load", "full_load_all", "Loader", "FullLoader", "UnsafeLoader",
@@ -140,6 +149,21 @@ def guard_forward_references() -> None:
     return evaluate(self, *args, **kwargs)
 
   typing.ForwardRef._evaluate = checked
+
+
+def guard_format_fields() -> None:
+  """Makes `string.Formatter` refuse a format field with an attribute that the guard refuses
+  (`{0.__globals__}`), whichever formatter resolves it: a subclass is handed the object that
+  the field names. For the process that runs agent code, before any runs."""
+  get_field = string.Formatter.get_field
+
+  def checked(self, field_name, *args, **kwargs):
+    for is_attribute, name in _string.formatter_field_name_split(field_name)[1]:
+      if is_attribute and (why := _attribute_refusal(name)):
+        raise ValueError(f"the format field {field_name[:60]!r} is not resolved: {why}")
+    return get_field(self, field_name, *args, **kwargs)
+
+  string.Formatter.get_field = checked
 
 
 def refusal(code: str) -> str | None:

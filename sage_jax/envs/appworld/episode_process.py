@@ -6,15 +6,18 @@ forks (imports stay warm):
 - an *episode process* per episode, which opens the world without its ground truth, is
   confined by the sandbox (it reads the system, its own task's specs and DBs and the base
   DBs and API docs; it writes beneath its experiment directory only) and runs the agent's
-  code. Its time limit is kept by the worker, outside its reach: code that is still running
-  `grace_s` after AppWorld's own timeout (because it switched the alarm off, or spins in C)
-  is killed with its process, and the episode ends there. So is an episode whose directory
-  grows past its disk budget (checked while its code runs and after each request; one file
-  can never exceed the budget: RLIMIT_FSIZE). Every file descriptor but its channel to the
-  worker is closed, so it cannot answer the pool in the worker's name. The channel itself is
-  within the code's reach: each request carries a fresh random token that only a true
-  answer repeats, and an answer is read with a size limit and under the request's deadline,
-  so a message the code writes there ends the episode instead of being taken as an answer.
+  code. Whatever the code guard's setting, a format field that its code hands to
+  `string.Formatter` reaches no attribute that the guard refuses (a subclass of it is handed
+  the object a field names: `code_guard.guard_format_fields`). Its time limit is kept by
+  the worker, outside its reach: code that is still running `grace_s` after AppWorld's own
+  timeout (because it switched the alarm off, or spins in C) is killed with its process,
+  and the episode ends there. So is an episode whose directory grows past its disk budget
+  (checked while its code runs and after each request; one file can never exceed the
+  budget: RLIMIT_FSIZE). Every file descriptor but its channel to the worker is closed, so
+  it cannot answer the pool in the worker's name. The channel itself is within the code's
+  reach: each request carries a fresh random token that only a true answer repeats, and an
+  answer is read with a size limit and under the request's deadline, so a message the code
+  writes there ends the episode instead of being taken as an answer.
 - an *evaluation process* per evaluation, which scores the world's state that the episode
   process saved with AppWorld's own evaluator (evaluation.py). That state is the agent's to
   forge, so this process is confined too (it reads the task, the data it needs and the saved
@@ -43,6 +46,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import sage_jax
+from sage_jax.envs.appworld import code_guard
 from sage_jax.envs.appworld import sandbox
 
 
@@ -171,12 +175,14 @@ def episode_read_paths(data: str, task_id: str) -> list[str]:
 
 def sandbox_read_paths() -> list[str]:
   """The installation a fork of this process needs, with the source files of this package's
-  modules loaded here, and no other file of the package: the mini world's builder and
-  scenarios hold its gold procedures. A fork imports nothing more of the package."""
-  package = os.path.dirname(os.path.abspath(sage_jax.__file__)) + os.sep
+  modules loaded here, and no other file of the package, even where the package is installed
+  inside the installation: the mini world's builder and scenarios hold its gold procedures.
+  A fork imports nothing more of the package."""
+  package = os.path.dirname(os.path.abspath(sage_jax.__file__))
   loaded = {os.path.abspath(m.__file__) for m in list(sys.modules.values())
-            if getattr(m, "__file__", None) and os.path.abspath(m.__file__).startswith(package)}
-  return sandbox.system_read_paths() + sorted(loaded)
+            if getattr(m, "__file__", None)
+            and os.path.abspath(m.__file__).startswith(package + os.sep)}
+  return sandbox.withhold(sandbox.system_read_paths(), package) + sorted(loaded)
 
 
 class EpisodeProcess:
@@ -199,6 +205,7 @@ class EpisodeProcess:
       try:
         parent.close()
         _enter_fork(worker, child.fileno(), read_paths, write_dir, confine, hide)
+        code_guard.guard_format_fields()
         if max_write_bytes is not None:
           # A write past the budget fails (EFBIG: an OSError the code sees) instead of
           # killing the process with SIGXFSZ.

@@ -250,6 +250,25 @@ def check_secret_not_readable(read_paths: list[str], secret_root: str) -> None:
                          "must read (the Python installation); move the data elsewhere.")
 
 
+def withhold(read_paths: list[str], withheld: str) -> list[str]:
+  """`read_paths` with `withheld` left out of them (the package that holds the mini world's
+  gold procedures, installed inside the Python installation). Landlock only grants, so a
+  grant that holds it is replaced by the entries of each directory down to it but the one
+  on the way; those directories themselves can no longer be listed."""
+  withheld = os.path.realpath(withheld)
+  kept, pending, seen = [], list(read_paths), set()
+  while pending:
+    path = os.path.realpath(pending.pop())
+    if path in seen or path == withheld:
+      continue
+    seen.add(path)
+    if _beneath(withheld, path):
+      pending += [os.path.join(path, name) for name in os.listdir(path)]
+    else:
+      kept.append(path)
+  return sorted(kept)
+
+
 def _drop_capabilities() -> None:
   if os.getuid() != 0 and os.geteuid() != 0:
     return  # an unprivileged process has no capabilities to drop
