@@ -13,6 +13,8 @@ multi-process JAX run (how to try a multi-host run on one machine).
 With --num_processes=N, process i gets JAX_COORDINATOR_ADDRESS (127.0.0.1 and a free port),
 JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i, which `multihost.initialize()` in every entry
 point reads; with --cpu_devices=D each simulates D CPU devices and collectives go over gloo.
+With --gpus=0,1,2,3 each process gets its own contiguous share (CUDA_VISIBLE_DEVICES=0,1 and
+2,3 for N=2); without --gpus every process sees every GPU of the machine, so list them.
 Process 0 prints to this terminal, process i > 0 to <workdir>/logs/process_<i>.log (./logs/
 for a remote workdir such as gs://bucket/run). A
 SIGTERM or SIGINT here (Ctrl-C) is passed to every process once (they save one checkpoint
@@ -62,10 +64,27 @@ def device_env(cpu_devices: int = 0, gpus: str | None = None) -> dict[str, str]:
 
 
 def process_envs(num_processes: int, port: int, base: dict[str, str]) -> list[dict[str, str]]:
-  """The environment additions of each process of a multi-process run."""
-  return [{**base, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+  """The environment additions of each process of a multi-process run. GPUs listed in `base`
+  (CUDA_VISIBLE_DEVICES) are split into contiguous shares, one per process: each process
+  drives every GPU it sees, and jax.distributed takes the processes' devices to be disjoint."""
+  gpus = gpu_shares(base.get("CUDA_VISIBLE_DEVICES"), num_processes)
+  return [{**base, **({"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {}),
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
            "JAX_NUM_PROCESSES": str(num_processes), "JAX_PROCESS_ID": str(i)}
           for i in range(num_processes)]
+
+
+def gpu_shares(gpus: str | None, num_processes: int) -> list[str] | None:
+  """The GPUs "0,1,2,3" over 2 processes: ["0,1", "2,3"]; None when none is listed. Raises
+  ValueError when the GPUs do not split evenly (the processes' shards would differ)."""
+  ids = [g.strip() for g in (gpus or "").split(",") if g.strip()]
+  if not ids:
+    return None
+  if len(ids) % num_processes:
+    raise ValueError(f"--gpus={gpus}: {len(ids)} GPUs do not split evenly over "
+                     f"--num_processes={num_processes}")
+  per_process = len(ids) // num_processes
+  return [",".join(ids[i * per_process:(i + 1) * per_process]) for i in range(num_processes)]
 
 
 def free_port() -> int:
@@ -159,8 +178,11 @@ def main(argv):
     common.check_or_exit(FLAGS.module, cmd[3:])
   if FLAGS.num_processes < 1:
     raise app.UsageError(f"--num_processes must be >= 1, got {FLAGS.num_processes}")
-  envs = ([env] if FLAGS.num_processes == 1 else
-          process_envs(FLAGS.num_processes, FLAGS.port or free_port(), env))
+  try:
+    envs = ([env] if FLAGS.num_processes == 1 else
+            process_envs(FLAGS.num_processes, FLAGS.port or free_port(), env))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   if FLAGS.dry_run:
     print(common.show([(["env", *(f"{k}={v}" for k, v in e.items())] if e else []) + cmd
                        for e in envs]))
@@ -179,7 +201,8 @@ def define_flags():
   flags.DEFINE_integer("num_processes", 1, "JAX processes to start on this machine.")
   flags.DEFINE_integer("port", 0, "Coordinator port of a multi-process run (0: a free one).")
   flags.DEFINE_integer("cpu_devices", 0, "Simulate this many CPU devices (per process).")
-  flags.DEFINE_string("gpus", None, "Comma-separated visible GPU ids.")
+  flags.DEFINE_string("gpus", None, "Comma-separated visible GPU ids, split evenly over the "
+                      "processes.")
   flags.DEFINE_bool("dry_run", False, "Print the command(s) instead of running them.")
 
 

@@ -11,10 +11,13 @@ own under "config" (e.g. the GRPO baseline's `configs/grpo.py:<preset>`), so tha
 exactly that stage's command plus the swept keys. Every run gets its own workdir under
 --workdir_root. `--override=KEY=VALUE` (repeatable) sets a key in every run, e.g. the
 checkpoint a real-size preset starts from (`--override=model.spec=/ckpt/Qwen2.5-7B-Instruct`);
-a key the sweep's arms set is refused there (it would undo the sweep).
+a key the sweep's arms set is refused there (it would undo the sweep). With
+--launcher=slurm, `--sbatch_arg=OPTION` (repeatable) goes to every run's sbatch, before the
+script: the nodes a preset needs (`--sbatch_arg=--nodes=1` for one 8-GPU node; the script
+asks for 2), a partition, a time limit.
 
   python launch/sweep.py --sweep=configs/sweeps/reward_ablation.py:qwen2.5-7b \\
-      --workdir_root=runs/reward_ablation --launcher=slurm --dry_run
+      --workdir_root=runs/reward_ablation --launcher=slurm --sbatch_arg=--nodes=1 --dry_run
   python launch/sweep.py --sweep=configs/sweeps/retrieval.py:runs/sage7b \\
       --workdir_root=runs/sage7b_retrieval --dry_run     # evaluations of one trained run
 """
@@ -125,9 +128,10 @@ def _entry_args(run: Run) -> list[str]:
                               entry_flags=run.flags)[3:]
 
 
-def commands_for(run: Run, launcher: str, *, project=None, zone=None,
-                 tpu=None) -> list[list[str]]:
-  """The exact commands that start `run` with `launcher`."""
+def commands_for(run: Run, launcher: str, *, project=None, zone=None, tpu=None,
+                 python="python3", sbatch_args=()) -> list[list[str]]:
+  """The exact commands that start `run` with `launcher`; `sbatch_args`: options of the
+  slurm launcher's sbatch; `python`: the TPU workers' interpreter (`tpu_pod.build`)."""
   module = run.module
   args = _entry_args(run)
   if launcher == "local":
@@ -135,7 +139,7 @@ def commands_for(run: Run, launcher: str, *, project=None, zone=None,
                         entry_flags=run.flags)[1]]
   if launcher == "slurm":
     return [["sbatch", f"--job-name={run.name}", f"--export=ALL,SAGE_JAX_MODULE={module}",
-             os.path.join(REPO, "launch", "slurm.sbatch"), *args]]
+             *sbatch_args, os.path.join(REPO, "launch", "slurm.sbatch"), *args]]
   if launcher == "multinode":
     return [["env", f"SAGE_JAX_MODULE={module}", os.path.join(REPO, "launch", "multinode.sh"),
              *args]]
@@ -145,7 +149,8 @@ def commands_for(run: Run, launcher: str, *, project=None, zone=None,
       raise ValueError(f"launcher tpu_pod needs --{', --'.join(missing)}")
     return tpu_pod.build(project=project, zone=zone, tpu=tpu_name(tpu, run.name),
                          config=run.config, workdir=run.workdir, overrides=run.overrides,
-                         module=module, entry_flags=run.flags)  # started, not followed
+                         module=module, entry_flags=run.flags,
+                         python=python)  # started, not followed
   raise ValueError(f"unknown launcher {launcher!r}; choose from {LAUNCHERS}")
 
 
@@ -159,10 +164,17 @@ def main(argv):
     if "module" in sweep and sweep["module"] != FLAGS.module:
       raise app.UsageError(f"--module={FLAGS.module}: {FLAGS.sweep} runs {sweep['module']}")
     sweep = {**sweep, "module": FLAGS.module}
+  if FLAGS.sbatch_arg and FLAGS.launcher != "slurm":
+    raise app.UsageError(f"--sbatch_arg is for --launcher=slurm, not {FLAGS.launcher}")
+  per_run = [a for a in FLAGS.sbatch_arg if a.startswith(("--job-name", "-J", "--export"))]
+  if per_run:
+    raise app.UsageError(f"--sbatch_arg={per_run[0]}: the sweep sets the job name and "
+                         "--export=ALL,SAGE_JAX_MODULE=<module> of each run itself")
   try:
     runs = expand(sweep, FLAGS.workdir_root, common.parse_overrides(FLAGS.override))
     commands = {run.name: commands_for(run, FLAGS.launcher, project=FLAGS.project,
-                                       zone=FLAGS.zone, tpu=FLAGS.tpu) for run in runs}
+                                       zone=FLAGS.zone, tpu=FLAGS.tpu, python=FLAGS.python,
+                                       sbatch_args=FLAGS.sbatch_arg) for run in runs}
   except ValueError as e:  # a bad --override or --tpu, an override the sweep varies
     raise app.UsageError(f"{FLAGS.sweep}: {e}") from None
   if FLAGS.launcher == "tpu_pod" and len(runs) > 1 and "{name}" not in (FLAGS.tpu or ""):
@@ -189,6 +201,10 @@ def define_flags():
   flags.DEFINE_string("project", None, "tpu_pod: GCP project.")
   flags.DEFINE_string("zone", None, "tpu_pod: zone.")
   flags.DEFINE_string("tpu", None, "tpu_pod: TPU name; '{name}' becomes the run name.")
+  flags.DEFINE_string("python", "python3", "tpu_pod: the workers' interpreter for the venv "
+                      "(Python >= 3.11).")
+  flags.DEFINE_multi_string("sbatch_arg", [], "slurm: an sbatch option for every run, e.g. "
+                            "--nodes=1.")
   flags.DEFINE_multi_string("override", [], "KEY=VALUE config override for every run.")
   flags.DEFINE_bool("dry_run", False, "Print the exact commands; run nothing.")
 

@@ -9,6 +9,10 @@ worker 0's). The workdir is a bucket every worker reaches (gs://bucket/run, with
 service account) or a filesystem every worker mounts (Filestore): every host writes its shards
 of each checkpoint there.
 
+The venv is made with `--python` (default python3), which must be Python >= 3.11: the TPU VM
+images' own python3 is 3.10, so setup stops on each worker with a line saying so unless
+`--python` names a newer one there (python3.11, or the path of a uv-managed interpreter).
+
 `--create` makes the slice first; with `--queued` it asks for it as a queued resource
 (`--spot` for spot capacity) and waits until the slice is ACTIVE.
 
@@ -35,13 +39,16 @@ from launch import common  # noqa: E402
 
 ARCHIVE = "/tmp/sage_jax_code.tar.gz"
 JOIN_ENV = "SAGE_JAX_JOIN_TPU_POD"  # set on every worker: join the run (`multihost.initialize`)
+PYTHON_REQUIRED = (3, 11)  # pyproject.toml's requires-python
 
 
 def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax.train",
           entry_flags=(), create=False, accelerator_type="v5p-64",
           runtime_version="v2-alpha-tpuv5", remote_dir="sage_jax",
-          jax_tpu="jax[tpu]==0.10.2", queued=False, spot=False) -> list[list[str]]:
-  """The commands that start the run, in order (`follow` shows its log)."""
+          jax_tpu="jax[tpu]==0.10.2", queued=False, spot=False,
+          python="python3") -> list[list[str]]:
+  """The commands that start the run, in order (`follow` shows its log); `python`: the
+  workers' interpreter for the venv."""
   where = [f"--zone={zone}", f"--project={project}"]
   gcloud = ["gcloud", "compute", "tpus", "tpu-vm"]
   commands = []
@@ -62,7 +69,8 @@ def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax
       f"mkdir -p {remote_dir}/logs",
       f"tar -xzf ~/sage_jax_code.tar.gz -C {remote_dir}",
       f"cd {remote_dir}",
-      "python3 -m venv .venv",
+      python_check(python),
+      f"{shlex.quote(python)} -m venv .venv",
       ". .venv/bin/activate",
       "pip install -q -r requirements.txt -e .",
       f"pip install -q {shlex.quote(jax_tpu)}",
@@ -76,6 +84,18 @@ def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax
          f"setsid nohup {entry} > logs/$(hostname).log 2>&1 < /dev/null &")
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={run}"])
   return commands
+
+
+def python_check(python: str) -> str:
+  """A shell command that fails with one line when `python` is older than `PYTHON_REQUIRED`
+  (pip's own refusal would come later, as a pinned requirement it finds no version of)."""
+  required = ".".join(map(str, PYTHON_REQUIRED))
+  # An f-string on the worker: the interpreter's path and version fill in there.
+  message = (f"sage_jax needs Python >= {required}; {{sys.executable}} is "
+             f"{{sys.version.split()[0]}}: pass --python=python{required} (or the path of a "
+             "uv-managed interpreter)")
+  code = f"import sys; sys.version_info >= {PYTHON_REQUIRED} or sys.exit(f'{message}')"
+  return f"{shlex.quote(python)} -c {shlex.quote(code)}"
 
 
 def follow(*, project, zone, tpu, remote_dir="sage_jax") -> list[str]:
@@ -105,7 +125,7 @@ def main(argv):
                    create=FLAGS.create, accelerator_type=FLAGS.accelerator_type,
                    runtime_version=FLAGS.runtime_version, remote_dir=FLAGS.remote_dir,
                    jax_tpu=FLAGS.jax_tpu_requirement, queued=FLAGS.queued,
-                   spot=FLAGS.spot)
+                   spot=FLAGS.spot, python=FLAGS.python)
   log = follow(project=FLAGS.project, zone=FLAGS.zone, tpu=FLAGS.tpu,
                remote_dir=FLAGS.remote_dir)
   if FLAGS.dry_run:
@@ -135,6 +155,8 @@ def define_flags():
   flags.DEFINE_multi_string("flag", [], "NAME=VALUE: a flag of the entry point's own "
                             "(export's out, evaluate's run and step).")
   flags.DEFINE_string("remote_dir", "sage_jax", "Code directory on the workers.")
+  flags.DEFINE_string("python", "python3", "The workers' interpreter for the venv: Python >= "
+                      "3.11 (python3.11, or a uv-managed interpreter's path).")
   flags.DEFINE_string("jax_tpu_requirement", "jax[tpu]==0.10.2",
                       "JAX build for TPU, installed over requirements.txt.")
   flags.DEFINE_bool("dry_run", False, "Print every command instead of running them.")

@@ -51,6 +51,23 @@ def test_local_multi_process_dry_run():
                                           "--prompt=hi")
 
 
+def test_local_processes_get_disjoint_shares_of_the_listed_gpus():
+  """jax.distributed takes the processes' local devices to be disjoint: each process sees
+  only its own contiguous share of --gpus (it drives every GPU it sees)."""
+  base = [sys.executable, "launch/local.py", "--port=4321", "--config=configs/sage.py:demo",
+          "--workdir=runs/demo2", "--dry_run"]
+  lines = [shlex.split(line) for line in
+           _run(base + ["--num_processes=2", "--gpus=0,1,2,3"]).strip().splitlines()]
+  assert [argv[1:3] for argv in lines] == [
+      ["CUDA_VISIBLE_DEVICES=0,1", "JAX_COORDINATOR_ADDRESS=127.0.0.1:4321"],
+      ["CUDA_VISIBLE_DEVICES=2,3", "JAX_COORDINATOR_ADDRESS=127.0.0.1:4321"]]
+  assert shlex.split(_run(base + ["--gpus=0,1,2,3"]))[:2] == ["env", "CUDA_VISIBLE_DEVICES=0,1,2,3"]
+  assert local.gpu_shares("4,5,6,7,8,9", 3) == ["4,5", "6,7", "8,9"]
+  assert local.gpu_shares(None, 2) is None
+  assert _fails(base + ["--num_processes=2", "--gpus=0,1,2"]).endswith(
+      "--gpus=0,1,2: 3 GPUs do not split evenly over --num_processes=2")
+
+
 def test_every_entry_point_launches_with_its_own_flags():
   """Export reads the run's own config and takes --out; generate takes neither a config nor a
   workdir: each gets the flags it reads, and a flag it does not read is refused."""
@@ -92,6 +109,8 @@ def test_tpu_pod_dry_run_prints_every_step():
     assert "--worker=all" in line and "--zone=us-east5-a" in line and "--project=proj" in line
   setup, run, follow = lines[3][-1], lines[4][-1], lines[5]
   assert "pip install -q -r requirements.txt -e ." in setup and "jax[tpu]==0.10.2" in setup
+  # The interpreter is checked before the venv is made from it.
+  assert f"cd sage_jax && {tpu_pod.python_check('python3')} && python3 -m venv .venv" in setup
   # Detached from the ssh session, one log per worker.
   assert ("SAGE_JAX_JOIN_TPU_POD=1 setsid nohup python -m sage_jax.train "
           "--config=configs/sage.py:qwen2.5-32b --workdir=/mnt/shared/run --config.seed=1 > "
@@ -100,6 +119,37 @@ def test_tpu_pod_dry_run_prints_every_step():
   assert tpu_pod.JOIN_ENV == multihost.TPU_POD_ENV  # what initialize() reads
   assert run.endswith("< /dev/null &")
   assert "--worker=0" in follow and follow[-1] == "--command=tail -F sage_jax/logs/$(hostname).log"
+
+
+def test_tpu_pod_setup_refuses_an_old_python_in_one_line(monkeypatch):
+  """The TPU VM images' python3 is 3.10; the setup stops there with a line naming the
+  requirement and --python, before pip fails on a pin it finds no version of."""
+  import tomllib  # noqa: PLC0415
+
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    requires = tomllib.load(f)["project"]["requires-python"]
+  assert requires == ">=" + ".".join(map(str, tpu_pod.PYTHON_REQUIRED))
+  ok = subprocess.run(["bash", "-c", tpu_pod.python_check(sys.executable)], capture_output=True,
+                      text=True, timeout=60)
+  assert ok.returncode == 0, ok.stderr
+  newer = (sys.version_info.major, sys.version_info.minor + 1)  # what this interpreter lacks
+  monkeypatch.setattr(tpu_pod, "PYTHON_REQUIRED", newer)
+  old = subprocess.run(["bash", "-c", tpu_pod.python_check(sys.executable)],
+                       capture_output=True, text=True, timeout=60)
+  required = f"{newer[0]}.{newer[1]}"
+  version = ".".join(map(str, sys.version_info[:3]))
+  assert old.returncode == 1 and old.stderr == (
+      f"sage_jax needs Python >= {required}; {sys.executable} is {version}: pass "
+      f"--python=python{required} (or the path of a uv-managed interpreter)\n")
+  out = _run([sys.executable, "launch/tpu_pod.py", "--project=p", "--zone=z", "--tpu=t",
+              "--python=python3.11", "--config=configs/sage.py:demo", "--workdir=gs://b/r",
+              "--dry_run"])
+  assert "python3.11 -c " in out and "python3.11 -m venv .venv" in out
+  sweep_out = _run([sys.executable, "launch/sweep.py", "--workdir_root=r",
+                    "--sweep=configs/sweeps/chain_length.py:demo", "--launcher=tpu_pod",
+                    "--project=p", "--zone=z", "--tpu=pod-{name}", "--python=python3.11",
+                    "--dry_run"])
+  assert sweep_out.count("python3.11 -m venv .venv") == 3
 
 
 def test_tpu_pod_queued_resource_waits_until_active():
@@ -136,6 +186,24 @@ def test_slurm_dry_run(tmp_path):
   assert argv[3] == f"--output={tmp_path}/logs/%x-%j-node%t.log"
   assert argv[4:6] == ["bash", "-c"] and 'export JAX_PROCESS_ID="$SLURM_PROCID"' in argv[6]
   assert argv[-2:] == ["--config=configs/sage.py:qwen2.5-32b", "--workdir=/shared/run x"]
+
+
+def test_slurm_dry_run_outside_an_allocation(tmp_path):
+  """As documented: DRY_RUN=1 prints the srun command without an allocation (placeholders
+  for the nodes) and creates nothing; a real run there is refused in one line."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+  env["SAGE_JAX_DIR"] = str(tmp_path)
+  argv = ["bash", "launch/slurm.sbatch", "--config=configs/sage.py:demo", "--workdir=/tmp/x"]
+  out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**env, "DRY_RUN": "1"})
+  assert out.returncode == 0, out.stderr
+  first, second = out.stdout.strip().splitlines()
+  assert first == "JAX_COORDINATOR_ADDRESS=<head_node>:12345 JAX_NUM_PROCESSES=<nodes>"
+  assert shlex.split(second)[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+  assert not (tmp_path / "logs").exists()
+  real = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+  assert real.returncode == 2 and real.stderr.startswith(
+      "slurm.sbatch: not inside a SLURM allocation"), real.stderr
 
 
 def test_multinode_dry_run():
@@ -266,6 +334,16 @@ def test_sweep_dry_run_for_every_launcher():
   assert "--workdir=runs/k/k2 --config.grpo.chain_length=2" in local_out
   slurm_out = _run(base + ["--launcher=slurm"])
   assert "sbatch --job-name=k3" in slurm_out and "launch/slurm.sbatch" in slurm_out
+  # sbatch options for every run, before the script (after it they would be its arguments).
+  nodes = _run(base + ["--launcher=slurm", "--sbatch_arg=--nodes=1",
+                       "--sbatch_arg=--partition=gpu"])
+  assert nodes.count("--export=ALL,SAGE_JAX_MODULE=sage_jax.train --nodes=1 --partition=gpu "
+                     f"{REPO}/launch/slurm.sbatch --config=configs/sage.py:demo") == 3, nodes
+  assert _fails(base + ["--launcher=local", "--sbatch_arg=--nodes=1"]).endswith(
+      "--sbatch_arg is for --launcher=slurm, not local")
+  assert _fails(base + ["--launcher=slurm", "--sbatch_arg=--export=NONE"]).endswith(
+      "--sbatch_arg=--export=NONE: the sweep sets the job name and "
+      "--export=ALL,SAGE_JAX_MODULE=<module> of each run itself")
   multi_out = _run(base + ["--launcher=multinode"])
   assert multi_out.count("launch/multinode.sh") == 3
   tpu_out = _run(base + ["--launcher=tpu_pod", "--project=p", "--zone=z", "--tpu=pod-{name}"])
@@ -300,13 +378,16 @@ def test_a_sweep_override_reaches_every_run_and_may_not_undo_the_sweep():
 
 
 def test_readme_reward_ablation_dry_run():
+  """The README's command: each arm of the 7B preset asks for the one node it needs."""
   out = _run([sys.executable, "launch/sweep.py",
               "--sweep=configs/sweeps/reward_ablation.py:qwen2.5-7b",
-              "--workdir_root=runs/reward_ablation", "--launcher=slurm", "--dry_run"])
+              "--workdir_root=runs/reward_ablation", "--launcher=slurm",
+              "--sbatch_arg=--nodes=1", "--dry_run"])
   for name, variant in (("outcome_only", "outcome"), ("chain_based", "chain"),
                         ("skill_integrated", "sage")):
-    assert (f"--config=configs/sage.py:qwen2.5-7b --workdir=runs/reward_ablation/{name} "
-            f"--config.reward.variant={variant}") in out, out
+    assert (f"sbatch --job-name={name} --export=ALL,SAGE_JAX_MODULE=sage_jax.train --nodes=1 "
+            f"{REPO}/launch/slurm.sbatch --config=configs/sage.py:qwen2.5-7b "
+            f"--workdir=runs/reward_ablation/{name} --config.reward.variant={variant}") in out, out
 
 
 def test_retrieval_sweep_evaluates_one_trained_run(tmp_path):
