@@ -22,7 +22,7 @@ from sage_jax.agent.retrieval import EMBEDDING_STRATEGIES
 from sage_jax.configurable import ConfigError, build
 from sage_jax.envs.appworld.config import EnvPoolConfig
 from sage_jax.eval import metrics as eval_metrics
-from sage_jax.eval.runner import EvalConfig
+from sage_jax.eval.runner import EvalConfig, check_evaluation_sections
 from sage_jax.multihost import SamplerMeshConfig
 from sage_jax.rl.advantages import AdvantageConfig
 from sage_jax.rl.batch import BatchConfig
@@ -400,14 +400,7 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
                       "but a 'compact' vocabulary builds that model from the SFT data; use "
                       "'minilm' or 'hashing', the full vocabulary, or "
                       "pipeline.expert_trajectories")
-  if run.agent.top_k > run.engine.max_top_k:
-    raise ConfigError(f"config.agent.top_k: {run.agent.top_k} is more than engine.max_top_k "
-                      f"{run.engine.max_top_k}, the candidates the sampler keeps")
-  if run.agent.max_episode_tokens > run.engine.max_len:
-    raise ConfigError(
-        f"config.agent.max_episode_tokens: {run.agent.max_episode_tokens} is more than "
-        f"engine.max_len {run.engine.max_len}, the sampler's cache, where every episode "
-        "would end (as token_limit); lower it, or raise engine.max_len")
+  check_evaluation_sections(run.agent, run.engine, run.pool, run.eval)
   episode = run.agent.max_episode_tokens  # at most engine.max_len (above)
   if "rl" in pipeline.stages and run.batch.length_buckets[-1] < episode - 1:
     raise ConfigError(
@@ -415,11 +408,6 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
         f"fewer positions than an episode of agent.max_episode_tokens {episode} needs "
         f"({episode - 1}); the first update with such an episode would fail. Add a "
         "bucket that large")
-  if not run.pool.keep_outputs and run.eval.appworld_check:
-    raise ConfigError(
-        "config.pool.keep_outputs: False removes each episode's saved state when it closes, "
-        "which eval.appworld_check (AppWorld's own scoring of the saved outputs) reads; set "
-        "eval.appworld_check=False too, or keep the outputs")
   if not trained and run.eval.policy != "model":
     raise ConfigError(f"config.eval.policy: {run.eval.policy!r}; a training run evaluates its "
                       "own model ('model'): run `python -m sage_jax.evaluate` for the "
@@ -442,14 +430,6 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
                       "rollouts keep no library (the GRPO baseline): SFT and evaluation would "
                       "show the agent a library that RL never does; set use_library=False, as "
                       "configs/grpo.py does")
-  # The library's install is an execution too (`worker.Session.install`).
-  executions = run.agent.max_steps + int(run.agent.use_library)
-  if run.pool.max_interactions < executions:
-    raise ConfigError(
-        f"config.pool.max_interactions: {run.pool.max_interactions} is fewer than the "
-        f"{executions} executions an episode may make (agent.max_steps {run.agent.max_steps}"
-        + (" and the library's install" if run.agent.use_library else "") + "); AppWorld "
-        "would refuse the later ones. Raise it, or lower agent.max_steps")
   _check_evaluation_split(run, trained)
   best = run.checkpoint.best_metric
   reported = best.startswith("dev/") and eval_metrics.reports(best.removeprefix("dev/"))

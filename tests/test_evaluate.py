@@ -10,6 +10,7 @@ import pytest
 
 from sage_jax.agent import AgentConfig, ScriptedPolicy
 from sage_jax.agent.gold_solutions import scripted_agent
+from sage_jax.configurable import ConfigError
 from sage_jax.eval import runner as evaluate
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics
@@ -164,6 +165,50 @@ def test_eval_command_scores_the_scripted_expert(mini_root, tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   overall = json.loads((tmp_path / "eval_dev.json").read_text())["metrics"]["overall"]
   assert (overall["num_tasks"], overall["tgc"], overall["sgc"]) == (3, 100.0, 100.0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"pool.keep_outputs": False}, r"config.pool.keep_outputs: False removes each episode's "
+                                   r"saved state .* eval.appworld_check"),
+    ({"eval.policy": "model", "agent.max_episode_tokens": 8192},
+     r"config.agent.max_episode_tokens: 8192 is more than engine.max_len 4096"),
+    ({"eval.policy": "model", "agent.top_k": 100},
+     r"config.agent.top_k: 100 is more than engine.max_top_k 64"),
+    ({"pool.max_interactions": 3}, r"config.pool.max_interactions: 3 is fewer than the 5 "
+                                   r"executions an episode may make \(agent.max_steps 4"),
+])
+def test_combinations_a_run_refuses_are_refused_before_anything_starts(
+    overrides, message, tmp_path):
+  """The checks of a training run's agent, engine, pool and eval sections (`run_config`):
+  without them the evaluation would play the split and only then fail, or end every long
+  episode at the sampler's cache. Nothing starts and no workdir is written."""
+  c = _config(max_scenarios=1)
+  for key, value in overrides.items():
+    section, field = key.split(".")
+    c[section][field] = value
+  with pytest.raises(ConfigError, match=message):
+    evaluate.evaluate(c, str(tmp_path / "eval"))
+  assert not (tmp_path / "eval").exists()
+
+
+def test_the_scripted_policy_uses_no_sampler_cache():
+  """It samples from no engine, with budgets of its own (`scripted_agent`) beyond the default
+  engine's cache: the agent is not checked against the engine section."""
+  c = _config()
+  c.agent = dict(max_episode_tokens=32768)
+  assert evaluate._sections(c)["agent"].max_episode_tokens == 32768
+
+
+def test_cli_refuses_an_inconsistent_config_in_one_line(tmp_path):
+  done = subprocess.run([sys.executable, "-m", "sage_jax.evaluate",
+                         "--config=configs/eval.py:demo", f"--workdir={tmp_path / 'out'}",
+                         "--config.pool.keep_outputs=false"],
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                        timeout=300)
+  assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert "ConfigError: config.pool.keep_outputs: False removes" in done.stderr
+  assert not (tmp_path / "out").exists()
 
 
 def test_cli_needs_config_and_workdir():

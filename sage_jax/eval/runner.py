@@ -33,10 +33,12 @@ from sage_jax.agent.config import AgentConfig, RetrievalConfig
 from sage_jax.agent.gold_solutions import ScriptedPolicy, scripted_agent
 from sage_jax.agent.library import SkillLibrary
 from sage_jax.agent.retrieval import SCENARIO_LOCAL_STRATEGIES, Retriever, make_embedder
+from sage_jax.configurable import ConfigError
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics as metrics_lib
 from sage_jax.rl import rollout
 from sage_jax.rl.episode import EpisodeRecord
+from sage_jax.sampler import AsyncEngine, Engine, EngineConfig
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.weights import loader
 
@@ -104,19 +106,53 @@ async def run_scenarios(ctx: rollout.RolloutContext, task_ids: Sequence[str], *,
   return [by_task[t] for c in chains for t in c.task_ids]
 
 
+def check_evaluation_sections(agent: AgentConfig, engine: EngineConfig | None,
+                              pool: appworld.EnvPoolConfig, ev: EvalConfig) -> None:
+  """Raises ConfigError on a combination of the sections an evaluation plays with that would
+  fail, or cut every long episode short, only once it runs: training runs
+  (`run_config.resolve`) and `sage_jax.evaluate` check it before anything starts. `engine`:
+  None where no sampler plays (the scripted policy)."""
+  if engine is not None and agent.top_k > engine.max_top_k:
+    raise ConfigError(f"config.agent.top_k: {agent.top_k} is more than engine.max_top_k "
+                      f"{engine.max_top_k}, the candidates the sampler keeps")
+  if engine is not None and agent.max_episode_tokens > engine.max_len:
+    raise ConfigError(
+        f"config.agent.max_episode_tokens: {agent.max_episode_tokens} is more than "
+        f"engine.max_len {engine.max_len}, the sampler's cache, where every episode "
+        "would end (as token_limit); lower it, or raise engine.max_len")
+  if not pool.keep_outputs and ev.appworld_check:
+    raise ConfigError(
+        "config.pool.keep_outputs: False removes each episode's saved state when it closes, "
+        "which eval.appworld_check (AppWorld's own scoring of the saved outputs) reads; set "
+        "eval.appworld_check=False too, or keep the outputs")
+  # The library's install is an execution too (`worker.Session.install`).
+  executions = agent.max_steps + int(agent.use_library)
+  if pool.max_interactions < executions:
+    raise ConfigError(
+        f"config.pool.max_interactions: {pool.max_interactions} is fewer than the "
+        f"{executions} executions an episode may make (agent.max_steps {agent.max_steps}"
+        + (" and the library's install" if agent.use_library else "") + "); AppWorld "
+        "would refuse the later ones. Raise it, or lower agent.max_steps")
+
+
 def _sections(config: Any) -> dict[str, Any]:
+  """The sections of `config` an evaluation uses, built and checked together, so that an
+  inconsistent combination fails before AppWorld starts or a model is built."""
   def section(name):
     return config.get(name, None) if hasattr(config, "get") else getattr(config, name, None)
 
-  return {
+  built = {
       "eval": configurable.build(EvalConfig, section("eval") or {}, "config.eval"),
       "agent": configurable.build(AgentConfig, section("agent") or {}, "config.agent"),
       "retrieval": configurable.build(RetrievalConfig, section("retrieval") or {},
                                       "config.retrieval"),
       "pool": configurable.build(appworld.EnvPoolConfig, section("pool") or {}, "config.pool"),
       "model": section("model"),
-      "engine": section("engine"),
+      "engine": configurable.build(EngineConfig, section("engine") or {}, "config.engine"),
   }
+  sampler = built["engine"] if built["eval"].policy == "model" else None
+  check_evaluation_sections(built["agent"], sampler, built["pool"], built["eval"])
+  return built
 
 
 def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
@@ -153,14 +189,11 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
     if policy is None and ev.policy == "scripted":
       policy, agent_cfg = ScriptedPolicy(root, tokenizer), scripted_agent(agent_cfg)
     elif policy is None:
-      from sage_jax.sampler import AsyncEngine, Engine, EngineConfig
-
       if engine is None:
         spec = configurable.build(loader.ModelSpec, s["model"] or {}, "config.model")
         loader.check_tokenizer(spec)
         model = loader.build_model(spec)
-        engine_cfg = configurable.build(EngineConfig, s["engine"] or {}, "config.engine")
-        engine = Engine(model, engine_cfg, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
+        engine = Engine(model, s["engine"], eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
                         detokenize=tokenizer.decode)
       driver = AsyncEngine(engine)
       policy = rollout.SamplerPolicy(driver, agent_cfg)
