@@ -425,8 +425,9 @@ def test_retrieval_sweep_evaluates_a_run_in_a_bucket(gcs_url):
 
   # A bucket of its own: the GCS server is the session's, shared with other tests.
   fake_gcs.create_bucket(gcs_url, "sweep-runs")
-  for step in ("3", "7"):
-    storage.write_text(f"gs://sweep-runs/sage/checkpoints/{step}/done", "")
+  for step in ("3", "7"):  # orbax marks a finished step in a bucket last
+    storage.write_text(f"gs://sweep-runs/sage/checkpoints/{step}/commit_success.txt", "")
+  storage.write_text("gs://sweep-runs/sage/checkpoints/9/state/data", "")  # a save under way
   assert sweep.split_spec("retrieval.py:gs://sweep-runs/sage:3") == [
       "retrieval.py", "gs://sweep-runs/sage", "3"]
   for spec, step in (("gs://sweep-runs/sage", 7), ("gs://sweep-runs/sage:3", 3)):

@@ -9,6 +9,8 @@ STEP defaults to the run's latest RL checkpoint when the sweep is expanded, so t
 evaluates the same one.
 """
 
+from orbax.checkpoint import path as ocp_path
+
 from sage_jax import storage
 
 STRATEGIES = ("same_scenario", "query_ngram", "query_embedding", "skill_embedding")
@@ -16,10 +18,12 @@ CHECKPOINTS = "checkpoints"  # the RL checkpoints under a run's workdir
 
 
 def latest_step(run_dir: str) -> int:
-  """The run's latest finished RL checkpoint (a local directory or a bucket's)."""
+  """The run's latest finished RL checkpoint (a local directory or a bucket's: there, orbax
+  writes a step in place and marks it finished last, so a save under way is not one)."""
   directory = storage.path(run_dir) / CHECKPOINTS
   steps = sorted(int(p.name) for p in directory.iterdir()
-                 if p.name.isdigit()) if directory.is_dir() else []
+                 if p.name.isdigit() and ocp_path.step.is_path_finalized(p)
+                 ) if directory.is_dir() else []
   if not steps:
     raise ValueError(f"{directory}: no checkpoint to evaluate; train the run first, or name "
                      "a step (retrieval.py:RUN_DIR:STEP)")
