@@ -184,12 +184,29 @@ def main(argv):
     common.check_config(config)
   for run in runs:  # then every run's command whole
     common.check_or_exit(run.module, _entry_args(run), run.name)
-  for run in runs:
-    print(f"# {run.name}")
-    print(common.show(commands[run.name]))
-    if not FLAGS.dry_run:
-      for cmd in commands[run.name]:
-        subprocess.run(cmd, check=True)
+  if FLAGS.dry_run:
+    for run in runs:
+      print(f"# {run.name}")
+      print(common.show(commands[run.name]))
+  elif failed := run_all(commands):
+    sys.exit(f"{len(failed)} of {len(runs)} runs failed: {', '.join(failed)}")
+
+
+def run_all(commands: dict[str, list[list[str]]]) -> list[str]:
+  """Runs each run's commands in order; returns the runs that failed. A failed command ends
+  its run, and the next run starts: one arm that fails (a bad seed, a node lost) does not cost
+  the sweep its other arms. Ctrl-C stops the sweep."""
+  failed = []
+  for name, cmds in commands.items():
+    print(f"# {name}", flush=True)
+    print(common.show(cmds), flush=True)
+    for cmd in cmds:
+      if (status := subprocess.run(cmd).returncode) != 0:
+        print(f"# {name} failed (exit status {status}); going on with the next run",
+              file=sys.stderr, flush=True)
+        failed.append(name)
+        break
+  return failed
 
 
 def define_flags():

@@ -435,6 +435,17 @@ def test_retrieval_sweep_evaluates_a_run_in_a_bucket(gcs_url):
     assert loaded["flags"] == {"run": "gs://sweep-runs/sage", "step": step}
 
 
+def test_a_failed_run_does_not_stop_the_sweep(tmp_path, capfd):
+  """The arm after a failed one still runs; the sweep names the failures."""
+  def touch(name):
+    return [sys.executable, "-c", f"open({str(tmp_path / name)!r}, 'w')"]
+  failing = [sys.executable, "-c", "raise SystemExit(3)"]
+  failed = sweep.run_all({"a": [failing, touch("a_after")], "b": [touch("b")]})
+  assert failed == ["a"]
+  assert (tmp_path / "b").exists() and not (tmp_path / "a_after").exists()
+  assert "# a failed (exit status 3)" in capfd.readouterr().err
+
+
 def test_sweep_errors_are_clear():
   with pytest.raises(ValueError, match="needs --project, --zone"):
     sweep.commands_for(sweep.Run("a", "c.py:x", {}, "w"), "tpu_pod", tpu="t")
