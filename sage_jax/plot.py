@@ -142,11 +142,11 @@ def plot_run(workdir: str, out_path: str | None = None, title: str | None = None
   if not panels:
     raise ValueError(f"{workdir}/{METRICS_FILE} holds no metrics to plot")
   fig, axes = _grid(len(panels))
-  for ax, (title, keys) in zip(axes, panels.items()):
+  for ax, (panel, keys) in zip(axes, panels.items()):
     for key in keys:
       xs, ys = series[key]
       ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, label=key)
-    ax.set_title(title)
+    ax.set_title(panel)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
   root = storage.path(workdir)

@@ -36,6 +36,15 @@ def test_plot_run_writes_a_png_with_every_panel(tmp_path):
       "generated tokens per task", "skill usage (%)", "loss"}
 
 
+def test_plot_run_is_titled_with_the_run(tmp_path, monkeypatch):
+  _write_run(tmp_path / "run", 3)
+  titles = []
+  monkeypatch.setattr(plot, "_save", lambda fig, title, out: titles.append(title) or out)
+  plot.plot_run(str(tmp_path / "run"))
+  plot.plot_run(str(tmp_path / "run"), title="run: SFT")
+  assert titles == ["run", "run: SFT"]  # not the last panel's title
+
+
 def test_a_panel_holds_one_unit_and_leads_with_a_per_task_headline():
   """Percentages apart from fractions, counts from rates, tokens per task from tokens per
   step; a sweep compares runs on a per-task quantity (a run of K=3 tasks per chain makes 3x
