@@ -54,6 +54,11 @@ def test_failed_episodes_are_left_out_of_the_loss():
   out = rl_loop.grpo_update(trainer, [_episode(8, 1.0), _episode(6, -1.0),
                                       _episode(12, 1.0, failed=True)], config, batch_config)
   assert out["updates"] == 1.0 and out["batch/real_positions"] == 7 + 5
+  # A first prompt longer than every row ended its episode before any turn: nothing to train.
+  overflow = _episode(40, 1.0)
+  overflow["loss_mask"][:] = 0
+  out = rl_loop.grpo_update(trainer, [_episode(8, 1.0), overflow], config, batch_config)
+  assert out["updates"] == 1.0 and out["batch/real_positions"] == 7
 
 
 def _two_rollouts(config, later_fails):

@@ -138,9 +138,19 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
   episode for is skipped); returns the update metrics and batch layout statistics, combined
   over the mini-batches by `update_reduction`.
   Episodes that `rl.episode.trained_on` rejects (the environment failed under them or under
-  the later task their reward hangs on) are left out of the loss; when no process has any
+  the later task their reward hangs on) are left out of the loss, and so are those with no
+  token to train: a first prompt (system, skills, task) that alone filled the episode's token
+  budget ended it before any turn, and it may be longer than any row. When no process has any
   other episode, there is no update."""
-  episodes = [e for e in episodes if trained_on(e)]
+  def has_targets(e):
+    return bool(np.any(e["loss_mask"] if isinstance(e, Mapping) else e.loss_mask))
+
+  untrainable = sum(trained_on(e) and not has_targets(e) for e in episodes)
+  if untrainable:
+    logging.warning("%d episode(s) had no turn to train (the first prompt filled the episode's "
+                    "token budget: agent.max_episode_tokens); left out of the update",
+                    untrainable)
+  episodes = [e for e in episodes if trained_on(e) and has_targets(e)]
   trainable = np.asarray(multihost.allgather(np.asarray([len(episodes)], np.int64))).sum()
   if trainable == 0:
     return {"updates": 0.0, "batch/positions": 0.0, "batch/real_positions": 0.0}
