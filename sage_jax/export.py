@@ -117,6 +117,9 @@ def run_files(config: ml_collections.ConfigDict, stage: str | None, step: int,
 
 def model_card(config: ml_collections.ConfigDict, stage: str | None, step: int,
                summary: dict) -> str:
+  """The README.md of an export of checkpoint `stage` `step`, with `summary`'s before/after
+  table only where it evaluated those weights (its "weights"): the pipeline's evaluations
+  are of its final weights, not of an earlier checkpoint exported from the run."""
   method = ("GRPO baseline (single-task rollouts)" if config.grpo.single_task
             else f"SAGE, reward '{config.reward.variant}', chain length "
                  f"{config.grpo.chain_length}")
@@ -131,8 +134,14 @@ def model_card(config: ml_collections.ConfigDict, stage: str | None, step: int,
       "- Checkpoint: none (the base model's weights, untrained)",
       f"- Data: {config.pipeline.data} (train split '{config.pipeline.train_split}')", "",
   ]
-  if summary.get("table"):
+  evaluated = summary.get("weights") if summary.get("table") else None
+  if evaluated and (evaluated["stage"], evaluated["step"]) == (stage, step):
     lines += ["## Dev evaluation (before / after training)", "", summary["table"], ""]
+  elif evaluated:
+    of = (f"{evaluated['stage']} step {evaluated['step']}" if evaluated["stage"]
+          else "the base model's weights")
+    lines += [f"The run's dev evaluation (summary.json) is of another checkpoint ({of}), "
+              "not of this one.", ""]
   lines += ["The full resolved training config is in `sage_jax_config.json`.", ""]
   return "\n".join(lines)
 

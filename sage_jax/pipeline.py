@@ -94,8 +94,10 @@ SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_
 def reusable(report: dict | None, config: dict, weights_from: dict | None) -> bool:
   """Whether an evaluation report stands for evaluating the weights of checkpoint
   `weights_from` (None: the starting weights) under `config`: the same checkpoint of the
-  run, wherever the run is now, under the same `EVALUATION_SECTIONS`."""
-  if report is None:
+  run, wherever the run is now, under the same `EVALUATION_SECTIONS`. A report whose scores
+  AppWorld's evaluation contradicted (`appworld_disagrees`: the evaluation failed after
+  writing it) stands for none: a rerun evaluates again."""
+  if report is None or report.get("appworld_disagrees"):
     return False
   stage_step = lambda c: c and (c["stage"], c["step"])
   settings = lambda c: json.loads(json.dumps({k: c.get(k) for k in EVALUATION_SECTIONS},
@@ -152,6 +154,7 @@ class Pipeline:
       run_config.check_resume(recorded, self.config_dict, f"{workdir}/config.json")
     self.sft_pending = self._check_saved_stages(workdir)
     self.root = self._check_data()
+    self._check_expert_file()
     _write_json(self.workdir / "config.json", self.config_dict)
     self.mesh = shd.make_mesh(self.run.mesh)
     multihost.connect(self.mesh)
@@ -238,6 +241,24 @@ class Pipeline:
       raise run_config.ConfigError(
           f"config.pipeline.expert_trajectories: {p.expert_trajectories}: no such file")
     return root
+
+  def _check_expert_file(self) -> None:
+    """A given SFT file that the pending SFT stage reads, validated and cut to the training
+    scenarios as SFT cuts it (not tokenised), before config.json records the run: a file SFT
+    would fail on, after the evaluations before training, fails now naming its key, which
+    a rerun could no longer change."""
+    path = self.run.pipeline.expert_trajectories
+    if not (path and self.sft_pending):
+      return
+    try:
+      trajectories = self._of_training_scenarios(sft_data.read_jsonl(path))
+    except (OSError, ValueError) as e:  # unreadable, not the format, ids of no AppWorld task
+      raise run_config.ConfigError(f"config.pipeline.expert_trajectories: {e}") from e
+    if not trajectories:
+      raise run_config.ConfigError(
+          f"config.pipeline.expert_trajectories: {path} holds no trajectory of the scenarios "
+          f"the run trains on (pipeline.train_split {self.run.pipeline.train_split!r}, "
+          f"train_scenarios {self.run.pipeline.train_scenarios})")
 
   def _plays_episodes(self) -> bool:
     """Whether the configured stages play AppWorld episodes: RL, evaluations, and SFT whose
@@ -412,6 +433,14 @@ class Pipeline:
       return self.train_task_ids()
     return [t for split in self.run.expert.splits for t in appworld.read_split(self.root, split)]
 
+  def _of_training_scenarios(self, examples: list) -> list:
+    """The SFT examples (or trajectories) of the scenarios the run trains on: a given file,
+    or the plays of a split named in `expert.splits`, may hold others."""
+    if not self.run.pipeline.train_scenarios:
+      return examples
+    keep = {appworld.scenario_id(t) for t in self.train_task_ids()}
+    return [e for e in examples if appworld.scenario_id(sft_expert.task_of_id(e.id)) in keep]
+
   def _load_examples(self, path: str, **kwargs) -> list:
     """`sft_data.load_examples` of the SFT data file `path`; a given file
     (`pipeline.expert_trajectories`) that cannot be read or parsed is the config's error."""
@@ -423,16 +452,12 @@ class Pipeline:
       raise run_config.ConfigError(f"config.pipeline.expert_trajectories: {e}") from e
 
   def expert_examples(self) -> list:
-    """The SFT data's examples of the scenarios the run trains on: a given file, or the plays
-    of a split named in `expert.splits`, may hold others. Every process reads them, and every
-    process must read the same: each packs its share of the same steps' examples, and an
-    epoch-counted SFT takes its length from them."""
+    """The SFT data's examples of the scenarios the run trains on (`_of_training_scenarios`).
+    Every process reads them, and every process must read the same: each packs its share of
+    the same steps' examples, and an epoch-counted SFT takes its length from them."""
     path = self.expert_trajectories()
-    examples = self._load_examples(path, max_len=self.run.engine.max_len)
-    if self.run.pipeline.train_scenarios:
-      keep = {appworld.scenario_id(t) for t in self.train_task_ids()}
-      examples = [e for e in examples
-                  if appworld.scenario_id(sft_expert.task_of_id(e.id)) in keep]
+    examples = self._of_training_scenarios(
+        self._load_examples(path, max_len=self.run.engine.max_len))
     multihost.check_same(sft_data.fingerprint(examples), f"the SFT data read from {path}")
     return examples
 
@@ -577,7 +602,7 @@ class Pipeline:
     out = os.fspath(self.workdir / "hf")
     held = self.weights_from or {"stage": None, "step": 0}
     files = export.run_files(ml_collections.ConfigDict(self.config_dict), held["stage"],
-                             held["step"], {"table": summary_table(summary)}
+                             held["step"], {"table": summary_table(summary), "weights": held}
                              if {"before", "after"} & summary.keys() else {})
     export.write_model(self.model, out, compact_tokenizer.run_tokenizer_dir(
         self.workdir, self.run.model.vocabulary), base_model=self.run.model.spec,

@@ -248,3 +248,23 @@ def test_the_model_card_of_untrained_weights_says_no_stage_trained():
   card = export.model_card(config, None, 0, {})
   assert "- Checkpoint: none (the base model's weights, untrained)" in card
   assert "- Checkpoint: rl step 3" in export.model_card(config, "rl", 3, {})
+
+
+def test_the_model_card_shows_the_run_s_evaluation_only_for_the_weights_it_evaluated():
+  """summary.json's before/after table is of the pipeline's final weights: an export of an
+  earlier checkpoint (--stage=sft --step=N) names the checkpoint it is of instead."""
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from configs import sage as sage_configs  # noqa: PLC0415
+
+  config = sage_configs.get_config("demo")
+  table = "| metric | dev before | dev after |\n|---|---|---|\n| tgc | 0 | 100 |"
+  summary = {"weights": {"run": "/runs/a", "stage": "rl", "step": 10}, "table": table}
+  assert table in export.model_card(config, "rl", 10, summary)
+  for stage, step in (("sft", 240), ("rl", 8)):
+    card = export.model_card(config, stage, step, summary)
+    assert table not in card and "is of another checkpoint (rl step 10)" in card, card
+  untrained = {"weights": {"stage": None, "step": 0}, "table": table}
+  assert table in export.model_card(config, None, 0, untrained)
+  assert "another checkpoint (the base model's weights)" in export.model_card(
+      config, "sft", 1, untrained)
+  assert table not in export.model_card(config, "rl", 10, {"table": table})  # of unknown weights

@@ -184,6 +184,17 @@ def test_an_evaluation_is_reused_only_for_its_checkpoint_and_settings():
     assert not pipeline.reusable(report, changed, step), (section, change)
 
 
+def test_an_evaluation_that_appworld_contradicted_is_made_again():
+  """runner.evaluate writes its report, flagged `appworld_disagrees`, before it fails: the
+  rerun evaluates the same checkpoint again rather than taking up the failed scores."""
+  config = {"eval": {"split": "dev"}, "agent": {"max_steps": 6}, "retrieval": {}}
+  step = {"run": "/mnt/run", "stage": "rl", "step": 4}
+  report = {"config": config, "checkpoint": step, "metrics": {"overall": {"tgc": 80.0}}}
+  assert pipeline.reusable(report, config, step)
+  disagreed = {**report, "appworld_disagrees": "TGC/SGC disagree with AppWorld's evaluation"}
+  assert not pipeline.reusable(disagreed, config, step)
+
+
 def test_the_summary_table_writes_token_counts_whole():
   table = pipeline.summary_table({"before": {"tgc": 33.333, "avg_generated_tokens": 1475.3},
                                   "after": {"tgc": 100.0, "avg_generated_tokens": 13613.2}})
@@ -244,6 +255,29 @@ def test_a_run_that_failed_before_training_leaves_its_workdir_to_the_next(
   (workdir / "eval_before" / "eval_dev.json").write_text("{}")
   with pytest.raises(ConfigError, match=r"config.seed: 0 -> 5"):
     pipeline.Pipeline(stopped, str(workdir))
+
+
+def test_a_given_sft_file_sft_would_fail_on_fails_before_the_run_is_recorded(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """A pipeline.expert_trajectories file that is not SFT data, or holds nothing of the
+  scenarios the run trains on, fails naming its key before config.json records the run (and
+  before the evaluations before training): the key is not resumable, and a rerun may still
+  give another file."""
+  workdir, given = tmp_path / "run", tmp_path / "expert.jsonl"
+  trajectory = json.loads(open(demo_expert_file).readline())
+  c = _sft_on_file(str(given))
+  c.pipeline.eval_before = True
+  key = re.escape("config.pipeline.expert_trajectories: ")
+  for text, error in (("this is not json\n", rf"{key}{re.escape(str(given))}:1: not JSON"),
+                      (json.dumps({**trajectory, "id": "zzz_1"}) + "\n",
+                       rf"{key}.* holds no trajectory of the scenarios the run trains on")):
+    given.write_text(text)
+    with pytest.raises(ConfigError, match=error):
+      pipeline.Pipeline(c, str(workdir))
+    assert not (workdir / "config.json").exists()
+  shutil.copy(demo_expert_file, given)
+  pipeline.Pipeline(c, str(workdir)).close()
+  assert (workdir / "config.json").exists()
 
 
 def test_rl_without_evaluations_keeps_the_best_checkpoint_it_has(
