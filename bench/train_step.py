@@ -26,7 +26,9 @@ micro-batches within it), against the one measured here.
 
 `--peer=torch` also times the same update in PyTorch, in the same process: transformers'
 `Qwen2ForCausalLM` (same shapes, sdpa attention) with a per-token weighted log-likelihood loss
-over the same micro-batches, gradient accumulation and `torch.optim.AdamW`. On a CUDA GPU it
+over the same micro-batches, gradient accumulation and `torch.optim.AdamW`. With `--pack`, each
+packed sequence is a row of its own there (rows x pack rows of seq_len / pack positions): the
+same attention work as ours, which keeps a query within its own sequence. On a CUDA GPU it
 runs there, float32 master weights with bfloat16 autocast when `--dtype=bfloat16`, and
 gradient checkpointing per layer when `--remat` is not "none" (as ours).
 """
@@ -69,8 +71,9 @@ def matmul_timer(n: int, dtype):
   return run
 
 
-def torch_peer(cfg, batch, steps: int, threads: int = 0) -> dict:
-  """Median seconds of a transformers Qwen2 train step on the same micro-batches."""
+def torch_peer(cfg, batch, steps: int, threads: int = 0, pack: int = 1) -> dict:
+  """Median seconds of a transformers Qwen2 train step on the same micro-batches, each row's
+  `pack` sequences (which fill it exactly, one after the other) as rows of their own."""
   import contextlib
 
   import torch
@@ -87,7 +90,13 @@ def torch_peer(cfg, batch, steps: int, threads: int = 0) -> dict:
     model.gradient_checkpointing_enable()
   model.train()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-  micros = [tuple(torch.as_tensor(np.asarray(x), dtype=dtype, device=device) for x, dtype in (
+  def unpacked(x):  # [rows, seq_len] -> [rows * pack, seq_len / pack]
+    return np.asarray(x).reshape(-1, x.shape[-1] // pack)
+
+  segments = unpacked(batch.segment_ids)
+  if (segments != segments[:, :1]).any() or (segments == 0).any():
+    raise ValueError("the packed sequences do not fill their rows exactly")
+  micros = [tuple(torch.as_tensor(unpacked(x), dtype=dtype, device=device) for x, dtype in (
       (batch.tokens[m], torch.long), (batch.targets[m], torch.long),
       (batch.weights[m] * batch.advantages[m], torch.float32)))
             for m in range(batch.shape[0])]
@@ -136,7 +145,7 @@ def main():
   p.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
   p.add_argument("--pack", type=int, default=1,
                  help="sequences packed per row (RL batches pack episodes); the torch peer "
-                      "attends over the whole row, causal only")
+                      "gets each sequence as a row of its own")
   p.add_argument("--micro_batches", type=int, default=2)
   p.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
   p.add_argument("--remat", default="none")
@@ -269,7 +278,7 @@ def main():
     out["one_row_step_s_all"] = [round(x, 4) for x in row_times]
     out["speedup_vs_one_row"] = round(statistics.median(row_times) / step_s, 3)
   if args.peer == "torch":
-    peer = torch_peer(cfg, batch, args.steps, args.torch_threads)
+    peer = torch_peer(cfg, batch, args.steps, args.torch_threads, args.pack)
     peer["tokens_per_s"] = round(tokens / peer["step_s_median"], 1)
     out["torch_peer"] = peer
     out["speedup_vs_torch"] = round(peer["step_s_median"] / step_s, 3)
