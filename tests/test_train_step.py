@@ -212,6 +212,18 @@ def test_a_non_finite_step_changes_nothing_but_the_step_count():
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_ids_outside_the_vocabulary_are_refused_before_the_step():
+  """On device such an id's embedding is NaN, which attention spreads over its whole row."""
+  cfg = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2, length_buckets=(16,))
+  batch = B.make_batch(_records(4, seed=6), cfg)[0]
+  trainer = Trainer(init_model(CFG, seed=0), grpo.make_loss_fn(grpo.GRPOConfig()), LINEAR_ADAM)
+  tokens = batch.tokens.copy()
+  tokens[0, 0, 3] = VOCAB + 7
+  with pytest.raises(ValueError, match=f"tokens hold ids outside .*\\[0, {VOCAB}\\): \\[71\\]"):
+    trainer.step(batch.replace(tokens=tokens))
+  assert trainer.step_count == 0
+
+
 def test_micro_batches_without_a_gradient_run_forward_only_exactly():
   """Micro-batches whose advantages are all 0 (no KL, no entropy term; or all <= 0 with the
   negative side off) skip the backward pass:

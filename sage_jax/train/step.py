@@ -254,8 +254,15 @@ class Trainer:
 
     With several processes, `batch` is this process's rows of the global batch
     (`rl.batch.make_batch(..., allgather=multihost.allgather)`), and the result is the
-    global batch they make together.
+    global batch they make together. Token ids outside the model's vocabulary are refused:
+    on device an embedding lookup of one gives NaN, which the attention spreads over its row.
     """
+    vocab = self.model_config.vocab_size
+    for name in ("tokens", "targets"):
+      ids = getattr(batch, name)
+      if not isinstance(ids, jax.Array) and ids.size and not 0 <= ids.min() <= ids.max() < vocab:
+        raise ValueError(f"batch {name} hold ids outside the model's vocabulary [0, {vocab}): "
+                         f"{sorted(set(ids[(ids < 0) | (ids >= vocab)].tolist()))[:5]}")
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, batch)
     processes = jax.process_count()
