@@ -69,8 +69,11 @@ def test_packing_and_buckets():
   fits, _ = B.make_batch(recs, B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2,
                                              length_buckets=(16, 32, 64)))
   assert fits.shape == (2, 2, 32)  # the smallest bucket that holds the longest sequence
-  with pytest.raises(ValueError, match="largest length bucket"):
+  with pytest.raises(ValueError, match="needs 69 positions .* largest length bucket 64"):
     B.make_batch(_records([70]), cfg)
+  # Every process stops, and one whose own sequences fit says that another's did not.
+  with pytest.raises(ValueError, match="sequence of another process .* longest needs 9"):
+    B.make_batch(_records([10]), cfg, allgather=lambda x: np.stack([x, np.full_like(x, -1)]))
   rows = B.BatchConfig(micro_batch_tokens=40, length_buckets=(16,), row_multiple=4)
   assert rows.rows_per_micro_batch(16) == 4
 

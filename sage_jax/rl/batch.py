@@ -291,8 +291,13 @@ def _choose_layout(lengths: Sequence[int], config: BatchConfig,
   num_processes = every.shape[0]
   fits = [i for i, b in enumerate(buckets) if (every[:, i] >= 0).all()]
   if not fits:
-    raise ValueError(f"a sequence needs {max(lengths) if lengths else 0} positions "
-                     f"(length - 1), more than the largest length bucket {buckets[-1]}")
+    longest = max(lengths, default=0)
+    if longest > buckets[-1]:
+      raise ValueError(f"a sequence needs {longest} positions (length - 1), more than the "
+                       f"largest length bucket {buckets[-1]}")
+    raise ValueError(f"a sequence of another process needs more positions (length - 1) than "
+                     f"the largest length bucket {buckets[-1]}; this process's longest needs "
+                     f"{longest}")
   # Micro-batches over the budget would trade gradient-accumulation steps for the quadratic
   # attention and activations the budget was set to avoid: only the shortest rows that hold
   # the longest sequence may exceed it.
