@@ -215,7 +215,10 @@ def _edit_config(model_dir, **changes):
     ("use_sliding_window", True,
      r"use_sliding_window=True with a window of 4 tokens on layers \[1\]: .*full attention "
      r"only. Set use_sliding_window to false"),
+    ("rope_parameters", {"full_attention": {"rope_type": "yarn", "factor": 4.0}},
+     r"rope_parameters=.*'yarn'.*default RoPE only"),  # one set per layer type
     ("hidden_act", "gelu", r"hidden_act='gelu': .*'silu' only"),
+    ("attention_dropout", 0.1, r"attention_dropout=0.1: .*no dropout"),
 ])
 def test_settings_the_model_does_not_implement_are_refused(src, field, value, problem):
   if field == "use_sliding_window":  # a window from layer 1 on (transformers' reading)

@@ -78,7 +78,10 @@ def check_supported(hf: dict[str, Any], source: str) -> None:
   another function than transformers and vLLM do on the same checkpoint, without a sign."""
   for field in ("rope_scaling", "rope_parameters"):
     rope = hf.get(field) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # rope_parameters may also hold one set per layer type ({"full_attention": {...}}).
+    types = [p.get("rope_type", p.get("type", "default"))
+             for p in ([v for v in rope.values() if isinstance(v, dict)] or [rope])]
+    rope_type = next((t for t in types if t != "default"), "default")
     if rope_type != "default":
       fix = ("remove rope_scaling from config.json" if field == "rope_scaling" else
              "keep only rope_type 'default' and rope_theta in config.json's rope_parameters")
@@ -101,6 +104,10 @@ def check_supported(hf: dict[str, Any], source: str) -> None:
         f"{window} tokens on layers {windowed}: the model implements full attention only. Set "
         f"use_sliding_window to false{full} in config.json (as the Qwen2.5 releases do) to use "
         "it with full attention")
+  if dropout := hf.get("attention_dropout") or 0.0:
+    raise CheckpointError(f"{source}: attention_dropout={dropout}: the model implements no "
+                          "dropout, which transformers applies in training; set it to 0.0 in "
+                          "config.json (as the Qwen2.5 releases do)")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise CheckpointError(f"{source}: hidden_act={act!r}: the model implements 'silu' only "
