@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from sage_jax.model import ragged_decode
 from sage_jax.model.attention_kernels import check_implementation
@@ -180,6 +181,15 @@ class Qwen2Config:
   @property
   def jnp_dtype(self):
     return dtype_from_name(self.dtype)
+
+  def check_token_ids(self, ids: Any, name: str) -> None:
+    """Refuses ids outside the vocabulary, naming some: on device their embedding lookup
+    gives NaN (or a clamped row), which attention spreads over the whole sequence."""
+    ids = np.asarray(ids)
+    if ids.size and not 0 <= ids.min() <= ids.max() < self.vocab_size:
+      bad = sorted(set(ids[(ids < 0) | (ids >= self.vocab_size)].tolist()))
+      raise ValueError(f"{name} hold ids outside the model's vocabulary "
+                       f"[0, {self.vocab_size}): {bad[:5]}")
 
   def num_params(self) -> int:
     """Exact parameter count, the LM head counted once when tied."""

@@ -340,9 +340,7 @@ class Engine:
 
   def _check_ids(self, ids: Sequence[int], name: str) -> list[int]:
     ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < self.model_config.vocab_size]
-    if bad:
-      raise ValueError(f"{name} holds ids outside [0, {self.model_config.vocab_size}): {bad[:5]}")
+    self.model_config.check_token_ids(ids, name)
     return ids
 
   def _get(self, seq_id: int) -> _Sequence:

@@ -257,12 +257,9 @@ class Trainer:
     global batch they make together. Token ids outside the model's vocabulary are refused:
     on device an embedding lookup of one gives NaN, which the attention spreads over its row.
     """
-    vocab = self.model_config.vocab_size
     for name in ("tokens", "targets"):
-      ids = getattr(batch, name)
-      if not isinstance(ids, jax.Array) and ids.size and not 0 <= ids.min() <= ids.max() < vocab:
-        raise ValueError(f"batch {name} hold ids outside the model's vocabulary [0, {vocab}): "
-                         f"{sorted(set(ids[(ids < 0) | (ids >= vocab)].tolist()))[:5]}")
+      if not isinstance(ids := getattr(batch, name), jax.Array):
+        self.model_config.check_token_ids(ids, f"batch {name}")
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, batch)
     processes = jax.process_count()
