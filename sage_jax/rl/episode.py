@@ -132,10 +132,21 @@ class EpisodeRecord:
     return out
 
 
+def _field(episode: Any, name: str, default: Any = None) -> Any:
+  """A field of an episode given as a record or as a mapping (its JSON form)."""
+  if isinstance(episode, Mapping):
+    return episode.get(name, default)
+  return getattr(episode, name, default)
+
+
 def trained_on(episode: Any) -> bool:
   """Whether advantages and the update use the episode (a record or a mapping): not when the
   environment failed under it, nor when its reward is unknown for a failure under a later
   task of its chain."""
-  get = episode.get if isinstance(episode, Mapping) else (
-      lambda name, default: getattr(episode, name, default))
-  return not (get("env_failed", False) or get("reward_unknown", False))
+  return not (_field(episode, "env_failed", False) or _field(episode, "reward_unknown", False))
+
+
+def has_loss_tokens(episode: Any) -> bool:
+  """Whether any of the episode's tokens is trained (a record or a mapping): none when its
+  first prompt alone filled its token budget."""
+  return bool(np.any(_field(episode, "loss_mask", ())))

@@ -45,7 +45,7 @@ from sage_jax.model.qwen2 import Qwen2
 from sage_jax.rl import batch as batch_lib
 from sage_jax.rl import grpo
 from sage_jax.rl import metrics as metrics_lib
-from sage_jax.rl.episode import trained_on
+from sage_jax.rl.episode import has_loss_tokens, trained_on
 from sage_jax.train.checkpoint import Checkpointer
 from sage_jax.train.loop import Evaluate, LoopResult, SyncParams, run_steps, step_seed
 from sage_jax.train.metrics import MetricsConfig, scalars
@@ -142,15 +142,12 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
   token to train: a first prompt (system, skills, task) that alone filled the episode's token
   budget ended it before any turn, and it may be longer than any row. When no process has any
   other episode, there is no update."""
-  def has_targets(e):
-    return bool(np.any(e["loss_mask"] if isinstance(e, Mapping) else e.loss_mask))
-
-  untrainable = sum(trained_on(e) and not has_targets(e) for e in episodes)
+  untrainable = sum(trained_on(e) and not has_loss_tokens(e) for e in episodes)
   if untrainable:
     logging.warning("%d episode(s) had no turn to train (the first prompt filled the episode's "
                     "token budget: agent.max_episode_tokens); left out of the update",
                     untrainable)
-  episodes = [e for e in episodes if trained_on(e) and has_targets(e)]
+  episodes = [e for e in episodes if trained_on(e) and has_loss_tokens(e)]
   trainable = np.asarray(multihost.allgather(np.asarray([len(episodes)], np.int64))).sum()
   if trainable == 0:
     return {"updates": 0.0, "batch/positions": 0.0, "batch/real_positions": 0.0}
