@@ -390,7 +390,7 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
   other.seed = 5
   with pytest.raises(ConfigError, match=r"run/config.json records the run this workdir holds, "
                      r"and this config changes \d+ of its settings \(.*config.optimizer."
-                     r"learning_rate: 0.0003 -> 1e-06.*config.seed: 0 -> 5.*move that "
+                     r"learning_rate: 0.0002 -> 1e-06.*config.seed: 0 -> 5.*move that "
                      r"config.json aside"):
     run_config.check_resume(recorded, _recorded(other), "run/config.json")
   # What the file holds after a JSON round trip (tuples as lists) is the same config.
