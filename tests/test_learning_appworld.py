@@ -24,8 +24,9 @@ SUCCESS_TOLERANCE (about one standard deviation) below the SFT policy's. The run
 
 Why skill use and not success: a run's trajectory depends on the CPU (XLA:CPU rounds
 differently with other vector instructions). Skill use rose over the frozen policy at every
-SFT seed on both CPUs measured; success rose on one CPU and stayed at the frozen policy's on
-the other, so a success margin would test the CPU, not the method.
+SFT seed on both CPUs measured; success rose at some seeds and CPUs and stayed at the frozen
+policy's at others (seed 0 here: .808 against .795), so a success margin would test the CPU
+and the seed, not the method.
 
 What fails it: an update that does not learn (the frozen run), or one that breaks the sharp
 SFT policy: 4 updates at 3e-4 without warm-up took success from .78 to .32 in one step, and
