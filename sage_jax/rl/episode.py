@@ -132,11 +132,15 @@ class EpisodeRecord:
     return out
 
 
-def _field(episode: Any, name: str, default: Any = None) -> Any:
-  """A field of an episode given as a record or as a mapping (its JSON form)."""
+_REQUIRED = object()
+
+
+def _field(episode: Any, name: str, default: Any = _REQUIRED) -> Any:
+  """A field of an episode given as a record or as a mapping (its JSON form); without a
+  default, a missing field raises (KeyError / AttributeError)."""
   if isinstance(episode, Mapping):
-    return episode.get(name, default)
-  return getattr(episode, name, default)
+    return episode[name] if default is _REQUIRED else episode.get(name, default)
+  return getattr(episode, name) if default is _REQUIRED else getattr(episode, name, default)
 
 
 def trained_on(episode: Any) -> bool:
@@ -149,4 +153,4 @@ def trained_on(episode: Any) -> bool:
 def has_loss_tokens(episode: Any) -> bool:
   """Whether any of the episode's tokens is trained (a record or a mapping): none when its
   first prompt alone filled its token budget."""
-  return bool(np.any(_field(episode, "loss_mask", ())))
+  return bool(np.any(_field(episode, "loss_mask")))
