@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
@@ -19,8 +20,6 @@ from sage_jax import compact_tokenizer, multihost, run_config, storage
 from sage_jax import sharding as shd
 from sage_jax.tokenizer import Tokenizer
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
-from sage_jax.train.optimizer import make_optimizer
-from sage_jax.train.state import abstract_train_state, state_shardings
 from sage_jax.weights import loader
 
 STAGE_DIRS = {"rl": "checkpoints", "sft": "sft/checkpoints"}
@@ -80,7 +79,8 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
                   stage: str = "rl") -> tuple[nnx.Module, int]:
   """(model, step) of checkpoint `step` (default: the latest) of the run's `stage`, its
   weights sharded over every device of this job (however many processes it has, whatever
-  mesh trained it). A missing step is an error that lists the steps there are."""
+  mesh trained it). Only the params are read: the optimizer state, twice the params under
+  Adam, stays on disk. A missing step is an error that lists the steps there are."""
   checkpointer = _reader(run_dir, stage)
   ckpt_dir = os.fspath(checkpointer.directory)
   try:
@@ -99,13 +99,13 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
                   if run.model.vocabulary == "compact" else None)
     model = loader.abstract_model(run.model, vocab_size=vocab_size)  # reads no weights
     params = nnx.state(model)
-    tx, _ = make_optimizer(run.sft_optimizer if stage == "sft" else run.optimizer)
     mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
-    state, _ = checkpointer.restore(abstract_train_state(
-        params, tx, shardings=state_shardings(params, tx, mesh)), step)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          params, shd.state_shardings(params, mesh))
+    params = checkpointer.restore_params(target, step)
   finally:
     checkpointer.close()
-  return nnx.merge(nnx.graphdef(model), state.params), step
+  return nnx.merge(nnx.graphdef(model), params), step
 
 
 def restore_sampling_model(run_dir: str, run: run_config.RunConfig, step: int | None = None,

@@ -214,6 +214,32 @@ def test_restore_params_reads_only_the_params_into_the_models_sharding(tmp_path,
         target)
 
 
+def test_a_runs_model_is_restored_without_its_optimizer_state(tmp_path):
+  """Export and evaluation read a checkpoint's params only: its optimizer state (twice the
+  params under Adam) stays on disk, whatever optimizer wrote it (here a momentum SGD's, which
+  the run's AdamW could not restore into)."""
+  import optax  # noqa: PLC0415
+  from configs import sage as sage_configs  # noqa: PLC0415
+  from sage_jax import run_checkpoint, run_config  # noqa: PLC0415
+  from sage_jax.weights import loader  # noqa: PLC0415
+
+  c = sage_configs.get_config("demo")
+  c.model.update(preset="tiny", vocabulary="full")
+  run = run_config.resolve(c)
+  model = loader.build_model(run.model)
+  params = nnx.state(model)
+  sgd = optax.sgd(0.1, momentum=0.9)
+  state = state_lib.create_train_state(params, sgd, seed=0)
+  directory = tmp_path / "run" / run_checkpoint.STAGE_DIRS["rl"]
+  saver = ckpt.Checkpointer(ckpt.CheckpointConfig(directory=str(directory)))
+  saver.save(3, state, meta={"step": 3})
+  saver.close()
+  restored, step = run_checkpoint.restore_model(str(tmp_path / "run"), run)
+  assert step == 3
+  for a, b in zip(jax.tree.leaves(nnx.state(restored)), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_preemption_guard_turns_sigterm_into_a_flag():
   import signal
   with ckpt.PreemptionGuard() as guard:
