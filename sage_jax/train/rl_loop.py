@@ -161,7 +161,8 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
                                        norm_constant=grpo_config.norm_constant,
                                        allgather=multihost.allgather)
     if info.num_sequences:  # else no process had an episode for it (the counts are global)
-      batches.append((batch, info))
+      # On device once, for pi_old, the KL reference and the update alike.
+      batches.append((trainer.place_batch(batch), info))
   if grpo_config.recomputes_old_logprobs:  # pi_old of every mini-batch before any update
     batches = [(b.replace(old_logprobs=trainer.logprobs(b)), i) for b, i in batches]
   if grpo_config.use_kl:
