@@ -57,6 +57,14 @@ def test_format_validation(tmp_path):
       ({**good, "messages": [good["messages"][0], {"role": "bot", "content": "x"}]}, "role 'bot'"),
       ({**good, "messages": good["messages"][:2]}, "no assistant message"),
       ({**good, "messages": [{"role": "system", "content": 3}] + good["messages"][1:]}, "string"),
+      # The agent's order: system, the task, then assistant turns each answered.
+      ({**good, "messages": [good["messages"][0], *good["messages"][2:]]},
+       r"message 1 \(assistant\) comes where the task"),
+      ({**good, "messages": [*good["messages"][:2], {"role": "tool", "content": "x"},
+                             *good["messages"][2:]]},
+       r"message 2 \(tool\) follows a user message"),
+      ({**good, "messages": [*good["messages"][:3], *good["messages"][2:]]},
+       r"message 3 \(assistant\) follows another assistant"),
   ]
   for raw, match in cases:
     with pytest.raises(sft_data.FormatError, match=match):

@@ -12,7 +12,8 @@ Format: one JSON object per line.
 
 - The first message is the system prompt (the skill-library prompt of `sage_jax.agent.prompts`
   for SAGE); then "user" (the task), "assistant" (the model's turns) and "tool" (environment
-  observations) in conversation order, at least one assistant turn.
+  observations) in conversation order, at least one assistant turn: a "tool" message follows
+  an assistant turn, and no assistant turn follows another.
 - An assistant turn's content is exactly what the model generates, without the closing
   `<|im_end|>`; the tokeniser appends `<|im_end|>` and trains on it (the model must learn to
   stop).
@@ -102,6 +103,8 @@ def validate(raw: Any, where: str = "trajectory") -> Trajectory:
     if (role == "system") != (i == 0):
       raise FormatError(f"{where}: message {i}: the system prompt is the first message "
                         "and only it")
+    if i and (problem := _out_of_order(role, out[-1]["role"], i)):
+      raise FormatError(f"{where}: message {i} ({role}) {problem}")
     out.append({"role": role, "content": content})
   if not any(m["role"] == "assistant" for m in out):
     raise FormatError(f"{where}: no assistant message, nothing to train on")
@@ -109,6 +112,19 @@ def validate(raw: Any, where: str = "trajectory") -> Trajectory:
   if not isinstance(metadata, dict):
     raise FormatError(f"{where}: 'metadata' must be an object")
   return Trajectory(tid, tuple(out), metadata)
+
+
+def _out_of_order(role: str, previous: str, index: int) -> str | None:
+  """What is wrong with message `index` of `role` after one of `previous`, if anything: the
+  agent's conversations are system, the task, then assistant turns each answered by a tool
+  observation (or by the user), and SFT should not teach the model other shapes."""
+  if index == 1 and role != "user":
+    return "comes where the task (a user message) should be"
+  if role == "tool" and previous != "assistant":
+    return f"follows a {previous} message: an observation answers an assistant turn"
+  if role == "assistant" and previous == "assistant":
+    return "follows another assistant message: turns alternate with observations"
+  return None
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
