@@ -53,6 +53,11 @@ def compact_spec(full: dict, used_ids: Iterable[int]) -> dict:
                     "merges": [[a, b] for a, b in merges if a + b in keep]}}
 
 
+# What `write_compact_tokenizer` writes, in the order it writes them: tokenizer.json, the file
+# a reader loads, last.
+FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
+
+
 def write_compact_tokenizer(out_dir: str | os.PathLike, *, texts: Iterable[str] = (),
                             ids: Iterable[int] = (),
                             source: str | os.PathLike | None = None) -> epath.Path:
@@ -69,14 +74,23 @@ def write_compact_tokenizer(out_dir: str | os.PathLike, *, texts: Iterable[str] 
     used.update(encoder.encode(text, add_special_tokens=False).ids)
   spec = compact_spec(full, used)
   first_added = len(spec["model"]["vocab"])
+  contents = {
+      "vocab.json": json.dumps(spec["model"]["vocab"], ensure_ascii=False),
+      "merges.txt": "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in spec["model"]["merges"]),
+      "tokenizer_config.json": json.dumps(qwen_tokenizer.tokenizer_config(first_added), indent=2,
+                                          ensure_ascii=False),
+      "tokenizer.json": json.dumps(spec, ensure_ascii=False)}
   out = storage.path(out_dir)
-  storage.write_text(out / "tokenizer.json", json.dumps(spec, ensure_ascii=False))
-  storage.write_text(out / "vocab.json", json.dumps(spec["model"]["vocab"], ensure_ascii=False))
-  storage.write_text(out / "merges.txt", "#version: 0.2\n" + "".join(
-      f"{a} {b}\n" for a, b in spec["model"]["merges"]))
-  storage.write_text(out / "tokenizer_config.json", json.dumps(
-      qwen_tokenizer.tokenizer_config(first_added), indent=2, ensure_ascii=False))
+  for name in FILES:  # each whole
+    storage.write_text(out / name, contents[name])
   return out
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+  """Whether `directory` holds every file of a compact tokenizer: a write that was cut short
+  (each file is written whole, one after another) leaves some out."""
+  directory = storage.path(directory)
+  return all((directory / name).exists() for name in FILES)
 
 
 RUN_SUBDIR = "tokenizer"  # where a run with a compact vocabulary keeps its tokenizer

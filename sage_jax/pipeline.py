@@ -48,6 +48,7 @@ DIR/config.json, and an invalid config fails before anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -87,6 +88,10 @@ from sage_jax.weights import loader
 # The sections of a run's config that decide what an evaluation measures: a report made under
 # others is made again.
 EVALUATION_SECTIONS = ("eval", "agent", "retrieval")
+# Written into <workdir>/hf after the export there is complete: the checkpoint it is of and a
+# digest of its text files (config, model card). A new export replaces the directory, record
+# and all.
+EXPORT_RECORD = "sage_jax_run_export.json"
 SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate",
                 "later_skill_usage_rate")
 
@@ -104,6 +109,21 @@ def reusable(report: dict | None, config: dict, weights_from: dict | None) -> bo
                                              default=str))
   return (stage_step(report.get("checkpoint")) == stage_step(weights_from)
           and settings(report.get("config") or {}) == settings(config))
+
+
+def check_evaluation_reports(run: run_config.RunConfig) -> None:
+  """Fails a run whose dev evaluation and evaluation of the training scenarios would write
+  one report: both keep theirs in <workdir>/eval_before/ (eval_after/) as
+  eval_<split>.json, and with one split the second would replace the first."""
+  p = run.pipeline
+  if p.eval_train and (p.eval_before or p.eval_after) and run.eval.split == p.train_split:
+    name = "eval_before" if p.eval_before else "eval_after"
+    raise run_config.ConfigError(
+        f"config.pipeline.eval_train: True with eval.split == pipeline.train_split "
+        f"({p.train_split!r}): the dev evaluation scores that split already, and the "
+        f"evaluation of the training scenarios would replace its report "
+        f"({name}/eval_{p.train_split}.json); set eval_train=False, or evaluate on another "
+        "split")
 
 
 def preempted_exit_code(stop_signal: int | None) -> int:
@@ -135,7 +155,10 @@ class Pipeline:
     self.config = config
     self.run = run_config.resolve(config, jax.device_count(), jax.local_device_count())
     memory_plan.check_fits(self.run, jax.local_devices()[0])
-    loader.check_tokenizer(self.run.model)  # before config.json records the run
+    # Before config.json records the run:
+    loader.check_weights(self.run.model)
+    loader.check_tokenizer(self.run.model)
+    check_evaluation_reports(self.run)
     self.workdir = storage.open_workdir(workdir, flag="--workdir")
     self.config_dict = run_config.with_seeds(config, self.run)
     recorded = _read_json_on_lead(self.workdir / "config.json")
@@ -372,10 +395,11 @@ class Pipeline:
     return metrics["overall"]
 
   def compact_tokenizer_dir(self) -> str:
-    """Qwen2.5's tokenizer cut to the tokens of the SFT corpus (made once, kept in the run)."""
+    """Qwen2.5's tokenizer cut to the tokens of the SFT corpus (made once, kept in the run;
+    made again when a write of it was cut short)."""
     out = compact_tokenizer.run_tokenizer_dir(self.workdir, "compact")
     corpus = self.expert_trajectories()  # every process: it may gather
-    if multihost.is_lead() and not (out / "tokenizer.json").exists():
+    if multihost.is_lead() and not compact_tokenizer.is_complete(out):
       examples = self._load_examples(corpus)  # each turn encoded apart
       compact_tokenizer.write_compact_tokenizer(out, ids=(t for e in examples for t in e.tokens))
     multihost.sync_barrier("compact_tokenizer")
@@ -597,17 +621,24 @@ class Pipeline:
     """Writes the model as trained to workdir/hf, with what `sage_jax.export` writes beside a
     checkpoint's: the run's config and a model card (`summary`'s evaluations in its table). The
     weights are in the dtype of the HF checkpoint the run started from, else in param_dtype
-    (`export.write_model`)."""
-    self.read_sft_result("the model exported")
-    out = os.fspath(self.workdir / "hf")
+    (`export.write_model`). An export there of the same checkpoint with the same files,
+    as its record says (`EXPORT_RECORD`, written last), is kept: a rerun of a finished run
+    exports nothing (for a large model, minutes and the model's size in writes)."""
+    out = self.workdir / "hf"
     held = self.weights_from or {"stage": None, "step": 0}
     files = export.run_files(ml_collections.ConfigDict(self.config_dict), held["stage"],
                              held["step"], {"table": summary_table(summary), "weights": held}
                              if {"before", "after"} & summary.keys() else {})
-    export.write_model(self.model, out, compact_tokenizer.run_tokenizer_dir(
+    record = {"stage": held["stage"], "step": held["step"], "files_sha256": hashlib.sha256(
+        json.dumps(files, sort_keys=True).encode()).hexdigest()}
+    if _read_json_on_lead(out / EXPORT_RECORD) == record:
+      return os.fspath(out)
+    self.read_sft_result("the model exported")
+    export.write_model(self.model, os.fspath(out), compact_tokenizer.run_tokenizer_dir(
         self.workdir, self.run.model.vocabulary), base_model=self.run.model.spec,
         text_files=files)
-    return out
+    _write_json(out / EXPORT_RECORD, record)
+    return os.fspath(out)
 
 
 def summary_table(summary: dict) -> str:

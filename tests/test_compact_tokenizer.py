@@ -2,13 +2,16 @@
 
 import json
 import unicodedata
+import uuid
 
 import pytest
 from transformers import AutoTokenizer
 
+from sage_jax import storage
 from sage_jax.agent import prompts
-from sage_jax.compact_tokenizer import write_compact_tokenizer
+from sage_jax.compact_tokenizer import FILES, is_complete, write_compact_tokenizer
 from sage_jax.tokenizer import IM_END, QWEN25_ADDED_TOKENS, Conversation, Tokenizer
+from tests import fake_gcs
 
 SOLUTION = '''def count_library_songs_by_genre(genre):
     passwords = {item["account_name"]: item["password"] for item in apis.supervisor.show_account_passwords()}
@@ -94,3 +97,21 @@ def test_sft_examples_tokenize_exactly_as_qwen25_from_their_own_ids(full, tmp_pa
     pieces = lambda tok: [tok.id_to_token(int(i))
                           for i in sft_data.tokenize(trajectory, tok).tokens]
     assert pieces(compact) == pieces(full), trajectory.id
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_directory_missing_a_file_is_not_a_tokenizer(where, tmp_path, request):
+  """A write cut short between files leaves a directory that is not taken up as written."""
+  root = str(tmp_path)
+  if where == "gcs":
+    bucket = f"unit-{uuid.uuid4().hex[:8]}"
+    fake_gcs.create_bucket(request.getfixturevalue("gcs_url"), bucket)
+    root = f"gs://{bucket}/run"
+  out = write_compact_tokenizer(f"{root}/tokenizer", texts=CORPUS[1:2])
+  assert out == storage.path(f"{root}/tokenizer") and is_complete(out)
+  assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+  for name in FILES:
+    text = (out / name).read_text()
+    (out / name).unlink()
+    assert not is_complete(out), name
+    storage.write_text(out / name, text)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sage_jax import pipeline, run_config
+from sage_jax import compact_tokenizer, pipeline, run_config
 from sage_jax.configurable import ConfigError
 from sage_jax.train import rl_loop
 from sage_jax.train.checkpoint import Checkpointer
@@ -307,3 +307,71 @@ def test_rl_without_evaluations_keeps_the_best_checkpoint_it_has(
   finally:
     pipe.close()
   assert _rl_steps(workdir) == [1, 5]
+
+
+def test_a_rerun_keeps_the_export_of_the_weights_it_holds(tmp_path, demo_expert_file):  # noqa: F811
+  """A rerun of a finished run leaves <workdir>/hf as it is when it holds the export of the
+  run's result (as its record says); an export without its record (cut short) is made again,
+  and so is one of other weights (more steps)."""
+  c = _sft_on_file(demo_expert_file)
+  c.pipeline.export = True
+  c.sft.total_steps = 1
+  workdir = tmp_path / "run"
+  hf = workdir / "hf"
+  weights = lambda: sorted((p.name, p.stat().st_ino, p.stat().st_mtime_ns)
+                           for p in hf.glob("*.safetensors"))
+  record = lambda: json.loads((hf / pipeline.EXPORT_RECORD).read_text())
+  pipeline.run(c, str(workdir))
+  exported = weights()
+  assert exported and (record()["stage"], record()["step"]) == ("sft", 1)
+  assert pipeline.run(c, str(workdir))["export"] == str(hf)
+  assert weights() == exported
+  (hf / pipeline.EXPORT_RECORD).unlink()
+  pipeline.run(c, str(workdir))
+  assert weights() != exported and record()["step"] == 1
+  exported = weights()
+  c.sft.total_steps = 2
+  pipeline.run(c, str(workdir))
+  assert weights() != exported and record()["step"] == 2
+  card = (hf / "README.md").read_text()
+  assert "- Checkpoint: sft step 2" in card
+
+
+def test_training_scenarios_evaluated_on_the_dev_split_are_refused(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """With eval.split the train split, pipeline.eval_train's evaluation would write over the
+  dev evaluation's report (both eval_before/eval_train.json): refused, naming both keys,
+  before config.json records the run."""
+  c = _sft_on_file(demo_expert_file)
+  c.pipeline.update(eval_before=True, eval_train=True)
+  c.eval.split = c.pipeline.train_split
+  with pytest.raises(ConfigError, match=re.escape(
+      "config.pipeline.eval_train: True with eval.split == pipeline.train_split ('train'): "
+      "the dev evaluation scores that split already") + r".*\(eval_before/eval_train.json\)"):
+    pipeline.Pipeline(c, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_spec_that_names_no_weights_fails_before_the_run_starts(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """A model.spec that is no checkpoint here fails naming its key before AppWorld starts and
+  config.json records the run, not when the model is built."""
+  c = _sft_on_file(demo_expert_file)
+  c.pipeline.eval_before = True  # a run that plays episodes starts AppWorld at once
+  c.model.update(spec=str(tmp_path / "Qwen2.5-7B-Instruct"), preset="", vocabulary="full")
+  with pytest.raises(ConfigError, match=r"config.model.spec: .*Qwen2.5-7B-Instruct' is not an "
+                                        r"HF checkpoint directory"):
+    pipeline.Pipeline(c, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists() and not pool_templates()
+
+
+def test_a_compact_tokenizer_cut_short_is_made_again(tmp_path, demo_expert_file):  # noqa: F811
+  """A compact tokenizer directory that a stopped write left without all its files is not
+  taken up: the next start writes it whole."""
+  workdir = tmp_path / "run"
+  tokenizer = workdir / compact_tokenizer.RUN_SUBDIR
+  pipeline.Pipeline(_sft_on_file(demo_expert_file), str(workdir)).close()
+  written = {name: (tokenizer / name).read_text() for name in compact_tokenizer.FILES}
+  (tokenizer / "merges.txt").unlink()
+  pipeline.Pipeline(_sft_on_file(demo_expert_file), str(workdir)).close()
+  assert {name: (tokenizer / name).read_text() for name in compact_tokenizer.FILES} == written

@@ -15,6 +15,7 @@ import pytest
 from sage_jax import run_config
 from sage_jax.configurable import ConfigError
 from sage_jax.sft.expert import ExpertConfig
+from sage_jax.weights import loader
 from sage_jax.weights.loader import ModelSpec, build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,8 +57,29 @@ def test_a_real_size_preset_takes_the_weights_it_is_pointed_at(preset):
   assert (run.model.spec, run.model.preset) == ("/checkpoints/Qwen2.5-Instruct",
                                                 config.model.preset)
   config.model.update(spec="", preset="")
-  with pytest.raises(ConfigError, match=r"set spec \(the weights to load\) or preset"):
+  with pytest.raises(ConfigError, match=r"config.model: spec and preset are both empty: set "
+                                        r"spec \(the weights to load\) or preset"):
     run_config.resolve(config, num_devices=PRESETS[preset])
+
+
+def test_a_spec_that_names_no_weights_here_fails_naming_its_key(tmp_path):
+  """What a run checks at its start (`resolve` does not: a launcher resolves configs for
+  hosts whose disks it does not see): model.spec names an HF directory, a .gguf file or the
+  bundled model on this host."""
+  model = lambda spec: ModelSpec(spec=spec, preset="tiny")
+  for spec in ("", "qwen2.5-coder-0.5b-instruct", str(tmp_path)):
+    loader.check_weights(model(spec))
+  (tmp_path / "weights.gguf").write_bytes(b"")
+  loader.check_weights(model(str(tmp_path / "weights.gguf")))
+  missing = str(tmp_path / "Qwen2.5-7B-Instruct")
+  with pytest.raises(ConfigError, match=re.escape(
+      f"config.model.spec: {missing!r} is not an HF checkpoint directory, a .gguf file or "
+      "'qwen2.5-coder-0.5b-instruct' (no such path on this host)")):
+    loader.check_weights(model(missing))
+  (tmp_path / "weights.bin").write_bytes(b"")
+  with pytest.raises(ConfigError, match=r"config.model.spec: .*weights.bin' is not an HF "
+                                        r"checkpoint directory, a .gguf file or '[^']*'$"):
+    loader.check_weights(model(str(tmp_path / "weights.bin")))
 
 
 def test_unknown_preset_names_the_known_ones():

@@ -74,15 +74,23 @@ def checkpoint_architecture(spec: str) -> Qwen2Config:
   return BUNDLED_0P5B_ARCHITECTURE if spec == BUNDLED_0P5B else checkpoint_config(spec)
 
 
+def weights_format(path: str) -> str | None:
+  """"hf" for a checkpoint directory, "gguf" for a .gguf file, None for neither (a local
+  path; `resolve` turns the bundled model's name into one)."""
+  if os.path.isdir(path):
+    return "hf"
+  return "gguf" if path.endswith(".gguf") and os.path.isfile(path) else None
+
+
 def checkpoint_config(spec: str, param_dtype: str | None = None,
                       dtype: str | None = None) -> Qwen2Config:
   """The config `load_model(spec)` loads with: an HF directory's config.json, a GGUF's metadata
   (its weights dequantised to float32 by default). Reads no weights, except that the first
   use of `BUNDLED_0P5B` makes its cached HF conversion (~30 s once on a 2-core CPU)."""
   path = resolve(spec)
-  if os.path.isdir(path):
+  if weights_format(path) == "hf":
     return hf.checkpoint_config(path, param_dtype=param_dtype, dtype=dtype)
-  if path.endswith(".gguf") and os.path.isfile(path):
+  if weights_format(path) == "gguf":
     param_dtype = param_dtype or "float32"
     return Qwen2Config.from_hf(gguf_import.read_gguf(path)[0], param_dtype=param_dtype,
                                dtype=dtype or param_dtype)
@@ -106,7 +114,7 @@ def _load_weights(spec: str, cfg: Qwen2Config, mesh: Mesh | None,
   """The checkpoint's weights in a model of `cfg` (`checkpoint_config`, with any settings
   that do not change the weights)."""
   path = resolve(spec)
-  if os.path.isdir(path):
+  if weights_format(path) == "hf":
     tensors = hf.iter_safetensors(path)
   else:
     tensors = ((path, name, array) for name, array in gguf_import.read_gguf(path)[1])
@@ -153,8 +161,9 @@ class ModelSpec:
 
   def __post_init__(self):
     if not (self.spec or self.preset):
-      raise ValueError("model: set spec (the weights to load) or preset (an architecture to "
-                       "initialise randomly), or both (spec's weights, of the preset's shape)")
+      raise ValueError("spec and preset are both empty: set spec (the weights to load) or "
+                       "preset (an architecture to initialise randomly), or both (spec's "
+                       "weights, of the preset's shape)")
     if self.vocabulary not in VOCABULARIES:
       raise ValueError(f"vocabulary={self.vocabulary!r}: expected one of {VOCABULARIES}")
     if self.vocabulary == "compact" and self.spec:
@@ -221,6 +230,18 @@ def model_config(spec: ModelSpec, vocab_size: int | None = None) -> Qwen2Config:
   return cfg.replace(remat=spec.remat, remat_layers=spec.remat_layers,
                      attention_block=spec.attention_block, attention_impl=spec.attention_impl,
                      decode_attention_impl=spec.decode_attention_impl)
+
+
+def check_weights(spec: ModelSpec) -> None:
+  """Fails unless `spec.spec`, where set, names weights this host can load: a run checks it at
+  its start, before AppWorld starts and config.json records the run. (`run_config.resolve`
+  does not: a launcher resolves configs for hosts whose disks it does not see.)"""
+  path = spec.spec
+  if not path or path == BUNDLED_0P5B or weights_format(path):
+    return
+  raise ConfigError(f"config.model.spec: {path!r} is not an HF checkpoint directory, a .gguf "
+                    f"file or {BUNDLED_0P5B!r}" + ("" if os.path.exists(path)
+                                                   else " (no such path on this host)"))
 
 
 def check_tokenizer(spec: ModelSpec) -> None:
