@@ -15,6 +15,8 @@ from sage_jax.model import lora
 from sage_jax.rl import batch as B
 from sage_jax.rl import grpo
 from sage_jax.train import optimizer as opt
+from sage_jax.train import rl_loop
+from sage_jax.train.state import split_trainable
 from sage_jax.train.step import Trainer
 
 VOCAB = 64
@@ -159,6 +161,47 @@ def test_a_lora_step_under_remat_is_the_step_without_it(remat):
   plain, rematted = params
   for path, value in plain.items():
     np.testing.assert_allclose(rematted[path], value, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+def _two_kl_updates(make_reference):
+  """Two GRPO updates with KL of a fresh adapted model against `make_reference(params)`:
+  (trainer, reference, params before, the updates' KL, the arrays of the state before:
+  its frozen base, and the rest)."""
+  config = grpo.GRPOConfig(kl_coef=0.1)
+  batch_config = B.BatchConfig(micro_batch_tokens=64, num_micro_batches=2,
+                               length_buckets=(16,), row_multiple=4)
+  model = _adapted(cfg=CFG.replace(param_dtype="bfloat16"))
+  _randomise_b(model)
+  trainer = rl_loop.grpo_trainer(
+      model, config, opt.OptimizerConfig(learning_rate=1e-2, warmup_steps=0))
+  # Of a copy: an array on the CPU keeps the NumPy view it gave, which it cannot be donated with.
+  before = _flat(jax.tree.map(jnp.copy, trainer.params))
+  reference = make_reference(trainer.params)
+  trainable, base = split_trainable(trainer.params)
+  arrays = jax.tree.leaves(base), jax.tree.leaves(trainer.state.replace(params=trainable))
+  kls = [rl_loop.grpo_update(trainer, _records(8, seed), config, batch_config,
+                             reference_params=reference)["kl"] for seed in range(2)]
+  return trainer, reference, before, kls, arrays
+
+
+def test_the_kl_reference_shares_the_frozen_base_and_gives_the_kl_of_a_full_copy():
+  """Only the adapters change in training, so the KL reference copies them alone and shares
+  the frozen base with the trainer: a step donates what it updates (adapters, moments) and
+  only reads the base, which stays the very same arrays. The KL is that of a full copy."""
+  trainer, reference, before, kls, (base_before, updated) = _two_kl_updates(rl_loop.frozen_copy)
+  assert all(x.is_deleted() for x in updated)
+  ref_adapters, ref_base = split_trainable(reference)
+  ref_base, base = jax.tree.leaves(ref_base), jax.tree.leaves(split_trainable(trainer.params)[1])
+  assert len(ref_base) == len(base) == len(base_before) > 0
+  assert all(r is b is b0 and not r.is_deleted()
+             for r, b, b0 in zip(ref_base, base, base_before))
+  # The reference holds the parameters the updates started from; only its adapters differ
+  # from the trainer's now.
+  assert all(np.array_equal(v, before[p]) for p, v in _flat(reference).items())
+  moved = {p for p, v in _flat(trainer.params).items() if not np.array_equal(v, before[p])}
+  assert moved == set(_flat(ref_adapters)) == {p for p in before if "lora" in p}
+  _, _, _, full_kls, _ = _two_kl_updates(lambda params: jax.tree.map(jnp.copy, params))
+  assert kls[1] > 0 and kls == full_kls
 
 
 def test_model_section_adds_adapters_on_the_mesh_and_names_bad_keys():

@@ -6,7 +6,9 @@ weighted loss (the weights already normalise over the whole batch, so the sum is
 of the batch loss), skips micro-batches without a loss token (padding to the fixed M costs
 nothing) and runs only the forward pass (for the statistics) of those whose loss has no
 gradient (a GRPO micro-batch whose advantages are all 0), then applies the optimiser once.
-The state is donated; its shardings are pinned, so after the first call per row length
+What the step updates (trainable parameters, optimiser state, step, RNG: the whole state
+without LoRA) is donated; a frozen base is only read, so its arrays outlive the step and can
+be shared (the KL reference). Shardings are pinned, so after the first call per row length
 nothing compiles again. A step whose loss or gradient is not finite changes nothing but the
 step count (metric `nonfinite_skipped`).
 
@@ -96,10 +98,12 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
                     rules: shd.ShardingRules = shd.ShardingRules(),
                     param_shardings: Any = None, skip_empty_micro_batches: bool = True,
                     gradient_mask: GradientMask | None = None):
-  """The pure (un-jitted) train step `(state, batch) -> (state, metrics)`. Only the trainable
-  part of the parameters (`state.split_trainable`) is differentiated and updated; a frozen
-  base passes through unchanged. `param_shardings`: those of the trainable part.
-  `gradient_mask`: see `GradientMask` (with skip_empty_micro_batches)."""
+  """The pure (un-jitted) train step `(state, frozen, batch) -> (state, metrics)`: `state`
+  holds only the trainable part of the parameters (`state.split_trainable`), which is
+  differentiated and updated; `frozen` is the rest (a LoRA base; empty without adapters),
+  read and not returned, so that the jitted step neither donates nor copies it.
+  `param_shardings`: those of the trainable part. `gradient_mask`: see `GradientMask` (with
+  skip_empty_micro_batches)."""
 
   def rules_ctx():
     return contextlib.nullcontext() if mesh is None else shd.use_rules(mesh, rules)
@@ -119,9 +123,10 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       grads = jax.lax.with_sharding_constraint(grads, param_shardings)
     return loss, stats, grads
 
-  def train_step(state: TrainState, batch: TrainBatch):
+  def train_step(state: TrainState, frozen: nnx.State, batch: TrainBatch):
     with rules_ctx():
-      params = state.params
+      trainable = state.params
+      params = merge_trainable(trainable, frozen)
       first = jax.tree.map(lambda x: x[0], batch)
       loss_shape, stats_shape, grads_shape = jax.eval_shape(micro_grads, params, first)
       zeros = lambda s: jnp.zeros(s.shape, s.dtype)
@@ -147,16 +152,15 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
 
       (loss, stats, grads), _ = jax.lax.scan(body, empty, batch)
       grad_norm = optax.tree.norm(grads)
-      trainable, frozen = split_trainable(params)
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
       updates, opt_state = tx.update(grads, state.opt_state, trainable)
-      new_params = merge_trainable(optax.apply_updates(trainable, updates), frozen)
+      new_params = optax.apply_updates(trainable, updates)
       # A non-finite loss or gradient (a diverged batch) would spread NaN into every weight
       # and every later checkpoint: the step leaves the parameters and optimiser state as
       # they were, and says so.
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-      new_params, opt_state = keep(new_params, params), keep(opt_state, state.opt_state)
+      new_params, opt_state = keep(new_params, trainable), keep(opt_state, state.opt_state)
       total_tokens = jnp.sum(batch.loss_mask)
       metrics = {"loss": loss, "grad_norm": grad_norm,
                  # The rate this update applied: the schedule at the count before it.
@@ -171,6 +175,12 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
   return train_step
 
 
+def _split_state(state: TrainState) -> tuple[TrainState, nnx.State]:
+  """(what a step updates, the frozen params it only reads): the step's two state inputs."""
+  trainable, frozen = split_trainable(state.params)
+  return state.replace(params=trainable), frozen
+
+
 class Trainer:
   """Owns the train state of one model and the jitted step over it.
 
@@ -178,9 +188,11 @@ class Trainer:
   parameters), and every new state (a step, a restored checkpoint) becomes the model's.
   `trainer.state.params` is the current nnx.State on device in its sharding: a sampler in the
   same process takes it as it is (`Engine.update_params`), with no host copy. The step
-  donates the previous state, so arrays taken from the model or the trainer before a step
-  are gone after it: hand the new params to the sampler after every `step` (as the loops
-  do), and copy what must outlive a step (`rl_loop.frozen_copy`).
+  donates what it updates (all of the previous state without LoRA; with it, everything but
+  the frozen base, whose arrays stay the same from step to step), so arrays of it taken from
+  the model or the trainer before a step are gone after it: hand the new params to the
+  sampler after every `step` (as the loops do), and copy what must outlive a step
+  (`rl_loop.frozen_copy`).
   """
 
   def __init__(self, model: Qwen2, loss_fn: LossFn,
@@ -203,10 +215,10 @@ class Trainer:
         self.graphdef, loss_fn, self.tx, self.schedule, mesh=mesh, rules=rules,
         param_shardings=None if mesh is None else split_trainable(self.shardings.params)[0],
         skip_empty_micro_batches=config.skip_empty_micro_batches, gradient_mask=gradient_mask)
-    sh = self.shardings
+    sh = None if self.shardings is None else _split_state(self.shardings)
     self._step = jax.jit(step, donate_argnums=0,
-                         in_shardings=None if sh is None else (sh, None),
-                         out_shardings=None if sh is None else (sh, None))
+                         in_shardings=None if sh is None else (*sh, None),
+                         out_shardings=None if sh is None else (sh[0], None))
     self._logprobs = jax.jit(self._logprobs_impl)
 
   # --- State ------------------------------------------------------------------------------
@@ -282,7 +294,9 @@ class Trainer:
 
   def step(self, batch: TrainBatch) -> dict[str, jax.Array]:
     """One optimiser update on `batch` (host or device); returns device scalars."""
-    self.state, metrics = self._step(self.state, self.place_batch(batch))
+    updated, frozen = _split_state(self.state)
+    updated, metrics = self._step(updated, frozen, self.place_batch(batch))
+    self.state = updated.replace(params=merge_trainable(updated.params, frozen))
     return metrics
 
   def _logprobs_impl(self, params, batch: TrainBatch):
@@ -312,7 +326,7 @@ class Trainer:
   def step_temp_bytes(self, batch: TrainBatch) -> int:
     """Bytes of temporaries XLA plans for one step on `batch`'s shapes (activations, logits,
     attention scores; not the state or the batch). Compiles, does not run."""
-    lowered = self._step.lower(self.abstract_state(), self.place_batch(batch))
+    lowered = self._step.lower(*_split_state(self.abstract_state()), self.place_batch(batch))
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
   @property
