@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from sage_jax.model import get_preset
@@ -222,3 +223,69 @@ def test_the_32b_lora_preset_fits_one_node_of_8_h100_and_full_finetuning_does_no
       **{**run.model.__dict__, "lora_rank": 0, "param_dtype": "float32"})})
   assert memory_plan.run_plan(full, hosts=1, devices_per_host=8,
                               device_memory_gib=79.6).fits is False
+
+
+def test_a_lora_kl_reference_counts_the_adapters_only():
+  """The KL reference copies what training changes, the adapters, and shares the frozen base
+  with the trainer: float32 adapters as large and as sharded as their float32 gradients."""
+  run = _run("sage", "qwen2.5-32b-lora", hosts=1, devices_per_host=8)
+  run = run.__class__(**{**run.__dict__, "grpo": dataclasses.replace(run.grpo, kl_coef=0.01)})
+  result = memory_plan.run_plan(run, hosts=1, devices_per_host=8, device_memory_gib=79.6)
+  assert result.reference_bytes_per_device == result.train.grads_bytes_per_device > 0
+  assert result.reference_bytes_per_device < result.train.params_bytes_per_device / 20
+
+
+def _one_row(vocab_size, row_len):
+  from sage_jax.rl import batch as B  # noqa: PLC0415
+  mask = np.ones(row_len + 1, np.int8)
+  mask[0] = 0
+  logprobs = np.where(mask, -np.log(vocab_size), 0).astype(np.float32)
+  record = dict(tokens=np.random.default_rng(0).integers(0, vocab_size, row_len + 1),
+                loss_mask=mask, model_logprobs=logprobs, sampler_logprobs=logprobs,
+                advantage=1.0)
+  return B.make_batch([record], B.BatchConfig(micro_batch_tokens=row_len,
+                                              length_buckets=(row_len,)))[0]
+
+
+@pytest.mark.parametrize("row_len", [512, 1024])
+def test_dense_attention_plans_at_least_the_temporaries_xla_plans_for_the_step(row_len):
+  """XLA's backward pass of dense attention keeps several [heads, T, T] float32 arrays per
+  layer, not one: the gradient and activations of the plan cover what XLA:CPU plans for the
+  real train step (a compact vocabulary, so that attention is most of it), within 25%."""
+  from sage_jax.model import init_model  # noqa: PLC0415
+  from sage_jax.rl import grpo  # noqa: PLC0415
+  from sage_jax.train.optimizer import OptimizerConfig  # noqa: PLC0415
+  from sage_jax.train.rl_loop import grpo_trainer  # noqa: PLC0415
+
+  cfg = get_preset("small", vocab_size=4096, attention_impl="xla")
+  trainer = grpo_trainer(init_model(cfg), grpo.GRPOConfig(logprob_chunk=512),
+                         OptimizerConfig(learning_rate=1e-6))
+  temp = trainer.step_temp_bytes(_one_row(cfg.vocab_size, row_len))
+  planned = (memory_plan.plan(cfg, (1, 1, 1)).grads_bytes_per_device
+             + memory_plan.activation_bytes(cfg, 1, row_len, 1, logprob_chunk=512))
+  assert temp <= planned < 1.25 * temp, (temp, planned)
+
+
+def test_fused_kernels_keep_no_per_head_scores():
+  """cuDNN (GPU) and splash (TPU) keep the softmax's log-sum-exp, not [heads, T, T] scores:
+  splash's activations grow linearly with the row, cuDNN's only by its [rows, 1, T, T] mask
+  bias. "auto" plans the kernel of the platform; without one, XLA's path."""
+  from sage_jax.weights.loader import ModelSpec  # noqa: PLC0415
+  cfg = get_preset("qwen2.5-7b", dtype="bfloat16", remat="full")
+
+  def activations(platform, row_len):
+    return memory_plan.activation_bytes(cfg, rows_per_device=2, row_len=row_len, tensor=2,
+                                        logprob_chunk=1024, platform=platform)
+
+  t = 4096
+  second_difference = {platform: activations(platform, 3 * t) - 2 * activations(platform, 2 * t)
+                       + activations(platform, t) for platform in ("tpu", "gpu", None)}
+  assert second_difference["tpu"] == 0
+  assert second_difference["gpu"] == 2 * 2 * t * t * 2  # 2 rows, bfloat16
+  assert second_difference[None] > 100 * second_difference["gpu"]  # dense XLA, 14 heads
+  assert [memory_plan.attention_kernel(cfg, t, platform) for platform in ("gpu", "tpu", None)
+          ] == ["cudnn", "splash", "dense"]
+  assert memory_plan.attention_kernel(cfg.replace(dtype="float32"), t, "gpu") == "dense"
+  assert memory_plan.attention_kernel(cfg.replace(attention_block=1024), t, None) == "blocked"
+  assert memory_plan._model_config(ModelSpec(preset="tiny", attention_impl="splash")
+                                   ).attention_impl == "splash"

@@ -10,11 +10,12 @@ holds follow; nothing is allocated, so a 72B plan runs on a laptop.
 
 With --config, the plan covers the whole run on the named hardware: the train state (params,
 gradients, AdamW moments; with LoRA, gradients and moments of the adapters only) on the
-training mesh over every device, the frozen KL reference
-when KL is on, the activations of one micro-batch (an estimate, see `activation_bytes`), and
-on each host the sampler's copy of the weights and its KV cache (slots x max_len), which
-live on the same devices as the train state. With --device_memory_gib, a run that does not
-fit exits with status 1 after its plan, naming the keys that shrink each part.
+training mesh over every device, the frozen KL reference when KL is on (a copy of the
+trainable params: with LoRA the adapters, sharing the frozen base with the trainer), the
+activations of one micro-batch (an estimate, see `activation_bytes`), and on each host the
+sampler's copy of the weights and its KV cache (slots x max_len), which live on the same
+devices as the train state. With --device_memory_gib, a run that does not fit exits with
+status 1 after its plan, naming the keys that shrink each part.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jax.sharding import AbstractMesh
 from sage_jax import config_file
 from sage_jax import sharding as shd
 from sage_jax.configurable import ConfigError
+from sage_jax.model import attention_kernels
 from sage_jax.model.config import PRESETS, Qwen2Config, get_preset
 from sage_jax.model.qwen2 import abstract_model
 from sage_jax.train.state import split_trainable
@@ -47,6 +49,7 @@ class MemoryPlan:
   num_trainable: int
   mesh: dict[str, int]
   params_bytes_per_device: int
+  trainable_params_bytes_per_device: int  # of params; all of them without LoRA
   grads_bytes_per_device: int
   optimizer_bytes_per_device: int
 
@@ -116,6 +119,7 @@ def plan(cfg: Qwen2Config, mesh_shape: tuple[int, int, int],
       num_trainable=sum(math.prod(x.shape) for x in jax.tree.leaves(train_values)),
       mesh=dict(zip(shd.MESH_AXES, mesh_shape)),
       params_bytes_per_device=_tree_bytes(values, axes, mesh, rules),
+      trainable_params_bytes_per_device=_tree_bytes(train_values, train_axes, mesh, rules),
       grads_bytes_per_device=_tree_bytes(grads, train_axes, mesh, rules),
       optimizer_bytes_per_device=opt_bytes)
 
@@ -177,34 +181,78 @@ def kv_cache_bytes(cfg: Qwen2Config, num_slots: int, max_len: int, data: int,
   return slots * max_len * per_token * np.dtype(cfg.jnp_dtype).itemsize + slots * cfg.vocab_size
 
 
+def attention_kernel(cfg: Qwen2Config, row_len: int, platform: str | None = None) -> str:
+  """The training attention rows of `row_len` run on `platform` ("gpu", "tpu", "cpu"), as
+  the model picks it: "cudnn", "splash", or XLA's "blocked" or "dense" path. With no platform
+  "auto" is planned as XLA's path, the one that keeps the most."""
+  impl = attention_kernels.resolve(cfg.attention_impl, platform or "cpu")
+  if impl == "cudnn" and attention_kernels.cudnn_unsupported(cfg.jnp_dtype, cfg.head_dim):
+    impl = "xla"
+  if impl != "xla":
+    return impl
+  return "blocked" if 0 < cfg.attention_block < row_len else "dense"
+
+
+def _attention_bytes(cfg: Qwen2Config, kernel: str, rows: int, row_len: int,
+                     tensor: int) -> tuple[int, int]:
+  """(bytes of one layer's attention working set, bytes held once for all layers) of
+  `kernel` (see `attention_kernel`) on `rows` rows per device, for the backward pass.
+
+  XLA's paths, calibrated against XLA:CPU's memory analysis of the train step (the small
+  preset, rows of 512-2048 tokens, no remat: the plan is 1.0-1.2x of XLA's temporaries):
+    - dense: four [heads, T, T] float32 arrays per layer: the probabilities kept for the
+      backward pass, their gradient, the scores' gradient and its masked copy (XLA keeps
+      3.3 per layer).
+    - blocked: no [T, T] array; 16 arrays of q's size per layer: the residuals q, k, v, out,
+      their block layouts, the output gradient's two layouts, dq / dk / dv accumulated in
+      float32 and their transposes (four counted in float32, the rest in the compute dtype);
+      and once, four [heads, block, block] float32 scores of the pair of blocks at hand.
+  The fused kernels are modelled from their design, not measured (no GPU or TPU here): each
+  layer keeps q, k, v, out and the softmax's log-sum-exp per head and token, no [T, T]
+  scores. cuDNN also takes the rows' segment mask, which JAX turns into a [rows, 1, T, T]
+  bias in the compute dtype (per row, not per head; one for all layers)."""
+  item = np.dtype(cfg.jnp_dtype).itemsize
+  heads = _shard(cfg.num_attention_heads, tensor)
+  q_size = rows * row_len * heads * cfg.head_dim
+  if kernel == "dense":
+    return 4 * rows * heads * row_len * row_len * 4, 0
+  if kernel == "blocked":
+    block = cfg.attention_block
+    return q_size * (4 * 4 + 12 * item), 4 * rows * heads * block * block * 4
+  kv_size = rows * row_len * _shard(cfg.num_key_value_heads, tensor) * cfg.head_dim
+  per_layer = 2 * (q_size + kv_size) * item + rows * heads * row_len * 4
+  return per_layer, rows * row_len * row_len * item if kernel == "cudnn" else 0
+
+
 def activation_bytes(cfg: Qwen2Config, rows_per_device: int, row_len: int, tensor: int,
-                     logprob_chunk: int) -> int:
+                     logprob_chunk: int, platform: str | None = None) -> int:
   """An estimate of one micro-batch's training activations per device: each layer's input
-  [rows, T, hidden] is kept, and its working set (MLP [T, 3 x intermediate / tensor],
-  attention scores [heads / tensor, T, block or T] in float32) too unless the layer is
-  rematted (`remat_layers`, all when empty): then it is live only during the layer's
-  recomputation, one layer at a time. Plus one chunk of logits [chunk, vocab / tensor] in
-  float32, with its gradient."""
+  [rows, T, hidden] is kept, and its working set (MLP [T, 3 x intermediate / tensor], the
+  projections, and attention's, which depends on the kernel on `platform`: see
+  `_attention_bytes`) too unless the layer is rematted (`remat_layers`, all when empty): then
+  it is live only during the layer's recomputation, one layer at a time. Plus one chunk of
+  logits [chunk, vocab / tensor] in float32, with its gradient. XLA:CPU does not free a
+  rematted layer's working set early, so on CPU a rematted model needs more than this."""
   item = np.dtype(cfg.jnp_dtype).itemsize
   tokens = rows_per_device * row_len
-  block = cfg.attention_block or row_len
-  heads = _shard(cfg.num_attention_heads, tensor)
-  layer = (tokens * 3 * _shard(cfg.intermediate_size, tensor) * item
-           + rows_per_device * heads * row_len * min(block, row_len) * 4
+  kernel = attention_kernel(cfg, row_len, platform)
+  attention, once = _attention_bytes(cfg, kernel, rows_per_device, row_len, tensor)
+  layer = (tokens * 3 * _shard(cfg.intermediate_size, tensor) * item + attention
            + tokens * 4 * cfg.hidden_size * item)
   kept = tokens * cfg.hidden_size * item
   layers = cfg.num_hidden_layers
   rematted = 0 if cfg.remat == "none" else len(set(cfg.remat_layers)) or layers
-  stored = layers * kept + (layers - rematted) * layer + (layer if rematted else 0)
+  stored = layers * kept + (layers - rematted) * layer + (layer if rematted else 0) + once
   chunk = min(logprob_chunk or tokens, tokens)
   return stored + 2 * chunk * _shard(cfg.vocab_size, tensor) * 4
 
 
 def run_plan(run, *, hosts: int, devices_per_host: int,
-             device_memory_gib: float | None = None) -> RunPlan:
+             device_memory_gib: float | None = None, platform: str | None = None) -> RunPlan:
   """The plan of a resolved run config (`run_config.RunConfig`) on `hosts` x
-  `devices_per_host` devices: the activations of its largest stage, the KL reference only
-  when RL trains with one."""
+  `devices_per_host` devices of `platform` (which picks the attention kernel, see
+  `attention_kernel`): the activations of its largest stage, the KL reference only when RL
+  trains with one."""
   cfg = _model_config(run.model)
   data, fsdp, tensor = run.mesh.resolve(hosts * devices_per_host)
   train = plan(cfg, (data, fsdp, tensor))
@@ -217,9 +265,9 @@ def run_plan(run, *, hosts: int, devices_per_host: int,
   use_kl = run.grpo.use_kl and "rl" in run.pipeline.stages
   return RunPlan(
       train=train,
-      reference_bytes_per_device=train.params_bytes_per_device if use_kl else 0,
+      reference_bytes_per_device=train.trainable_params_bytes_per_device if use_kl else 0,
       activation_bytes_per_device=max(
-          (_stage_activations(run, stage, cfg, data * fsdp, tensor)
+          (_stage_activations(run, stage, cfg, data * fsdp, tensor, platform)
            for stage in run.pipeline.stages), default=0),
       sampler_copy_bytes_per_device=sampler.params_bytes_per_device,
       kv_cache_bytes_per_device=kv_cache_bytes(cfg, run.engine.num_slots, run.engine.max_len,
@@ -228,7 +276,8 @@ def run_plan(run, *, hosts: int, devices_per_host: int,
       else int(device_memory_gib * 2**30))
 
 
-def _stage_activations(run, stage: str, cfg: Qwen2Config, batch_ways: int, tensor: int) -> int:
+def _stage_activations(run, stage: str, cfg: Qwen2Config, batch_ways: int, tensor: int,
+                       platform: str | None) -> int:
   """One micro-batch's activations per device in `stage`: rows of the length bucket that its
   longest row takes (RL: the longest episode; SFT: the longest example a run loads, which
   `engine.max_len` bounds), the logits in that stage's chunks."""
@@ -238,7 +287,7 @@ def _stage_activations(run, stage: str, cfg: Qwen2Config, batch_ways: int, tenso
   row_len = min((b for b in run.batch.length_buckets if b >= longest),
                 default=run.batch.length_buckets[-1])
   rows = run.batch.rows_per_micro_batch(row_len)
-  return activation_bytes(cfg, -(-rows // batch_ways), row_len, tensor, chunk)
+  return activation_bytes(cfg, -(-rows // batch_ways), row_len, tensor, chunk, platform)
 
 
 def check_fits(run, device: jax.Device) -> RunPlan | None:
@@ -248,7 +297,7 @@ def check_fits(run, device: jax.Device) -> RunPlan | None:
   if "bytes_limit" not in stats:
     return None
   result = run_plan(run, hosts=jax.process_count(), devices_per_host=jax.local_device_count(),
-                    device_memory_gib=stats["bytes_limit"] / 2**30)
+                    device_memory_gib=stats["bytes_limit"] / 2**30, platform=device.platform)
   if not result.fits:
     raise MemoryError(shortfall(run, result, device.device_kind, jax.local_device_count()))
   return result
@@ -274,6 +323,7 @@ def _model_config(spec) -> Qwen2Config:
   dtypes = {k: v for k, v in (("param_dtype", spec.param_dtype), ("dtype", spec.dtype)) if v}
   return loader.architecture(spec).replace(remat=spec.remat, remat_layers=spec.remat_layers,
                                            attention_block=spec.attention_block,
+                                           attention_impl=spec.attention_impl,
                                            lora=spec.lora_config, **dtypes)
 
 
