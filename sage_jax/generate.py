@@ -33,7 +33,7 @@ from sage_jax import multihost, run_checkpoint, run_config
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
-from sage_jax.weights import hf, loader
+from sage_jax.weights import gguf_import, hf, loader
 
 
 # The flags a checkpoint's generation_config.json gives defaults for.
@@ -172,6 +172,11 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
     raise app.UsageError(f"--model={spec}: no such directory or file (expected an HF checkpoint "
                          f"directory, a .gguf file, a training run's workdir or "
                          f"{loader.BUNDLED_0P5B!r})")
+  if loader.weights_format(path) == "gguf":  # sampled with Qwen2.5's tokenizer: its own?
+    try:
+      gguf_import.check_tokenizer(path)
+    except gguf_import.GGUFError as e:
+      raise app.UsageError(f"--model={spec}: {e}") from e
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
   return (tokenizer_lib.Tokenizer(tok_dir), *hf.read_generation_config(path),
           lambda: (loader.load_model(path), None))

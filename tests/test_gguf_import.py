@@ -4,6 +4,7 @@ written with `gguf.GGUFWriter`."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -17,8 +18,11 @@ import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.configurable import ConfigError
 from sage_jax.model.config import Qwen2Config
 from sage_jax.weights import gguf_import, hf, loader
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
          "        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
@@ -159,6 +163,21 @@ def test_export_refuses_a_foreign_vocabulary(tmp_path):
   assert not (tmp_path / "out").exists()
 
 
+def test_a_run_or_generate_refuses_a_gguf_whose_vocabulary_is_not_qwen25s(tmp_path):
+  """A GGUF used directly is read in Qwen2.5's ids (a run's prompts, `generate`'s encoding),
+  so its own vocabulary is checked as the export checks it."""
+  path = str(_write_gguf(tmp_path / "tiny.gguf"))
+  with pytest.raises(ConfigError, match=re.escape(f"config.model.spec={path!r}: not the "
+                                                  "Qwen2.5 tokenizer") + ".*24 tokens"):
+    loader.check_tokenizer(loader.ModelSpec(spec=path))
+  out = subprocess.run([sys.executable, "-m", "sage_jax.generate", f"--model={path}",
+                        "--prompt=hi", "--max_new_tokens=2"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode != 0
+  assert f"--model={path}: {path}: 24 tokens, the Qwen2.5 tokenizer has 151665" in out.stderr, (
+      out.stderr[-2000:])
+
+
 # --- The real Qwen2.5-Coder-0.5B-Instruct ------------------------------------------------------
 
 
@@ -282,6 +301,12 @@ def test_greedy_completion_is_sensible(our_model):
   ids = tok.encode("The capital of France is")
   logits = _our_logits(our_model, np.asarray(ids)[None])
   assert tok.decode([int(logits[0, -1].argmax())]) == " Paris"
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_the_bundled_gguf_passes_the_tokenizer_check(coder_gguf):
+  loader.check_tokenizer(loader.ModelSpec(spec=str(coder_gguf)))
 
 
 @pytest.mark.real_model

@@ -224,9 +224,16 @@ def _parsed_reader(real_path: str, size: int, mtime_ns: int, path: str):
   return reader
 
 
+def check_tokenizer(path: str | os.PathLike) -> None:
+  """Fails (GGUFError) unless the GGUF's vocabulary and chat template are the Qwen2.5
+  tokenizer's: a GGUF carries its own tokenizer, and this project reads and writes it in
+  Qwen2.5's ids (the export writes Qwen2.5's tokenizer next to the weights; a run or
+  `generate` encodes its prompts with it)."""
+  path = os.fspath(path)
+  _check_tokenizer(_open_reader(path), path)
+
+
 def _check_tokenizer(reader, path: str) -> None:
-  """Fails unless the GGUF's vocabulary and chat template are the Qwen2.5 tokenizer's, which
-  the export writes next to the weights."""
   if "tokenizer.ggml.tokens" not in reader.fields:
     raise GGUFError(f"{path}: no vocabulary (tokenizer.ggml.tokens) to check the tokenizer by")
   tokens = reader.fields["tokenizer.ggml.tokens"].contents()

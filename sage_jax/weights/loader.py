@@ -245,11 +245,19 @@ def check_weights(spec: ModelSpec) -> None:
 
 
 def check_tokenizer(spec: ModelSpec) -> None:
-  """Fails when spec's checkpoint directory holds a tokenizer that encodes text to other ids
-  than Qwen2.5's. Training and evaluation write prompts, expert data and stop tokens in
-  Qwen2.5's ids, which such a model would read as other text. A checkpoint without tokenizer
-  files is taken to be Qwen2.5's (`generate` samples any checkpoint with its own tokenizer)."""
+  """Fails when spec's checkpoint holds a tokenizer that encodes text to other ids than
+  Qwen2.5's (a directory's tokenizer files, a GGUF's vocabulary). Training and evaluation
+  write prompts, expert data and stop tokens in Qwen2.5's ids, which such a model would read
+  as other text. A checkpoint directory without tokenizer files is taken to be Qwen2.5's
+  (`generate` samples any checkpoint directory with its own tokenizer)."""
   path = spec.spec
+  if path and weights_format(path) == "gguf":
+    try:
+      gguf_import.check_tokenizer(path)
+    except gguf_import.GGUFError as e:
+      raise ConfigError(f"config.model.spec={path!r}: not the Qwen2.5 tokenizer, in whose ids "
+                        f"this run writes its prompts, expert data and stop tokens: {e}") from e
+    return
   if not (os.path.isdir(path) and all(os.path.isfile(os.path.join(path, name))
                                       for name in tokenizer_lib.REQUIRED_FILES)):
     return
