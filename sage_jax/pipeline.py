@@ -92,6 +92,8 @@ EVALUATION_SECTIONS = ("eval", "agent", "retrieval")
 # digest of its text files (config, model card). A new export replaces the directory, record
 # and all.
 EXPORT_RECORD = "sage_jax_run_export.json"
+# The given SFT file (pipeline.expert_trajectories) as the run read it: its path and digest.
+EXPERT_FILE_RECORD = "sft/expert_file.json"
 SUMMARY_KEYS = ("tgc", "sgc", "avg_steps", "avg_generated_tokens", "skill_usage_rate",
                 "later_skill_usage_rate")
 
@@ -177,8 +179,10 @@ class Pipeline:
       run_config.check_resume(recorded, self.config_dict, f"{workdir}/config.json")
     self.sft_pending = self._check_saved_stages(workdir)
     self.root = self._check_data()
-    self._check_expert_file()
+    expert_file = self._check_expert_file()
     _write_json(self.workdir / "config.json", self.config_dict)
+    if expert_file is not None:
+      _write_json(self.workdir / EXPERT_FILE_RECORD, expert_file)
     self.mesh = shd.make_mesh(self.run.mesh)
     multihost.connect(self.mesh)
     self.batch_config = self.run.batch
@@ -265,15 +269,18 @@ class Pipeline:
           f"config.pipeline.expert_trajectories: {p.expert_trajectories}: no such file")
     return root
 
-  def _check_expert_file(self) -> None:
+  def _check_expert_file(self) -> dict | None:
     """A given SFT file that the pending SFT stage reads, validated and cut to the training
     scenarios as SFT cuts it (not tokenised), before config.json records the run: a file SFT
     would fail on, after the evaluations before training, fails now naming its key, which
-    a rerun could no longer change."""
+    a rerun could no longer change. So does a file whose contents changed since the run
+    first read it (its record, `EXPERT_FILE_RECORD`), once SFT has saved a step or a compact
+    vocabulary was cut from it: SFT would go on with other data. Returns the record to keep."""
     path = self.run.pipeline.expert_trajectories
     if not (path and self.sft_pending):
-      return
+      return None
     try:
+      digest = hashlib.sha256(storage.path(path).read_bytes()).hexdigest()
       trajectories = self._of_training_scenarios(sft_data.read_jsonl(path))
     except (OSError, ValueError) as e:  # unreadable, not the format, ids of no AppWorld task
       raise run_config.ConfigError(f"config.pipeline.expert_trajectories: {e}") from e
@@ -282,6 +289,19 @@ class Pipeline:
           f"config.pipeline.expert_trajectories: {path} holds no trajectory of the scenarios "
           f"the run trains on (pipeline.train_split {self.run.pipeline.train_split!r}, "
           f"train_scenarios {self.run.pipeline.train_scenarios})")
+    recorded = _read_json_on_lead(self.workdir / EXPERT_FILE_RECORD) or {}
+    sft_steps = self.saved_steps("sft")
+    cut = multihost.from_lead(lambda: compact_tokenizer.is_complete(
+        compact_tokenizer.run_tokenizer_dir(self.workdir, "compact")))
+    made = ([f"SFT saved steps {sft_steps}"] if sft_steps else []) + (
+        ["the run's compact vocabulary was cut from it"] if cut else [])
+    if recorded.get("sha256", digest) != digest and made:
+      raise run_config.ConfigError(
+          f"config.pipeline.expert_trajectories: {path} changed since this run first read it "
+          f"(sha256 {recorded['sha256'][:12]}... then, {digest[:12]}... now), and "
+          f"{' and '.join(made)}: SFT would go on with other data. Put the file back as it was, "
+          "or use a new --workdir")
+    return {"path": path, "sha256": digest}
 
   def _plays_episodes(self) -> bool:
     """Whether the configured stages play AppWorld episodes: RL, evaluations, and SFT whose

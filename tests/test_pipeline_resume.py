@@ -375,3 +375,25 @@ def test_a_compact_tokenizer_cut_short_is_made_again(tmp_path, demo_expert_file)
   (tokenizer / "merges.txt").unlink()
   pipeline.Pipeline(_sft_on_file(demo_expert_file), str(workdir)).close()
   assert {name: (tokenizer / name).read_text() for name in compact_tokenizer.FILES} == written
+
+
+def test_a_given_sft_file_that_changed_under_a_started_run_is_refused(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """The run reads a given SFT file again at every start: once a compact vocabulary was cut
+  from it (or SFT saved a step), other contents would train on ids the vocabulary lacks, or
+  mix data within SFT. Refused, naming the key; the file as it was starts again, and a new
+  workdir takes the new file."""
+  given = tmp_path / "expert.jsonl"
+  lines = open(demo_expert_file).read().splitlines(keepends=True)
+  given.write_text("".join(lines))
+  workdir = tmp_path / "run"
+  pipeline.Pipeline(_sft_on_file(str(given)), str(workdir)).close()
+  assert json.loads((workdir / pipeline.EXPERT_FILE_RECORD).read_text())["path"] == str(given)
+  given.write_text("".join(lines[:-1]))
+  with pytest.raises(ConfigError, match=re.escape(
+      f"config.pipeline.expert_trajectories: {given} changed since this run first read it")
+      + r".*the run's compact vocabulary was cut from it: SFT would go on with other data"):
+    pipeline.Pipeline(_sft_on_file(str(given)), str(workdir))
+  pipeline.Pipeline(_sft_on_file(str(given)), str(tmp_path / "other")).close()
+  given.write_text("".join(lines))
+  pipeline.Pipeline(_sft_on_file(str(given)), str(workdir)).close()
