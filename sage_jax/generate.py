@@ -174,7 +174,7 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
                          f"{loader.BUNDLED_0P5B!r})")
   if loader.weights_format(path) == "gguf":  # sampled with Qwen2.5's tokenizer: its own?
     try:
-      gguf_import.check_tokenizer(path)
+      gguf_import.check_vocabulary(path)
     except gguf_import.GGUFError as e:
       raise app.UsageError(f"--model={spec}: {e}") from e
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None

@@ -224,16 +224,15 @@ def _parsed_reader(real_path: str, size: int, mtime_ns: int, path: str):
   return reader
 
 
-def check_tokenizer(path: str | os.PathLike) -> None:
-  """Fails (GGUFError) unless the GGUF's vocabulary and chat template are the Qwen2.5
-  tokenizer's: a GGUF carries its own tokenizer, and this project reads and writes it in
-  Qwen2.5's ids (the export writes Qwen2.5's tokenizer next to the weights; a run or
-  `generate` encodes its prompts with it)."""
+def check_vocabulary(path: str | os.PathLike) -> None:
+  """Fails (GGUFError) unless the GGUF's vocabulary is the Qwen2.5 tokenizer's: a GGUF
+  carries its own tokenizer, and a run or `generate` that samples it directly encodes its
+  prompts in Qwen2.5's ids (with its own ChatML, whatever the file's chat template)."""
   path = os.fspath(path)
-  _check_tokenizer(_open_reader(path), path)
+  _check_vocabulary(_open_reader(path), path)
 
 
-def _check_tokenizer(reader, path: str) -> None:
+def _check_vocabulary(reader, path: str) -> None:
   if "tokenizer.ggml.tokens" not in reader.fields:
     raise GGUFError(f"{path}: no vocabulary (tokenizer.ggml.tokens) to check the tokenizer by")
   tokens = reader.fields["tokenizer.ggml.tokens"].contents()
@@ -244,6 +243,12 @@ def _check_tokenizer(reader, path: str) -> None:
     if tokens[i] != tok.id_to_token(i):
       raise GGUFError(f"{path}: token {i} is {tokens[i]!r}, the Qwen2.5 tokenizer has "
                       f"{tok.id_to_token(i)!r}")
+
+
+def _check_tokenizer(reader, path: str) -> None:
+  """Fails unless the GGUF's vocabulary and chat template are the Qwen2.5 tokenizer's, which
+  the export writes next to the weights."""
+  _check_vocabulary(reader, path)
   template = reader.fields.get("tokenizer.chat_template")
   if template is not None and template.contents() != tokenizer_lib.QWEN25_CHAT_TEMPLATE:
     raise GGUFError(f"{path}: its chat template is not the Qwen2.5 one the export would write")

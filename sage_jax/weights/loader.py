@@ -253,7 +253,7 @@ def check_tokenizer(spec: ModelSpec) -> None:
   path = spec.spec
   if path and weights_format(path) == "gguf":
     try:
-      gguf_import.check_tokenizer(path)
+      gguf_import.check_vocabulary(path)
     except gguf_import.GGUFError as e:
       raise ConfigError(f"config.model.spec={path!r}: not the Qwen2.5 tokenizer, in whose ids "
                         f"this run writes its prompts, expert data and stop tokens: {e}") from e
