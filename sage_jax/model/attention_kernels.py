@@ -50,10 +50,11 @@ def cudnn_unsupported(dtype, head_dim: int) -> str | None:
   return None
 
 
-def kernel_for(name: str, dtype, head_dim: int) -> str:
-  """The kernel training attention runs: `resolve(name)`, or "xla" where cuDNN does not
-  apply and was only chosen by "auto" (an explicit "cudnn" that cannot run is an error)."""
-  impl = resolve(name)
+def kernel_for(name: str, dtype, head_dim: int, backend: str | None = None) -> str:
+  """The kernel training attention runs on `backend`: `resolve(name, backend)`, or "xla" where
+  cuDNN does not apply and was only chosen by "auto" (an explicit "cudnn" that cannot run is
+  an error)."""
+  impl = resolve(name, backend)
   if impl == "cudnn":
     reason = cudnn_unsupported(dtype, head_dim)
     if reason and name == "cudnn":

@@ -185,9 +185,8 @@ def attention_kernel(cfg: Qwen2Config, row_len: int, platform: str | None = None
   """The training attention rows of `row_len` run on `platform` ("gpu", "tpu", "cpu"), as
   the model picks it: "cudnn", "splash", or XLA's "blocked" or "dense" path. With no platform
   "auto" is planned as XLA's path, the one that keeps the most."""
-  impl = attention_kernels.resolve(cfg.attention_impl, platform or "cpu")
-  if impl == "cudnn" and attention_kernels.cudnn_unsupported(cfg.jnp_dtype, cfg.head_dim):
-    impl = "xla"
+  impl = attention_kernels.kernel_for(cfg.attention_impl, cfg.jnp_dtype, cfg.head_dim,
+                                      platform or "cpu")
   if impl != "xla":
     return impl
   return "blocked" if 0 < cfg.attention_block < row_len else "dense"
