@@ -46,5 +46,5 @@ run train_0.5b.json 200 "${train[@]}" --preset=qwen2.5-0.5b --peer=torch
 run decode_0.5b.json 200 $py bench/sampler.py --model=random:qwen2.5-0.5b --batches=1,8,64 \
     --systems=ours,transformers --nomultiturn --rounds=3
 run train_1.5b.json 200 "${train[@]}" --preset=qwen2.5-1.5b --peer=torch
-run lora_decode.json 130 $py bench/lora_decode.py --dtype=bfloat16 --batch=64
+run decode_layouts.json 130 $py bench/decode_layouts.py --dtype=bfloat16 --batch=64
 run train_0.5b_xla.json 150 "${train[@]}" --preset=qwen2.5-0.5b --attention_impl=xla

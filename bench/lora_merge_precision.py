@@ -49,11 +49,12 @@ def main(argv):
   # The bfloat16 sampler's graphs: compute in bfloat16 over a bfloat16 copy of the weights.
   bf16 = model.config.replace(dtype="bfloat16")
   unmerged_graph = nnx.graphdef(abstract_model(bf16))
-  sync = multihost.SamplerMeshConfig(param_dtype="bfloat16")
-  unmerged = multihost.WeightSync(nnx.state(model), sync)(nnx.state(model))
-  merged = multihost.WeightSync(nnx.state(model), sync, lora_config=config)
-  assert merged.folds_adapters
-  merged_graph = nnx.graphdef(abstract_model(bf16.replace(lora=lora.LoraConfig())))
+  unmerged = multihost.WeightSync(model, multihost.SamplerMeshConfig(
+      param_dtype="bfloat16", merge_lora="never"))(nnx.state(model))
+  merged = multihost.WeightSync(model, multihost.SamplerMeshConfig(param_dtype="bfloat16"))
+  assert merged.folds_adapters and merged.fuses
+  merged_graph = nnx.graphdef(abstract_model(bf16.replace(lora=lora.LoraConfig(),
+                                                          fused_projections=True)))
   reference = _logits(model, tokens)
   got = {"unmerged": _logits(nnx.merge(unmerged_graph, unmerged), tokens),
          "merged": _logits(nnx.merge(merged_graph, merged(nnx.state(model))), tokens)}

@@ -85,8 +85,9 @@ def _time_sync(out: str) -> None:
 
   mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=-1, tensor=1))
   cfg = get_preset("qwen2.5-0.5b", param_dtype="float32")
-  params = nnx.state(shd.create_sharded(lambda: init_model(cfg, seed=0), mesh))
-  sync = multihost.WeightSync(params, multihost.SamplerMeshConfig(param_dtype="bfloat16"))
+  model = shd.create_sharded(lambda: init_model(cfg, seed=0), mesh)
+  params = nnx.state(model)
+  sync = multihost.WeightSync(model, multihost.SamplerMeshConfig(param_dtype="bfloat16"))
   jax.block_until_ready(sync(params))
   times = []
   for _ in range(_SYNC_REPEATS.value):

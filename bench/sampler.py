@@ -223,10 +223,9 @@ class Ours:
 
   def __init__(self, model_dir: str, param_dtype: str | None = None):
     compute = None if jax.default_backend() == "cpu" else "bfloat16"
-    self.model = hf.load_hf(model_dir, dtype=compute)
-    weights = multihost.WeightSync(nnx.state(self.model), multihost.SamplerMeshConfig(
-        param_dtype=param_dtype or _PARAM_DTYPE.value))
-    nnx.update(self.model, weights(nnx.state(self.model)))
+    model = hf.load_hf(model_dir, dtype=compute)
+    self.model = multihost.WeightSync(model, multihost.SamplerMeshConfig(
+        param_dtype=param_dtype or _PARAM_DTYPE.value)).sampling_model(model)
     self.engines = {}
 
   def setup(self, batch: int, max_len: int, prompt_len: int):

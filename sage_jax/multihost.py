@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sage_jax import sharding as shd
 from sage_jax import storage
-from sage_jax.model import lora
+from sage_jax.model import fused_projections, lora
 from sage_jax.model.qwen2 import abstract_model
 
 # Environment our launchers (launch/local.py, launch/multinode.sh, launch/slurm.sbatch)
@@ -337,14 +337,19 @@ class SamplerMeshConfig:
   """Where each process keeps its sampling copy of the weights. tensor: the tensor-parallel
   size of the copy within one host (the host's other devices split the sampler's slots).
   param_dtype: "auto" (bfloat16 on accelerators, the training dtype on CPU), "float32" or
-  "bfloat16". merge_lora (a model with LoRA adapters): "auto" merges them into the sampler's
-  copy wherever the sync makes one (another dtype or sharding, several processes) and keeps
-  them unmerged where the sampler shares the trainer's arrays; "always" makes a merged copy
-  even there (a second copy of the weights, for a faster decode step); "never" keeps them
-  unmerged."""
+  "bfloat16". fuse_projections: the copy holds each layer's q/k/v and gate/up projections as
+  one matmul each (`model.fused_projections`), which the sampler reads faster; the sync then
+  writes a copy even where the sampler could share the trainer's arrays (the memory plan
+  counts a sampler copy either way); off, the sampler shares them where dtype, sharding and
+  process allow. merge_lora (a model with LoRA adapters): "auto" merges them into the
+  sampler's copy wherever the sync makes one and keeps them unmerged where the sampler shares
+  the trainer's arrays; "always" makes a merged copy even there (a second copy of the
+  weights, for a faster decode step); "never" keeps them unmerged (and the projections
+  separate, each with its adapter)."""
 
   tensor: int = 1
   param_dtype: str = "auto"
+  fuse_projections: bool = True
   merge_lora: str = "auto"
 
   def __post_init__(self):
@@ -379,15 +384,15 @@ class WeightSync:
   process runs, and each process keeps the shards that live on its own devices. With one
   process, a matching sharding and dtype, the parameters are handed over as they are.
 
-  LoRA (`lora_config`): a merged copy holds the adapters folded into their kernels
-  (`lora.fold_adapters`, rounded once to the sampling dtype), which the sampler reads faster
-  than unmerged adapters; `config.merge_lora` says when (see `model.lora`). `sampling_model`
-  gives the sampler's model either way.
+  LoRA: a merged copy holds the adapters folded into their kernels (`lora.fold_adapters`,
+  rounded once to the sampling dtype), which the sampler reads faster than unmerged adapters;
+  `config.merge_lora` says when (see `model.lora`). Fused projections
+  (`config.fuse_projections`) are written after folding. `sampling_model` gives the sampler's
+  model, whatever its copy's layout.
   """
 
-  def __init__(self, params: nnx.State, config: SamplerMeshConfig = SamplerMeshConfig(),
-               rules: shd.ShardingRules = shd.ShardingRules(),
-               lora_config: lora.LoraConfig = lora.LoraConfig()):
+  def __init__(self, model: nnx.Module, config: SamplerMeshConfig = SamplerMeshConfig(),
+               rules: shd.ShardingRules = shd.ShardingRules()):
     mesh_config = config.mesh()
     local = jax.local_device_count()
     if local % config.tensor:
@@ -395,14 +400,21 @@ class WeightSync:
                        f"{local} devices")
     self.mesh = local_mesh(mesh_config)
     self.dtype = sampling_dtype(config.param_dtype)
+    params, lora_config = nnx.state(model), model.config.lora
     self.local_shardings = shd.state_shardings(params, self.mesh, rules)
-    copies = jax.process_count() > 1 or not self._is_local_copy(params)
+    copies = (jax.process_count() > 1 or not self._is_local_copy(params)
+              or config.fuse_projections and config.merge_lora != "never")
     self.folds_adapters = lora_config.enabled and (
         config.merge_lora == "always" or config.merge_lora == "auto" and copies)
-    if self.folds_adapters:
-      self._fold = functools.partial(lora.fold_adapters, scale=lora_config.scale,
-                                     dtype=self.dtype)
-      self.local_shardings = shd.state_shardings(jax.eval_shape(self._fold, params), self.mesh,
+    # Unmerged adapters act on each projection by itself.
+    self.fuses = config.fuse_projections and (self.folds_adapters or not lora_config.enabled)
+    self._sampling_config = model.config.replace(
+        lora=lora.LoraConfig() if self.folds_adapters else lora_config,
+        fused_projections=self.fuses)
+    self._fold = functools.partial(lora.fold_adapters, scale=lora_config.scale,
+                                   dtype=self.dtype) if self.folds_adapters else None
+    if self.folds_adapters or self.fuses:
+      self.local_shardings = shd.state_shardings(jax.eval_shape(self._cast, params), self.mesh,
                                                  rules)
     grids = host_grids(mesh_config)
     self._sync_mesh = Mesh(grids, ("process", *shd.MESH_AXES),
@@ -415,22 +427,26 @@ class WeightSync:
   def _cast(self, params: nnx.State) -> nnx.State:
     if self.folds_adapters:
       params = self._fold(params)
-    if self.dtype is None:
-      return params
-    return jax.tree.map(lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                        else x, params)
+    if self.dtype is not None:
+      params = jax.tree.map(lambda x: x.astype(self.dtype)
+                            if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    if self.fuses:
+      params = fused_projections.fuse(params, self._sampling_config.replace(
+          fused_projections=False))
+    return params
 
   def __call__(self, params: nnx.State) -> nnx.State:
-    if not self.folds_adapters and jax.process_count() == 1 and self._is_local_copy(params):
+    if (not self.folds_adapters and not self.fuses and jax.process_count() == 1
+        and self._is_local_copy(params)):
       return params
     synced = self._reshard(params)
     return jax.tree.map(self._local_part, synced, self.local_shardings)
 
   def sampling_model(self, model: nnx.Module) -> nnx.Module:
-    """The sampler's model: `model`'s graph (without its adapters where this copy folds them)
-    over this process's copy of its weights."""
-    graphdef = (nnx.graphdef(abstract_model(model.config.replace(lora=lora.LoraConfig())))
-                if self.folds_adapters else nnx.graphdef(model))
+    """The sampler's model: `model` in this copy's layout (adapters folded, projections fused
+    where the copy does that) over this process's copy of its weights."""
+    graphdef = (nnx.graphdef(abstract_model(self._sampling_config))
+                if self.folds_adapters or self.fuses else nnx.graphdef(model))
     return nnx.merge(graphdef, self(nnx.state(model)))
 
   def _is_local_copy(self, params: nnx.State) -> bool:

@@ -203,8 +203,7 @@ class Pipeline:
       self.model = loader.build_model(self.run.model, mesh=self.mesh,
                                       vocab_size=self.tokenizer.vocab_size if compact else None)
       # Each process samples from its own copy of the weights on its own devices.
-      self.weight_sync = multihost.WeightSync(nnx.state(self.model), self.run.sampler_mesh,
-                                              lora_config=self.model.config.lora)
+      self.weight_sync = multihost.WeightSync(self.model, self.run.sampler_mesh)
       self.engine = Engine(self.weight_sync.sampling_model(self.model), self.run.engine,
                            eos_ids=[self.tokenizer.eos_id, self.tokenizer.endoftext],
                            detokenize=self.tokenizer.decode, mesh=self.weight_sync.mesh)

@@ -111,9 +111,8 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
 def restore_sampling_model(run_dir: str, run: run_config.RunConfig, step: int | None = None,
                            stage: str = "rl") -> tuple[nnx.Module, Mesh, int]:
   """(model, mesh, step): checkpoint `step` of the run's `stage` as the run's sampler holds it,
-  this process's copy of the weights (in the sampler's dtype) on the run's sampler mesh, LoRA
-  adapters merged where that is a copy (`multihost.WeightSync.sampling_model`)."""
+  this process's copy of the weights (in the sampler's dtype and layout) on the run's sampler
+  mesh, LoRA adapters merged where that is a copy (`multihost.WeightSync.sampling_model`)."""
   model, step = restore_model(run_dir, run, step, stage)
-  sync = multihost.WeightSync(nnx.state(model), run.sampler_mesh,
-                              lora_config=model.config.lora)
+  sync = multihost.WeightSync(model, run.sampler_mesh)
   return sync.sampling_model(model), sync.mesh, step

@@ -81,7 +81,6 @@ def main(argv):
   multihost.initialize()
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
   from sage_jax import sharding as shd  # noqa: PLC0415
@@ -107,7 +106,7 @@ def main(argv):
   model = shd.create_sharded(lambda: init_model(cfg, seed=0), mesh)
   trainer = rl_loop.grpo_trainer(model, grpo.GRPOConfig(), OptimizerConfig(learning_rate=1e-2),
                                  mesh=mesh)
-  sync = multihost.WeightSync(nnx.state(model))
+  sync = multihost.WeightSync(model)
   batch_config = batch_lib.BatchConfig(micro_batch_tokens=256, num_micro_batches=2,
                                        length_buckets=(32, 64, 128),
                                        row_multiple=mesh.shape["fsdp"])

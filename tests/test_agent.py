@@ -446,7 +446,7 @@ def test_policy_embedder_embeds_with_the_engines_current_weights(tok):
 
   # As the training pipeline's sampler: weights on a mesh over this host's devices.
   model = init_model(get_preset("tiny"), seed=0)
-  sync = multihost.WeightSync(nnx.state(model), multihost.SamplerMeshConfig())
+  sync = multihost.WeightSync(model, multihost.SamplerMeshConfig())
   engine = Engine(model, EngineConfig(num_slots=1, max_len=64, prefill_buckets=(32,),
                                       min_attend=32), eos_ids=[tok.eos_id], mesh=sync.mesh)
   config = RetrievalConfig(strategy="skill_embedding", embedding_model="policy")

@@ -11,7 +11,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from sage_jax import sharding as shd
 from sage_jax.model import get_preset, init_model
-from sage_jax.model import lora
+from sage_jax.model import fused_projections, lora
 from sage_jax.rl import batch as B
 from sage_jax.rl import grpo
 from sage_jax.train import optimizer as opt
@@ -255,36 +255,38 @@ def test_a_sampling_copy_holds_the_adapters_merged_and_a_shared_one_keeps_them()
   graphdef, state = nnx.split(adapted)  # larger weights: greedy outputs depend on the context
   adapted = nnx.merge(graphdef, jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, state))
   _randomise_b(adapted)
-  # Same dtype, sharding and process: the sampler shares the arrays, adapters unmerged.
-  adapted = shd.place(adapted, multihost.WeightSync(nnx.state(adapted)).mesh)
-  shared = multihost.WeightSync(nnx.state(adapted), lora_config=adapted.config.lora)
+  # Same dtype, sharding and process, separate projections: the sampler shares the arrays,
+  # adapters unmerged.
+  adapted = shd.place(adapted, multihost.WeightSync(adapted).mesh)
+  shared = multihost.WeightSync(adapted, multihost.SamplerMeshConfig(fuse_projections=False))
   model = shared.sampling_model(adapted)
   assert not shared.folds_adapters and model.layers[0].self_attn.q_proj.lora is not None
   assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)),
                                     jax.tree.leaves(nnx.state(adapted))))
   # merge_lora="always" makes a merged copy there too; "never" keeps a copy's adapters.
-  always = multihost.SamplerMeshConfig(merge_lora="always")
-  assert multihost.WeightSync(nnx.state(adapted), always,
-                              lora_config=adapted.config.lora).folds_adapters
-  never = multihost.WeightSync(nnx.state(adapted), multihost.SamplerMeshConfig(
-      param_dtype="bfloat16", merge_lora="never"), lora_config=adapted.config.lora)
+  always = multihost.SamplerMeshConfig(merge_lora="always", fuse_projections=False)
+  assert multihost.WeightSync(adapted, always).folds_adapters
+  never = multihost.WeightSync(adapted, multihost.SamplerMeshConfig(param_dtype="bfloat16",
+                                                                    merge_lora="never"))
   model = never.sampling_model(adapted)
   assert not never.folds_adapters and model.layers[0].self_attn.q_proj.lora is not None
   assert model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
-  # A bfloat16 copy holds the merged kernels (summed in float32, rounded once) and no adapters.
+  # A bfloat16 copy holds the merged kernels (summed in float32, rounded once), no adapters,
+  # and the projections fused.
   bf16 = multihost.SamplerMeshConfig(param_dtype="bfloat16")
-  copying = multihost.WeightSync(nnx.state(adapted), bf16, lora_config=adapted.config.lora)
+  copying = multihost.WeightSync(adapted, bf16)
   model = copying.sampling_model(adapted)
   assert copying.folds_adapters and not jax.tree.leaves(nnx.state(model, lora.LoraParam))
-  assert model.layers[0].self_attn.q_proj.lora is None
+  assert copying.fuses and model.config.fused_projections
 
   def merged_bf16():
     plain = init_model(CFG, seed=5)
     nnx.update(plain, jax.tree.map(lambda x: x.astype(jnp.bfloat16), _merged(adapted)))
     return plain
 
+  merged = fused_projections.fuse(nnx.state(merged_bf16()), CFG)
   for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model)),
-                                    nnx.to_flat_state(nnx.state(merged_bf16()))):
+                                    nnx.to_flat_state(merged)):
     assert got.get_value().dtype == jnp.bfloat16, path
     np.testing.assert_allclose(np.asarray(got.get_value(), np.float32),
                                np.asarray(want.get_value(), np.float32), rtol=2 ** -8,
@@ -313,12 +315,15 @@ def test_a_copy_resharded_from_the_training_mesh_holds_the_adapters_merged():
   adapted = loader.build_model(loader.ModelSpec(preset="tiny", lora_rank=4, lora_alpha=8.0),
                                mesh=mesh)
   _randomise_b(adapted)
-  sync = multihost.WeightSync(nnx.state(adapted), multihost.SamplerMeshConfig(tensor=2),
-                              lora_config=adapted.config.lora)
-  assert sync.folds_adapters
+  sync = multihost.WeightSync(adapted, multihost.SamplerMeshConfig(tensor=2))
+  assert sync.folds_adapters and sync.fuses
   model = sync.sampling_model(adapted)
-  kernel = model.layers[0].mlp.up_proj.kernel[...]
+  kernel = model.layers[0].mlp.gate_up_proj.kernel[...]
   assert kernel.sharding.mesh.devices.tolist() == sync.mesh.devices.tolist()
+  # Tensor parallelism splits the fused kernels as it splits the separate ones: MLP columns,
+  # and whole KV-head groups (each with its query heads).
+  assert kernel.sharding.spec[:2] == (None, "tensor")
+  assert model.layers[0].self_attn.qkv_proj.kernel[...].sharding.spec[0] == "tensor"
   out, _ = model(TOKENS, POSITIONS)
   want, _ = adapted(TOKENS, POSITIONS)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=1e-5)

@@ -153,6 +153,10 @@ class Qwen2Config:
   decode_attention_impl: str = "auto"
   # Low-rank adapters on the projections (`lora.add_adapters` sets this; rank 0 = none).
   lora: LoraConfig = LoraConfig()
+  # The sampler's layout (`fused_projections.fuse` makes it from the trained one): q/k/v as
+  # one `qkv_proj` and gate/up as one `gate_up_proj`, so a decode step runs 4 matmuls a layer
+  # instead of 7. It has no HF names and takes no adapters.
+  fused_projections: bool = False
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -170,6 +174,9 @@ class Qwen2Config:
     ragged_decode.check_implementation(self.decode_attention_impl)
     dtype_from_name(self.param_dtype)
     dtype_from_name(self.dtype)
+    if self.fused_projections and self.lora.enabled:
+      raise ValueError("fused_projections is the sampler's layout without adapters: fold the "
+                       "LoRA adapters into their kernels first (lora.fold_adapters)")
 
   def replace(self, **changes) -> "Qwen2Config":
     return dataclasses.replace(self, **changes)

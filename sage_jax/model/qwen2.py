@@ -153,22 +153,37 @@ class Attention(nnx.Module):
   def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
     e, h, kv, d, pd = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                        cfg.head_dim, cfg.jnp_param_dtype)
-    self.q_proj = Linear((e,), (h, d), ("heads", "head_dim", "embed"), bias=True,
-                         param_dtype=pd, rngs=rngs)
-    self.k_proj = Linear((e,), (kv, d), ("kv_heads", "head_dim", "embed"), bias=True,
-                         param_dtype=pd, rngs=rngs)
-    self.v_proj = Linear((e,), (kv, d), ("kv_heads", "head_dim", "embed"), bias=True,
-                         param_dtype=pd, rngs=rngs)
+    self.fused = cfg.fused_projections
+    if self.fused:
+      # Per KV head: its group of query heads, then its key and its value head, so tensor
+      # parallelism splits whole groups as it splits the KV heads.
+      self.qkv_proj = Linear((e,), (kv, h // kv + 2, d),
+                             ("kv_heads", None, "head_dim", "embed"), bias=True,
+                             param_dtype=pd, rngs=rngs)
+    else:
+      self.q_proj = Linear((e,), (h, d), ("heads", "head_dim", "embed"), bias=True,
+                           param_dtype=pd, rngs=rngs)
+      self.k_proj = Linear((e,), (kv, d), ("kv_heads", "head_dim", "embed"), bias=True,
+                           param_dtype=pd, rngs=rngs)
+      self.v_proj = Linear((e,), (kv, d), ("kv_heads", "head_dim", "embed"), bias=True,
+                           param_dtype=pd, rngs=rngs)
     self.o_proj = Linear((h, d), (e,), ("embed", "heads", "head_dim"), bias=False,
                          param_dtype=pd, rngs=rngs)
     self.theta = cfg.rope_theta
     self.num_kv_heads = kv
 
+  def _qkv(self, x):
+    """Queries [b, t, heads, d], keys and values [b, t, kv_heads, d] of x."""
+    if not self.fused:
+      return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    qkv = self.qkv_proj(x)  # [b, t, kv_heads, group + 2, d]
+    b, t, kv, slots, d = qkv.shape
+    return qkv[..., :-2, :].reshape(b, t, kv * (slots - 2), d), qkv[..., -2, :], qkv[..., -1, :]
+
   def __call__(self, x, positions, mask, kv_cache=None):
-    q = constrain(rotary(self.q_proj(x), positions, self.theta),
-                  ("act_batch", "act_len", "act_heads", None))
-    k = rotary(self.k_proj(x), positions, self.theta)
-    v = self.v_proj(x)
+    q, k, v = self._qkv(x)
+    q = constrain(rotary(q, positions, self.theta), ("act_batch", "act_len", "act_heads", None))
+    k = rotary(k, positions, self.theta)
     if kv_cache is not None:
       k = constrain(_write(kv_cache[0], k, positions), CACHE_AXES)
       v = constrain(_write(kv_cache[1], v, positions), CACHE_AXES)
@@ -225,12 +240,22 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
     e, i, pd = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_param_dtype
-    self.gate_proj = Linear((e,), (i,), ("mlp", "embed"), bias=False, param_dtype=pd, rngs=rngs)
-    self.up_proj = Linear((e,), (i,), ("mlp", "embed"), bias=False, param_dtype=pd, rngs=rngs)
+    self.fused = cfg.fused_projections
+    if self.fused:
+      self.gate_up_proj = Linear((e,), (2, i), (None, "mlp", "embed"), bias=False,
+                                 param_dtype=pd, rngs=rngs)
+    else:
+      self.gate_proj = Linear((e,), (i,), ("mlp", "embed"), bias=False, param_dtype=pd,
+                              rngs=rngs)
+      self.up_proj = Linear((e,), (i,), ("mlp", "embed"), bias=False, param_dtype=pd, rngs=rngs)
     self.down_proj = Linear((i,), (e,), ("embed", "mlp"), bias=False, param_dtype=pd, rngs=rngs)
 
   def __call__(self, x):
-    h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+    if self.fused:
+      gate_up = self.gate_up_proj(x)  # [..., 2, mlp]
+      h = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    else:
+      h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
     return self.down_proj(constrain(h, ("act_batch", "act_len", "act_mlp")))
 
 
