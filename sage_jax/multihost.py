@@ -382,7 +382,8 @@ class WeightSync:
   One jitted reshard onto a mesh of shape [processes, *local mesh] whose spec leaves the
   process axis out: XLA gathers what each host lacks, in one collective step that every
   process runs, and each process keeps the shards that live on its own devices. With one
-  process, a matching sharding and dtype, the parameters are handed over as they are.
+  process, a matching sharding and dtype and separate projections, the parameters are handed
+  over as they are.
 
   LoRA: a merged copy holds the adapters folded into their kernels (`lora.fold_adapters`,
   rounded once to the sampling dtype), which the sampler reads faster than unmerged adapters;
