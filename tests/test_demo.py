@@ -255,29 +255,28 @@ def test_run_seed_sets_initialisation_data_order_and_rollouts(tmp_path,
                                                               demo_expert_file):  # noqa: F811
   """`--config.seed` alone: the same seed reproduces the SFT and SAGE steps exactly, another
   seed changes them (initial weights, data order, sampled rollouts). The SFT data is the
-  gold trajectories, which no seed changes."""
+  gold trajectories, which no seed changes.
 
-  def steps(name, seed):
+  The second run of seed 0 also sets `pipeline.compilation_cache_dir`, which overrides the
+  environment's cache (the test session sets one): its compiled train steps land there, and
+  compiling them afresh changes no number."""
+  cache = tmp_path / "jax_cache"
+
+  def steps(name, seed, *overrides):
     workdir = tmp_path / name
     _train(workdir, f"--config.seed={seed}", "--config.rl.total_steps=1",
-           "--config.pipeline.chains_per_step=1", *TRAIN_ONLY, _expert(demo_expert_file))
+           "--config.pipeline.chains_per_step=1", *TRAIN_ONLY, _expert(demo_expert_file),
+           *overrides)
     (sft,) = [json.loads(line) for line in open(workdir / "sft" / "metrics.jsonl")]
     (rl,) = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     return ({k: sft[k] for k in ("loss", "grad_norm", "batch/real_positions")},
             {k: rl[k] for k in ("logprob", "entropy", "generated_tokens/total")})
 
-  first, again, other = steps("a", 0), steps("b", 0), steps("c", 1)
+  first = steps("a", 0)
+  again = steps("b", 0, f"--config.pipeline.compilation_cache_dir={cache}")
+  other = steps("c", 1)
   assert first == again
   assert first[0]["loss"] != other[0]["loss"] and first[1]["logprob"] != other[1]["logprob"]
-
-
-def test_compilation_cache_dir_holds_the_runs_compiled_programs(tmp_path,
-                                                                demo_expert_file):  # noqa: F811
-  """`pipeline.compilation_cache_dir` overrides the environment's cache (the test session
-  sets one): a run that compiles only its SFT step finds the step's program there."""
-  cache = tmp_path / "jax_cache"
-  _train(tmp_path / "run", "--config.pipeline.stages=('sft',)", *TRAIN_ONLY,
-         _expert(demo_expert_file), f"--config.pipeline.compilation_cache_dir={cache}")
   assert any(name.startswith("jit_train_step-") for name in os.listdir(cache))
 
 
