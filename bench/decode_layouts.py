@@ -3,11 +3,12 @@ in each weight layout the sampler can read, interleaved round by round in one pr
 prints JSON. Every layout's copy is made by `multihost.WeightSync`, as the sampler's is:
 
   plain            separate q/k/v and gate/up projections (HF's layout, the trainer's)
-  plain_fused      q/k/v and gate/up as one matmul each (`sampler_mesh.fuse_projections`)
+  plain_fused      q/k/v and gate/up as one matmul each (`sampler_mesh.fuse_projections`;
+                   "auto", the default, fuses wherever the sync writes a copy)
   unmerged_lora    rank-`--rank` adapters on every projection, applied at each step (a
                    sampler that shares the trainer's arrays)
   merged_lora      those adapters folded into the copy, projections separate
-  merged_lora_fused  folded and fused (the default copy of an adapted model)
+  merged_lora_fused  folded and fused (an adapted model's copy, by default)
 
   python bench/decode_layouts.py [--rank=16] [--batch=8] [--rounds=20] [--dtype=bfloat16]
 
@@ -40,7 +41,7 @@ ATTEND = 1024
 
 def _decode_step(model, batch, dtype, *, fuse: bool, merge_lora: str = "auto"):
   sync = multihost.WeightSync(model, multihost.SamplerMeshConfig(
-      param_dtype=dtype, merge_lora=merge_lora, fuse_projections=fuse))
+      param_dtype=dtype, merge_lora=merge_lora, fuse_projections="always" if fuse else "never"))
   graphdef, state = nnx.split(sync.sampling_model(model))
   cfg = model.config
 

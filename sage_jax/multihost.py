@@ -329,6 +329,7 @@ def local_mesh(config: shd.MeshConfig) -> Mesh:
 
 
 SAMPLING_DTYPES = ("auto", "float32", "bfloat16")
+FUSE_PROJECTIONS = ("auto", "always", "never")
 MERGE_LORA = ("auto", "always", "never")
 
 
@@ -337,19 +338,18 @@ class SamplerMeshConfig:
   """Where each process keeps its sampling copy of the weights. tensor: the tensor-parallel
   size of the copy within one host (the host's other devices split the sampler's slots).
   param_dtype: "auto" (bfloat16 on accelerators, the training dtype on CPU), "float32" or
-  "bfloat16". fuse_projections: the copy holds each layer's q/k/v and gate/up projections as
-  one matmul each (`model.fused_projections`), which the sampler reads faster; the sync then
-  writes a copy even where the sampler could share the trainer's arrays (the memory plan
-  counts a sampler copy either way); off, the sampler shares them where dtype, sharding and
-  process allow. merge_lora (a model with LoRA adapters): "auto" merges them into the
-  sampler's copy wherever the sync makes one and keeps them unmerged where the sampler shares
-  the trainer's arrays; "always" makes a merged copy even there (a second copy of the
-  weights, for a faster decode step); "never" keeps them unmerged (and the projections
-  separate, each with its adapter)."""
+  "bfloat16". fuse_projections: "auto" writes each layer's q/k/v and gate/up projections as
+  one matmul each (`model.fused_projections`), which the sampler reads faster, wherever the
+  sync makes a copy (another dtype or sharding, several processes, merged adapters) and
+  leaves them separate where the sampler shares the trainer's arrays; "always" makes a fused
+  copy even there (a second copy of the weights, for a faster decode step); "never" keeps
+  them separate. merge_lora (a model with LoRA adapters): the same choices for folding the
+  adapters into the copy; unmerged adapters keep the projections separate, each with its
+  adapter."""
 
   tensor: int = 1
   param_dtype: str = "auto"
-  fuse_projections: bool = True
+  fuse_projections: str = "auto"
   merge_lora: str = "auto"
 
   def __post_init__(self):
@@ -357,6 +357,9 @@ class SamplerMeshConfig:
       raise ValueError(f"tensor must be >= 1, got {self.tensor}")
     if self.param_dtype not in SAMPLING_DTYPES:
       raise ValueError(f"param_dtype={self.param_dtype!r}; expected one of {SAMPLING_DTYPES}")
+    if self.fuse_projections not in FUSE_PROJECTIONS:
+      raise ValueError(f"fuse_projections={self.fuse_projections!r}; expected one of "
+                       f"{FUSE_PROJECTIONS}")
     if self.merge_lora not in MERGE_LORA:
       raise ValueError(f"merge_lora={self.merge_lora!r}; expected one of {MERGE_LORA}")
 
@@ -382,8 +385,8 @@ class WeightSync:
   One jitted reshard onto a mesh of shape [processes, *local mesh] whose spec leaves the
   process axis out: XLA gathers what each host lacks, in one collective step that every
   process runs, and each process keeps the shards that live on its own devices. With one
-  process, a matching sharding and dtype and separate projections, the parameters are handed
-  over as they are.
+  process, a matching sharding and dtype, the parameters are handed over as they are (unless
+  `config` asks for a merged or fused copy there too).
 
   LoRA: a merged copy holds the adapters folded into their kernels (`lora.fold_adapters`,
   rounded once to the sampling dtype), which the sampler reads faster than unmerged adapters;
@@ -403,12 +406,13 @@ class WeightSync:
     self.dtype = sampling_dtype(config.param_dtype)
     params, lora_config = nnx.state(model), model.config.lora
     self.local_shardings = shd.state_shardings(params, self.mesh, rules)
-    copies = (jax.process_count() > 1 or not self._is_local_copy(params)
-              or config.fuse_projections and config.merge_lora != "never")
-    self.folds_adapters = lora_config.enabled and (
-        config.merge_lora == "always" or config.merge_lora == "auto" and copies)
+    copies = jax.process_count() > 1 or not self._is_local_copy(params)
+    wants = lambda choice, copied: choice == "always" or choice == "auto" and copied
+    self.folds_adapters = lora_config.enabled and wants(
+        config.merge_lora, copies or config.fuse_projections == "always")
     # Unmerged adapters act on each projection by itself.
-    self.fuses = config.fuse_projections and (self.folds_adapters or not lora_config.enabled)
+    self.fuses = (not lora_config.enabled or self.folds_adapters) and wants(
+        config.fuse_projections, copies or self.folds_adapters)
     self._sampling_config = model.config.replace(
         lora=lora.LoraConfig() if self.folds_adapters else lora_config,
         fused_projections=self.fuses)

@@ -174,7 +174,8 @@ def with_seeds(config: Any, run: "RunConfig") -> dict:
 RESUMABLE_KEYS = (
     "rl.total_steps", "rl.eval_every", "sft.total_steps", "sft.eval_every", "sft.save_every",
     "sft.logprob_chunk", "grpo.logprob_chunk", "checkpoint.", "metrics.", "eval.", "batch.",
-    "mesh.", "sampler_mesh.tensor", "sampler_mesh.fuse_projections", "trainer.skip_empty_micro_batches", "engine.num_slots",
+    "mesh.", "sampler_mesh.tensor", "sampler_mesh.fuse_projections",
+    "trainer.skip_empty_micro_batches", "engine.num_slots",
     "engine.prefill_buckets", "engine.min_attend", "engine.steps_per_call", "engine.max_top_k",
     "pool.num_workers", "pool.start_timeout_s", "pool.call_timeout_s", "pool.kill_grace_s",
     "pool.log_dir", "pool.outputs_root", "pool.keep_outputs", "pool.data_check_cache",

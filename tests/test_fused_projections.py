@@ -78,7 +78,7 @@ def test_the_sampling_copy_is_fused_and_samples_the_trained_layouts_tokens():
   assert sync.fuses and sampler.config.fused_projections
   assert sampler.layers[0].self_attn.qkv_proj.kernel[...].sharding.spec[0] == "tensor"
   separate = multihost.WeightSync(model, dataclasses.replace(mesh_config,
-                                                             fuse_projections=False))
+                                                             fuse_projections="never"))
   assert not separate.fuses
   config = EngineConfig(num_slots=4, max_len=32, prefill_buckets=(32,), min_attend=32,
                         max_top_k=16)

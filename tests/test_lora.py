@@ -255,17 +255,21 @@ def test_a_sampling_copy_holds_the_adapters_merged_and_a_shared_one_keeps_them()
   graphdef, state = nnx.split(adapted)  # larger weights: greedy outputs depend on the context
   adapted = nnx.merge(graphdef, jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, state))
   _randomise_b(adapted)
-  # Same dtype, sharding and process, separate projections: the sampler shares the arrays,
-  # adapters unmerged.
+  # Same dtype, sharding and process: the sampler shares the arrays, adapters unmerged and
+  # projections separate.
   adapted = shd.place(adapted, multihost.WeightSync(adapted).mesh)
-  shared = multihost.WeightSync(adapted, multihost.SamplerMeshConfig(fuse_projections=False))
+  shared = multihost.WeightSync(adapted)
   model = shared.sampling_model(adapted)
-  assert not shared.folds_adapters and model.layers[0].self_attn.q_proj.lora is not None
+  assert not shared.folds_adapters and not shared.fuses
+  assert model.layers[0].self_attn.q_proj.lora is not None
   assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)),
                                     jax.tree.leaves(nnx.state(adapted))))
-  # merge_lora="always" makes a merged copy there too; "never" keeps a copy's adapters.
-  always = multihost.SamplerMeshConfig(merge_lora="always", fuse_projections=False)
-  assert multihost.WeightSync(adapted, always).folds_adapters
+  # merge_lora="always" makes a merged copy there too (fused, as every copy is by default);
+  # so does fuse_projections="always"; merge_lora="never" keeps a copy's adapters.
+  for always in (multihost.SamplerMeshConfig(merge_lora="always"),
+                 multihost.SamplerMeshConfig(fuse_projections="always")):
+    copying = multihost.WeightSync(adapted, always)
+    assert copying.folds_adapters and copying.fuses, always
   never = multihost.WeightSync(adapted, multihost.SamplerMeshConfig(param_dtype="bfloat16",
                                                                     merge_lora="never"))
   model = never.sampling_model(adapted)

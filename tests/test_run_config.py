@@ -123,6 +123,8 @@ def _with(overrides, devices=1):
     ({"sampler_mesh.param_dtype": "fp8"}, 1, r"config.sampler_mesh: .*param_dtype='fp8'"),
     ({"sampler_mesh.merge_lora": "sometimes"}, 1, r"config.sampler_mesh: "
      r"merge_lora='sometimes'; expected one of \('auto', 'always', 'never'\)"),
+    ({"sampler_mesh.fuse_projections": "yes"}, 1, r"config.sampler_mesh: "
+     r"fuse_projections='yes'; expected one of \('auto', 'always', 'never'\)"),
     ({"sampler_mesh.merge_lora": "always"}, 1, r"config.sampler_mesh.merge_lora: 'always' with "
      r"model.lora_rank=0, which adds no adapters to merge"),
     ({"agent.temperature": 0.0}, 1, r"config.agent.temperature: 0.0 samples greedily; RL"),

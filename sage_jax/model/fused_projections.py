@@ -3,10 +3,10 @@
 A decode step multiplies a few rows by every weight matrix, so it is bound by reading the
 weights, and each of its matmuls also pays a fixed cost (thread hand-off on CPU, a kernel
 launch on accelerators). Two products over the same input cost more than one over both
-matrices side by side: on the 2-core CPU the 0.5B's projections alone took 1.07x as long
-as 7 matmuls a layer than as 4 (bench/sampler.py measures the whole step, see BENCHMARKS.md).
-Training keeps HF's separate projections (the name table, LoRA targets, export); the
-sampler's copy of the weights (`multihost.WeightSync`) is written in this layout.
+matrices side by side: on the 2-core CPU a decode step of the 0.5B ran 1.01-1.05x faster
+fused (bench/decode_layouts.py, BENCHMARKS.md). Training keeps HF's separate projections
+(the name table, LoRA targets, export); a sampling copy of the weights that
+`multihost.WeightSync` writes is in this layout (`sampler_mesh.fuse_projections`).
 """
 
 from __future__ import annotations

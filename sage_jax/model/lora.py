@@ -14,14 +14,14 @@ out base weights and does 2 B in x out FLOPs; unmerged adapters add r (in + out)
 0.6% for the 32B's 5120 x 5120 projections and 0.4% for its MLP at rank 16, plus two thin
 matmuls per projection (bench/decode_layouts.py, CPU: 6-10% of a batch-8 decode step, 24-27%
 at batch 1; launch overhead on GPUs). Merged weights save that, and cost a pass over every
-targeted base matrix at each weight sync. Where the sync writes a sampling copy (by default
-always, for its fused projections; else for another dtype, another sharding, several
-processes: `multihost.WeightSync`), it folds the adapters into that copy (`fold_adapters`)
-at no memory cost; where the sampler would share the trainer's arrays
-(`sampler_mesh.fuse_projections` off), merging would need a second copy of every targeted
-matrix (the trainer's stay unmerged): 62 GB for the 32B in bfloat16, memory the KV cache
-uses, so the adapters stay unmerged there, unless `sampler_mesh.merge_lora="always"` asks for
-that copy ("never": unmerged everywhere). Merging (`merge`) also serves export.
+targeted base matrix at each weight sync. Where the sync writes a sampling copy anyway
+(another dtype, another sharding, several processes: `multihost.WeightSync`), it folds the
+adapters into that copy (`fold_adapters`) at no memory cost; where the sampler would share
+the trainer's arrays, merging would need a second copy of every targeted matrix (the
+trainer's stay unmerged): 62 GB for the 32B in bfloat16, memory the KV cache uses, so the
+adapters stay unmerged there, unless `sampler_mesh.merge_lora="always"` asks for that copy
+(or `sampler_mesh.fuse_projections="always"` makes one; "never": unmerged everywhere).
+Merging (`merge`) also serves export.
 """
 
 from __future__ import annotations
