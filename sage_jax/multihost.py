@@ -329,8 +329,8 @@ def local_mesh(config: shd.MeshConfig) -> Mesh:
 
 
 SAMPLING_DTYPES = ("auto", "float32", "bfloat16")
-FUSE_PROJECTIONS = ("auto", "always", "never")
-MERGE_LORA = ("auto", "always", "never")
+# When the sampling copy is written fused (`fuse_projections`) or merged (`merge_lora`).
+COPY_CHOICES = ("auto", "always", "never")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,11 +357,9 @@ class SamplerMeshConfig:
       raise ValueError(f"tensor must be >= 1, got {self.tensor}")
     if self.param_dtype not in SAMPLING_DTYPES:
       raise ValueError(f"param_dtype={self.param_dtype!r}; expected one of {SAMPLING_DTYPES}")
-    if self.fuse_projections not in FUSE_PROJECTIONS:
-      raise ValueError(f"fuse_projections={self.fuse_projections!r}; expected one of "
-                       f"{FUSE_PROJECTIONS}")
-    if self.merge_lora not in MERGE_LORA:
-      raise ValueError(f"merge_lora={self.merge_lora!r}; expected one of {MERGE_LORA}")
+    for key in ("fuse_projections", "merge_lora"):
+      if getattr(self, key) not in COPY_CHOICES:
+        raise ValueError(f"{key}={getattr(self, key)!r}; expected one of {COPY_CHOICES}")
 
   def mesh(self) -> shd.MeshConfig:
     return shd.MeshConfig(data=-1, fsdp=1, tensor=self.tensor)
