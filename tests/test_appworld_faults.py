@@ -3,6 +3,7 @@
 import asyncio
 import glob
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -395,6 +396,28 @@ def test_a_failed_template_request_ends_neither_the_template_nor_its_workers(min
     worker.kill()
     assert not worker.alive and not _running(worker.pid)
     assert process.WorkerProcess(template, config, "w1").call({"op": "close"}, 30)["ok"]
+  finally:
+    template.close()
+
+
+def test_an_answer_that_is_not_json_is_a_worker_fault(mini_root, tmp_path):  # noqa: F811
+  """A worker whose answer is not JSON (a protocol broken by a bug or a corrupted channel)
+  is killed and faults, so that the pool restarts it and the episode gets an environment
+  error, rather than handing the caller a decoding error with the worker still up. The
+  worker is real; its channel is swapped for a pipe that carries such an answer."""
+  config = pool_config(mini_root, str(tmp_path))
+  template = process.WorkerTemplate(config)
+  try:
+    worker = process.WorkerProcess(template, config, "w0")
+    real_channel, (ours, theirs) = worker._channel, multiprocessing.Pipe()
+    worker._channel = ours
+    theirs.send_bytes(b"\xff{not json")
+    with pytest.raises(process.WorkerFault, match=r"w0 gave an answer that is not JSON while "
+                       r"running 'close': b'\\xff\{not json'"):
+      worker.call({"op": "close"}, 30)
+    assert not worker.alive and not _running(worker.pid)
+    real_channel.close()
+    assert template.alive
   finally:
     template.close()
 

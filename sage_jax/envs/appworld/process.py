@@ -4,7 +4,7 @@ worker (call with a deadline, kill).
 The template is a new interpreter (subprocess + `python -m`), never a fork of the trainer,
 so neither it nor the workers forked from it inherit JAX state, and the trainer never
 imports appworld (worker.py). Any way a worker can fail (no answer in time, exit, broken
-socket) kills it and raises WorkerFault.
+socket, an answer that is not JSON) kills it and raises WorkerFault.
 """
 
 import dataclasses
@@ -120,7 +120,10 @@ class WorkerTemplate:
         raise self._fault(f"died while {doing}") from e
       if not answer:
         raise self._fault(f"died while {doing}")
-    answer = json.loads(answer)
+      try:
+        answer = json.loads(answer)
+      except ValueError as e:  # not JSON (UnicodeDecodeError is one too)
+        raise self._fault(f"gave an answer that is not JSON while {doing}") from e
     if "error" in answer:  # this request failed; the template and its other workers are fine
       raise WorkerFault(f"the environment workers' template process failed {doing}: "
                         f"{answer['error']}")
@@ -210,9 +213,17 @@ class WorkerProcess:
     try:
       if not self._channel.poll(timeout):
         raise self._fault(f"gave no answer within {timeout:g} s while {doing}")
-      return json.loads(self._channel.recv_bytes())
+      return self._decode(self._channel.recv_bytes(), doing)
     except (EOFError, OSError) as e:
       raise self._died(f"died while {doing}") from e
+
+  def _decode(self, answer: bytes, doing: str) -> dict:
+    """The answer as JSON; anything else breaks the protocol and kills the worker."""
+    try:
+      return json.loads(answer)
+    except ValueError as e:  # not JSON (UnicodeDecodeError is one too)
+      raise self._fault(f"gave an answer that is not JSON while {doing}: "
+                        f"{answer[:200]!r}") from e
 
   def _died(self, what: str) -> WorkerFault:
     """The fault of a worker whose end of the channel closed: it is gone or going, with an
@@ -234,8 +245,9 @@ class WorkerProcess:
                                           headers={"Content-Type": "application/json"})
     try:
       with urllib.request.urlopen(http_request, timeout=timeout) as response:
-        return json.loads(response.read())
+        answer = response.read()
     except TimeoutError as e:
       raise self._fault(f"gave no answer within {timeout:g} s while {doing}") from e
     except (urllib.error.URLError, ConnectionError, OSError) as e:
       raise self._fault(f"died while {doing}") from e
+    return self._decode(answer, doing)
