@@ -308,6 +308,20 @@ def test_turns_sample_as_transformers_processes_the_whole_history(model, params)
     assert engine.generate([prompt], plain, seeds=[1])[0].tokens != first.tokens
 
 
+def test_sequences_started_without_a_seed_sample_apart(model):
+  """Two sequences of one prompt started without seeds sample different tokens (each is
+  seeded with its id); a seed given again samples the same ones."""
+  (prompt,) = _prompts([12], seed=16)
+  params = SamplingParams(temperature=1.0, max_new_tokens=12)
+  engine = Engine(model, ENGINE, eos_ids=NO_EOS)
+  first, second = engine.start(prompt, params), engine.start(prompt, params)
+  turns = {t.seq_id: t.tokens for t in engine.run()}
+  assert turns[first] != turns[second]
+  again = engine.start(prompt, params, seed=second)
+  assert engine.run()[0].tokens == turns[second]
+  assert again != second
+
+
 def test_a_sequence_taking_over_a_slot_holds_only_its_own_ids(model):
   """Sequences that take over slots (one-token prompts, a prompt prefilled over several steps
   while other slots decode) are penalised for their own ids only."""

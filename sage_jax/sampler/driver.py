@@ -37,7 +37,7 @@ class AsyncEngine:
     self.close()
 
   async def start(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                  seed: int = 0) -> TurnResult:
+                  seed: int | None = None) -> TurnResult:
     """Starts a sequence and returns its first turn (its `seq_id` names it from then on).
     A caller cancelled before it returns never learns the id, so its sequence is freed here:
     else it would hold its slot for good."""

@@ -188,13 +188,17 @@ class Engine:
   # --- Public API ------------------------------------------------------------------------
 
   def start(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-            seed: int = 0) -> int:
-    """Queues a new sequence's first turn; returns its id. The turn comes out of `step`."""
+            seed: int | None = None) -> int:
+    """Queues a new sequence's first turn; returns its id. The turn comes out of `step`.
+    `seed` (default: the sequence's id, so that sequences started alike sample apart) fixes
+    what the sequence samples, in every turn."""
     self._check_sampling(sampling)
     prompt = self._check_ids(prompt_ids, "prompt_ids")
     if not prompt:
       raise ValueError("prompt_ids is empty")
-    seq = _Sequence(seq_id=next(self._ids), sampling=sampling, seed=int(seed) % 2**32,
+    seq_id = next(self._ids)
+    seq = _Sequence(seq_id=seq_id, sampling=sampling,
+                    seed=int(seq_id if seed is None else seed) % 2**32,
                     limit=self._limit(sampling))
     self._seqs[seq.seq_id] = seq
     self._begin_turn(seq, prompt, start=0)
