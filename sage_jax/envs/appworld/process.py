@@ -18,6 +18,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import sage_jax
@@ -46,6 +47,15 @@ def _log_tail(path: str | None) -> str:
     if tail:
       return f"; its log ends with:\n{tail}"
   return ""
+
+
+def _decode(answer: bytes, doing: str, fault: Callable[[str], WorkerFault]) -> dict:
+  """An answer as JSON; anything else breaks the protocol: `fault` (which kills the process
+  that sent it) names it."""
+  try:
+    return json.loads(answer)
+  except ValueError as e:  # not JSON (UnicodeDecodeError is one too)
+    raise fault(f"gave an answer that is not JSON while {doing}: {answer[:200]!r}") from e
 
 
 def child_environment(**overrides: str) -> dict[str, str]:
@@ -120,10 +130,7 @@ class WorkerTemplate:
         raise self._fault(f"died while {doing}") from e
       if not answer:
         raise self._fault(f"died while {doing}")
-      try:
-        answer = json.loads(answer)
-      except ValueError as e:  # not JSON (UnicodeDecodeError is one too)
-        raise self._fault(f"gave an answer that is not JSON while {doing}") from e
+      answer = _decode(answer, doing, self._fault)
     if "error" in answer:  # this request failed; the template and its other workers are fine
       raise WorkerFault(f"the environment workers' template process failed {doing}: "
                         f"{answer['error']}")
@@ -213,17 +220,9 @@ class WorkerProcess:
     try:
       if not self._channel.poll(timeout):
         raise self._fault(f"gave no answer within {timeout:g} s while {doing}")
-      return self._decode(self._channel.recv_bytes(), doing)
+      return _decode(self._channel.recv_bytes(), doing, self._fault)
     except (EOFError, OSError) as e:
       raise self._died(f"died while {doing}") from e
-
-  def _decode(self, answer: bytes, doing: str) -> dict:
-    """The answer as JSON; anything else breaks the protocol and kills the worker."""
-    try:
-      return json.loads(answer)
-    except ValueError as e:  # not JSON (UnicodeDecodeError is one too)
-      raise self._fault(f"gave an answer that is not JSON while {doing}: "
-                        f"{answer[:200]!r}") from e
 
   def _died(self, what: str) -> WorkerFault:
     """The fault of a worker whose end of the channel closed: it is gone or going, with an
@@ -250,4 +249,4 @@ class WorkerProcess:
       raise self._fault(f"gave no answer within {timeout:g} s while {doing}") from e
     except (urllib.error.URLError, ConnectionError, OSError) as e:
       raise self._fault(f"died while {doing}") from e
-    return self._decode(answer, doing)
+    return _decode(answer, doing, self._fault)
