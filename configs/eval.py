@@ -10,8 +10,10 @@
                        retrieval.py evaluates one run under each retrieval strategy)
 
 Sections map field by field onto EvalConfig, AgentConfig, RetrievalConfig, EnvPoolConfig,
-ModelSpec and the sampler's EngineConfig; all but the model start from their dataclass
-defaults, so that every key of theirs can be set (`--config.pool.sandbox=off`).
+ModelSpec, the sampler's EngineConfig and SamplerMeshConfig (the model is loaded straight
+onto each host's sampling mesh, sharded over `sampler_mesh.tensor` devices per copy: set it
+for a model larger than one device); all but the model start from their dataclass defaults,
+so that every key of theirs can be set (`--config.pool.sandbox=off`).
 """
 
 import ml_collections
@@ -22,7 +24,7 @@ from sage_jax import run_config
 def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   defaults = run_config.defaults()
-  for name in ("eval", "agent", "retrieval", "pool", "engine"):
+  for name in ("eval", "agent", "retrieval", "pool", "engine", "sampler_mesh"):
     c[name] = defaults[name]
   c.eval.update(split="dev", data="mini", policy="model", experiment="eval",
                 max_concurrent_scenarios=0, max_scenarios=0, appworld_check=True, seed=0,

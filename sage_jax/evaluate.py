@@ -5,7 +5,7 @@ r"""Evaluates the Skill Library Agent on an AppWorld split.
       --config=configs/eval.py:<preset> [--config.retrieval.strategy=S ...] --workdir=DIR
 
 With --run, the model is a training run's checkpoint (step N, default the latest), with the
-run's own model, agent and sampler (engine) settings and tokenizer, read from
+run's own model, agent and sampler (engine, sampler_mesh) settings and tokenizer, read from
 RUN_DIR/config.json; the --config file gives the evaluation's settings (its eval, retrieval
 and pool sections) and the data is the run's (pipeline.data). So one trained run is
 evaluated under several retrieval strategies, as the SAGE paper compares them. The merged
@@ -29,7 +29,7 @@ from sage_jax.eval.runner import evaluate
 
 # With --run: sections that come from the run (what the model is and how it acts), and those
 # that come from --config (how it is evaluated).
-RUN_SECTIONS = ("model", "agent", "engine")
+RUN_SECTIONS = ("model", "agent", "engine", "sampler_mesh")
 EVAL_SECTIONS = ("eval", "retrieval", "pool")
 
 

@@ -6,8 +6,10 @@ r"""Completes one prompt with the sampler engine and prints the completion.
 
 --model takes an HF checkpoint directory (a training run's export among them), a .gguf file,
 the bundled model's name, or a training run's workdir: its checkpoint of --stage (rl or sft)
-at --step (default: the latest), with the run's tokenizer, on the run's sampler mesh. With
---chat (default) the prompt is a user message in Qwen's ChatML; --nochat completes raw text.
+at --step (default: the latest), with the run's tokenizer, on the run's sampler mesh. A
+checkpoint is loaded straight onto --tensor of the host's devices, sharded over them, in
+--param_dtype. With --chat (default) the prompt is a user message in Qwen's ChatML; --nochat
+completes raw text.
 
 An HF directory's generation_config.json gives the sampling defaults, as it does for
 transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p, top_k
@@ -31,6 +33,7 @@ from jax.sharding import Mesh
 
 from sage_jax import multihost, run_checkpoint, run_config
 from sage_jax import tokenizer as tokenizer_lib
+from sage_jax.configurable import ConfigError
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
 from sage_jax.weights import gguf_import, hf, loader
@@ -152,6 +155,11 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
   FLAGS = flags.FLAGS
   recorded = run_checkpoint.run_config_at(spec)
   if recorded is not None:
+    given = [f"--{name}" for name in ("tensor", "param_dtype") if FLAGS[name].present]
+    if given:
+      raise app.UsageError(f"{given[0]} sets how a checkpoint is loaded; --model={spec} is a "
+                           "training run's workdir, which samples on the run's sampler mesh "
+                           "(its config.json's sampler_mesh)")
     run = run_config.resolve(recorded, local_devices=jax.local_device_count())
 
     def restore() -> tuple[Qwen2, Mesh]:
@@ -178,8 +186,14 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
     except gguf_import.GGUFError as e:
       raise app.UsageError(f"--model={spec}: {e}") from e
   tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+  mesh_config = multihost.SamplerMeshConfig(tensor=FLAGS.tensor, param_dtype=FLAGS.param_dtype)
+  try:
+    mesh_config.check_host(jax.local_device_count(), 1)
+  except ConfigError as e:
+    raise app.UsageError(f"--tensor={FLAGS.tensor}: {e}") from None
   return (tokenizer_lib.Tokenizer(tok_dir), *hf.read_generation_config(path),
-          lambda: (loader.load_model(path), None))
+          lambda: multihost.load_sampling_model(loader.ModelSpec(spec=path), mesh_config,
+                                                num_slots=1))
 
 
 def main(argv: list[str]) -> None:
@@ -190,6 +204,9 @@ def main(argv: list[str]) -> None:
   ids = prompt_ids(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
   sampling, stop = sampling_settings(generation_path, generation, tok, len(ids))
   model, mesh = load_model()
+  if mesh is not None:
+    logging.info("Sampling on %d of this host's devices: %s", mesh.size,
+                 ", ".join(f"{axis}={size}" for axis, size in mesh.shape.items()))
   # One prefill chunk and one attention window sized to this request: two compilations.
   max_len = min(_next_pow2(len(ids) + sampling.max_new_tokens),
                 model.config.max_position_embeddings)
@@ -230,6 +247,13 @@ def define_flags() -> None:
                        "latest).")
   flags.DEFINE_enum("stage", "rl", list(run_checkpoint.STAGE_DIRS), "With a run's workdir: "
                     "which stage's checkpoints.")
+  flags.DEFINE_integer("tensor", 1, "A checkpoint (not a run's workdir, which samples on the "
+                       "run's sampler mesh) is loaded sharded over this many of the host's "
+                       "devices (tensor parallel), and generates there: set it for a model "
+                       "larger than one device.")
+  flags.DEFINE_enum("param_dtype", "auto", list(multihost.SAMPLING_DTYPES), "A checkpoint's "
+                    "weights are sampled in this dtype (auto: bfloat16 on accelerators, the "
+                    "checkpoint's float32 on CPU).")
   flags.DEFINE_bool("chat", True, "Wrap the prompt as a ChatML user message.")
   flags.DEFINE_string("system", "You are Qwen, created by Alibaba Cloud. You are a helpful "
                       "assistant.", "System message in chat mode.")

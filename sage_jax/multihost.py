@@ -44,8 +44,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sage_jax import sharding as shd
 from sage_jax import storage
+from sage_jax.configurable import ConfigError
 from sage_jax.model import fused_projections, lora
 from sage_jax.model.qwen2 import abstract_model
+from sage_jax.weights import loader
 
 # Environment our launchers (launch/local.py, launch/multinode.sh, launch/slurm.sbatch)
 # export for every process of a run.
@@ -364,6 +366,18 @@ class SamplerMeshConfig:
   def mesh(self) -> shd.MeshConfig:
     return shd.MeshConfig(data=-1, fsdp=1, tensor=self.tensor)
 
+  def check_host(self, local_devices: int, num_slots: int) -> None:
+    """Raises ConfigError unless this mesh and a sampler of `num_slots` slots fit a host of
+    `local_devices` devices."""
+    if local_devices % self.tensor:
+      raise ConfigError(f"config.sampler_mesh.tensor: {self.tensor} does not divide the "
+                        f"{local_devices} devices of a host (the sampler's mesh is host-local)")
+    slots_split = local_devices // self.tensor
+    if num_slots % slots_split and num_slots > slots_split:
+      raise ConfigError(f"config.engine.num_slots: {num_slots} slots do not split over the "
+                        f"sampler's data axis ({slots_split} = a host's devices / "
+                        f"sampler_mesh.tensor)")
+
 
 # --- Weight sync ----------------------------------------------------------------------------
 
@@ -475,6 +489,37 @@ class WeightSync:
     if not (every == every[0]).all():
       raise RuntimeError("the processes' sampling copies of the weights differ after the "
                          "weight sync: the processes have diverged")
+
+
+def load_sampling_model(spec: loader.ModelSpec, config: SamplerMeshConfig, num_slots: int,
+                        rules: shd.ShardingRules = shd.ShardingRules()
+                        ) -> tuple[nnx.Module, Mesh]:
+  """(model, mesh): `spec`'s model (a checkpoint, or a preset initialised) as this process
+  samples it where no trainer holds the weights (evaluation, generation). It is loaded
+  straight onto a mesh of the process's devices, each tensor sharded over `config.tensor`
+  devices as it is read (a model larger than one device loads), in the sampling dtype, with
+  its q/k/v and gate/up projections fused unless `config.fuse_projections` is "never" (the
+  separate arrays are dropped: no second copy stays). Adapters (`spec.lora_rank`) stay
+  unmerged. The mesh holds one copy per slot of the sampler (`num_slots`) at most: a
+  generation of one sequence takes `config.tensor` devices, not one copy per device group."""
+  devices = _process_devices(jax.process_index())
+  config.check_host(len(devices), num_slots)
+  data = min(len(devices) // config.tensor, num_slots)
+  grid = np.asarray(devices[:data * config.tensor], dtype=object).reshape(data, 1, config.tensor)
+  mesh = Mesh(grid, shd.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  dtype = sampling_dtype(config.param_dtype)
+  if dtype is not None:
+    spec = dataclasses.replace(spec, param_dtype=jnp.dtype(dtype).name)
+  model = loader.build_model(spec, mesh=mesh, rules=rules)
+  if model.config.lora.enabled or config.fuse_projections == "never":
+    return model, mesh
+  fuse = functools.partial(fused_projections.fuse, config=model.config)
+  graphdef = nnx.graphdef(abstract_model(model.config.replace(fused_projections=True)))
+  unfused = nnx.state(model)
+  del model
+  shardings = shd.state_shardings(jax.eval_shape(fuse, unfused), mesh, rules)
+  fused = jax.jit(fuse, out_shardings=shardings, donate_argnums=0)(unfused)
+  return nnx.merge(graphdef, fused), mesh
 
 
 # --- Global batches -------------------------------------------------------------------------

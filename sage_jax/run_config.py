@@ -455,15 +455,7 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
                       "model.lora_rank=0, which adds no adapters to merge: set "
                       "model.lora_rank, or leave merge_lora 'auto'")
   if local_devices is not None:
-    tensor = run.sampler_mesh.tensor
-    if local_devices % tensor:
-      raise ConfigError(f"config.sampler_mesh.tensor: {tensor} does not divide the "
-                        f"{local_devices} devices of a host (the sampler's mesh is host-local)")
-    slots_split = local_devices // tensor
-    if run.engine.num_slots % slots_split and run.engine.num_slots > slots_split:
-      raise ConfigError(f"config.engine.num_slots: {run.engine.num_slots} slots do not split "
-                        f"over the sampler's data axis ({slots_split} = a host's devices / "
-                        f"sampler_mesh.tensor)")
+    run.sampler_mesh.check_host(local_devices, run.engine.num_slots)
 
 
 def _check_evaluation_split(run: RunConfig, trained: bool) -> None:

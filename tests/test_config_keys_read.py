@@ -49,6 +49,8 @@ ALLOWED_OVERWRITES = {
                   "pipeline.train_split",
     "eval.max_scenarios": "the evaluation of the training scenarios covers "
                           "pipeline.train_scenarios",
+    "model.param_dtype": "a model loaded to be sampled alone (evaluation, generation) is held "
+                         "in sampler_mesh.param_dtype, as a training run's sampling copy is",
 }
 
 

@@ -110,3 +110,27 @@ def test_the_fused_copy_is_written_in_the_sampling_dtype():
                                 np.asarray(q[4].astype(jnp.bfloat16), np.float32))
   assert all(x.sharding.mesh.devices.tolist() == sync.mesh.devices.tolist()
              for x in jax.tree.leaves(copy))
+
+
+@pytest.mark.parametrize("fuse_projections", ["auto", "never"])
+def test_a_checkpoint_loads_onto_the_sampling_mesh_as_the_sync_writes_it(fuse_projections,
+                                                                        tmp_path):
+  """What evaluation and generation sample from a checkpoint (`load_sampling_model`: loaded
+  straight onto the host's devices: 4 slots, 2 devices per copy here) is the copy a training
+  run's sync writes of the same weights: same layout, dtype, sharding and values."""
+  from sage_jax.weights import hf, loader  # noqa: PLC0415
+  model = _model()
+  hf.save_hf(model, str(tmp_path / "ckpt"))
+  config = multihost.SamplerMeshConfig(tensor=2, param_dtype="bfloat16",
+                                       fuse_projections=fuse_projections)
+  loaded, mesh = multihost.load_sampling_model(loader.ModelSpec(spec=str(tmp_path / "ckpt")),
+                                               config, num_slots=4)
+  assert loaded.config.fused_projections == (fuse_projections == "auto")
+  want = multihost.WeightSync(model, dataclasses.replace(config, fuse_projections="always")
+                              if fuse_projections == "auto" else config)(nnx.state(model))
+  got = nnx.state(loaded)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype == jnp.bfloat16 and a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert mesh.shape == {"data": 4, "fsdp": 1, "tensor": 2}

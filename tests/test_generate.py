@@ -61,20 +61,23 @@ def checkpoint(tmp_path_factory):
   return directory, greedy[0, len(prompt):].tolist()
 
 
-def _run(directory, *flags: str, generation: dict | None = None) -> subprocess.CompletedProcess:
-  """The command on `directory`, with `generation` written as its generation_config.json by
-  transformers (None: the file as it is)."""
+def _run(directory, *flags: str, generation: dict | None = None,
+         devices: int = 1) -> subprocess.CompletedProcess:
+  """The command on `directory` on a host of `devices` CPU devices, with `generation` written
+  as its generation_config.json by transformers (None: the file as it is)."""
   if generation is not None:
     transformers.GenerationConfig(**generation).save_pretrained(directory)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   return subprocess.run([sys.executable, "-m", "sage_jax.generate", f"--model={directory}",
                          f"--prompt={PROMPT}", "--nochat", *flags], cwd=REPO,
-                        capture_output=True, text=True, timeout=300,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                        capture_output=True, text=True, timeout=300, env=env)
 
 
-def _generate(directory, *flags: str, generation: dict | None = None) -> tuple[str, str]:
+def _generate(directory, *flags: str, generation: dict | None = None,
+              devices: int = 1) -> tuple[str, str]:
   """(completion, log) of a successful run of the command (see `_run`)."""
-  out = _run(directory, *flags, generation=generation)
+  out = _run(directory, *flags, generation=generation, devices=devices)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout.removesuffix("\n"), out.stderr
 
@@ -193,4 +196,21 @@ def test_a_sampling_value_out_of_range_is_refused_in_one_line(checkpoint, flag, 
   directory, _ = checkpoint
   out = _run(directory, flag, generation={})  # the module's checkpoint, without settings
   assert out.returncode != 0 and message in out.stderr
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_checkpoint_loads_sharded_over_the_tensor_flags_devices(checkpoint):
+  """--tensor=2 on a host of 8 devices: the model is loaded sharded over 2 of them and
+  completes as transformers does."""
+  directory, greedy = checkpoint
+  text, log = _generate(directory, "--max_new_tokens=8", "--tensor=2", devices=8)
+  assert text == tokenizer_lib.Tokenizer(directory).decode(greedy)
+  assert "Sampling on 2 of this host's devices: data=1, fsdp=1, tensor=2" in log, log
+
+
+def test_a_tensor_size_that_does_not_divide_the_hosts_devices_is_refused(checkpoint):
+  directory, _ = checkpoint
+  out = _run(directory, "--tensor=3", generation={}, devices=8)
+  assert out.returncode != 0
+  assert "--tensor=3: config.sampler_mesh.tensor: 3 does not divide the 8 devices" in out.stderr
   assert "Traceback" not in out.stderr, out.stderr[-3000:]

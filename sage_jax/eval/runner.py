@@ -16,7 +16,8 @@ the records are gathered and process 0 writes the reports (AppWorld's own scores
 computed by each process on its outputs and combined, weighted by tasks and scenarios).
 
 Config sections: eval (EvalConfig), agent (AgentConfig), retrieval (RetrievalConfig), pool
-(EnvPoolConfig), model (ModelSpec), engine (the sampler's EngineConfig).
+(EnvPoolConfig), model (ModelSpec), engine (the sampler's EngineConfig), sampler_mesh
+(SamplerMeshConfig: where each process's copy of the model lives, loaded straight onto it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import json
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import jax
 
 from sage_jax import configurable, multihost, storage
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
@@ -149,9 +152,13 @@ def _sections(config: Any) -> dict[str, Any]:
       "pool": configurable.build(appworld.EnvPoolConfig, section("pool") or {}, "config.pool"),
       "model": section("model"),
       "engine": configurable.build(EngineConfig, section("engine") or {}, "config.engine"),
+      "sampler_mesh": configurable.build(multihost.SamplerMeshConfig,
+                                         section("sampler_mesh") or {}, "config.sampler_mesh"),
   }
   sampler = built["engine"] if built["eval"].policy == "model" else None
   check_evaluation_sections(built["agent"], sampler, built["pool"], built["eval"])
+  if sampler is not None:
+    built["sampler_mesh"].check_host(jax.local_device_count(), sampler.num_slots)
   return built
 
 
@@ -192,9 +199,10 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
       if engine is None:
         spec = configurable.build(loader.ModelSpec, s["model"] or {}, "config.model")
         loader.check_tokenizer(spec)
-        model = loader.build_model(spec)
+        model, mesh = multihost.load_sampling_model(spec, s["sampler_mesh"],
+                                                  s["engine"].num_slots)
         engine = Engine(model, s["engine"], eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
-                        detokenize=tokenizer.decode)
+                        detokenize=tokenizer.decode, mesh=mesh)
       driver = AsyncEngine(engine)
       policy = rollout.SamplerPolicy(driver, agent_cfg)
     retriever = Retriever(retrieval_cfg, make_embedder(retrieval_cfg, engine=engine,
