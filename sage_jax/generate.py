@@ -252,8 +252,8 @@ def define_flags() -> None:
                        "devices (tensor parallel), and generates there: set it for a model "
                        "larger than one device.")
   flags.DEFINE_enum("param_dtype", "auto", list(multihost.SAMPLING_DTYPES), "A checkpoint's "
-                    "weights are sampled in this dtype (auto: bfloat16 on accelerators, the "
-                    "checkpoint's float32 on CPU).")
+                    "weights are sampled in this dtype (auto: bfloat16 on accelerators, "
+                    "float32 on CPU).")
   flags.DEFINE_bool("chat", True, "Wrap the prompt as a ChatML user message.")
   flags.DEFINE_string("system", "You are Qwen, created by Alibaba Cloud. You are a helpful "
                       "assistant.", "System message in chat mode.")
