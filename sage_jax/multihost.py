@@ -505,8 +505,8 @@ def load_sampling_model(spec: loader.ModelSpec, config: SamplerMeshConfig, num_s
   devices = _process_devices(jax.process_index())
   config.check_host(len(devices), num_slots)
   data = min(len(devices) // config.tensor, num_slots)
-  grid = np.asarray(devices[:data * config.tensor], dtype=object).reshape(data, 1, config.tensor)
-  mesh = Mesh(grid, shd.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = shd.make_mesh(shd.MeshConfig(data=data, fsdp=1, tensor=config.tensor),
+                       devices[:data * config.tensor])
   dtype = sampling_dtype(config.param_dtype)
   if dtype is not None:
     spec = dataclasses.replace(spec, param_dtype=jnp.dtype(dtype).name)
