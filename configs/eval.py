@@ -6,8 +6,10 @@
   qwen2.5-coder-0.5b   the real Qwen2.5-Coder-0.5B-Instruct (untrained baseline), greedy
   run                  a trained run's checkpoint (`--run=RUN_DIR [--step=N]`), greedy, every
                        scenario of the dev split: only the eval, retrieval and pool sections
-                       count, the model, agent and engine are the run's (configs/sweeps/
-                       retrieval.py evaluates one run under each retrieval strategy)
+                       count, the model, agent, engine and sampler_mesh are the run's (the
+                       last two can be set for this host: --config.sampler_mesh.tensor=1;
+                       configs/sweeps/retrieval.py evaluates one run under each retrieval
+                       strategy)
 
 Sections map field by field onto EvalConfig, AgentConfig, RetrievalConfig, EnvPoolConfig,
 ModelSpec, the sampler's EngineConfig and SamplerMeshConfig (the model is loaded straight

@@ -8,8 +8,11 @@ With --run, the model is a training run's checkpoint (step N, default the latest
 run's own model, agent and sampler (engine, sampler_mesh) settings and tokenizer, read from
 RUN_DIR/config.json; the --config file gives the evaluation's settings (its eval, retrieval
 and pool sections) and the data is the run's (pipeline.data). So one trained run is
-evaluated under several retrieval strategies, as the SAGE paper compares them. The merged
-config is validated as a training run's is (`sage_jax.run_config`), so a misspelt key fails.
+evaluated under several retrieval strategies, as the SAGE paper compares them. What the
+model is and how it acts (model, agent) cannot be changed; where it samples can, for a host
+unlike the run's: `--config.sampler_mesh.tensor=1 --config.engine.num_slots=4` replace the
+run's values of those keys. The merged config is validated as a training run's is
+(`sage_jax.run_config`), so a misspelt key fails.
 
 See `sage_jax.eval.runner` for what runs and what is written into DIR.
 """
@@ -18,25 +21,28 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 
 import jax
 from absl import app, flags
+from ml_collections import config_flags
 
 from sage_jax import config_file, multihost, run_checkpoint, run_config
 from sage_jax.eval import metrics as metrics_lib
 from sage_jax.eval.runner import evaluate
 
-# With --run: sections that come from the run (what the model is and how it acts), and those
-# that come from --config (how it is evaluated).
-RUN_SECTIONS = ("model", "agent", "engine", "sampler_mesh")
+# With --run: sections that are the run's (what the model is and how it acts), those that are
+# the run's unless set on the command line (where the model samples: another host may need
+# another mesh or fewer slots), and those that come from --config (how it is evaluated).
+RUN_SECTIONS = ("model", "agent")
+HOST_SECTIONS = ("engine", "sampler_mesh")
 EVAL_SECTIONS = ("eval", "retrieval", "pool")
 
 
 def evaluate_run(run_dir: str, eval_config, workdir: str, step: int | None = None,
-                 stage: str = "rl") -> dict:
+                 stage: str = "rl", host: dict | None = None) -> dict:
   """Evaluates checkpoint `step` of the run in `run_dir` with the eval, retrieval and pool
-  sections of `eval_config`; returns the report."""
+  sections of `eval_config`; `host` maps keys of the engine and sampler_mesh sections
+  ("engine.num_slots") to values that replace the run's. Returns the report."""
   from sage_jax.sampler import Engine
   from sage_jax.tokenizer import Tokenizer
 
@@ -44,6 +50,12 @@ def evaluate_run(run_dir: str, eval_config, workdir: str, step: int | None = Non
     config = run_checkpoint.read_config(run_dir)
     for name in EVAL_SECTIONS:
       config[name] = eval_config[name]
+    for key, value in (host or {}).items():
+      section, _, name = key.partition(".")
+      if section not in HOST_SECTIONS:
+        raise run_config.ConfigError(f"config.{key}: with --run only the "
+                                     f"{' and '.join(HOST_SECTIONS)} sections can be set")
+      config[section][name] = value
     run = run_config.resolve(config, local_devices=jax.local_device_count(), trained=True)
   except (FileNotFoundError, run_config.ConfigError) as e:  # not a run; a bad key
     raise app.UsageError(str(e)) from e
@@ -70,25 +82,28 @@ def main(argv) -> None:
   config, workdir, run_dir = FLAGS.config, FLAGS.workdir, FLAGS.run
   if config is None or not workdir:
     raise app.UsageError("--config=configs/eval.py:<preset> and --workdir=DIR are required")
-  unknown = sorted(set(config) - set(RUN_SECTIONS) - set(EVAL_SECTIONS))
+  sections = RUN_SECTIONS + HOST_SECTIONS + EVAL_SECTIONS
+  unknown = sorted(set(config) - set(sections))
   if unknown:  # a misspelt section would otherwise leave its settings at their defaults
     raise app.UsageError(f"config.{unknown[0]}: unknown section of an evaluation config; "
-                         f"known: {sorted(RUN_SECTIONS + EVAL_SECTIONS)}")
+                         f"known: {sorted(sections)}")
   if run_dir is None and (FLAGS.step is not None or FLAGS["stage"].present):
     raise app.UsageError("--step and --stage choose a checkpoint of --run=RUN_DIR")
   if run_dir is None and not (config.model.get("spec") or config.model.get("preset")):
     raise app.UsageError("this config names no model (configs/eval.py:run evaluates a trained "
                          "run's): pass --run=RUN_DIR, or set --config.model.spec")
-  from_run = [a for a in sys.argv if a.startswith(tuple(f"--config.{s}." for s in RUN_SECTIONS))]
+  overrides = config_flags.get_override_values(FLAGS["config"])
+  from_run = sorted(k for k in overrides if k.partition(".")[0] in RUN_SECTIONS)
   if run_dir is not None and from_run:
-    raise app.UsageError(f"{from_run[0]}: with --run the {', '.join(RUN_SECTIONS)} sections "
-                         f"are the run's own (RUN_DIR/config.json)")
+    raise app.UsageError(f"--config.{from_run[0]}: with --run the {' and '.join(RUN_SECTIONS)} "
+                         f"sections are the run's own (RUN_DIR/config.json)")
+  host = {k: v for k, v in overrides.items() if k.partition(".")[0] in HOST_SECTIONS}
   multihost.initialize()
   logging.getLogger("httpx").setLevel(logging.WARNING)
   if run_dir is None:
     report = evaluate(config, workdir)
   else:
-    report = evaluate_run(run_dir, config, workdir, FLAGS.step, FLAGS.stage)
+    report = evaluate_run(run_dir, config, workdir, FLAGS.step, FLAGS.stage, host)
   multihost.finish()
   if not multihost.is_lead():
     return

@@ -111,10 +111,33 @@ def test_evaluate_run_errors_are_clear(run_dir, tmp_path):
       "config section 'retrieval' has no key 'stratgy'" in misspelt.stderr)
   own_model = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",
                         "--config.model.preset=mini", f"--workdir={tmp_path}")
-  assert own_model.returncode != 0 and "are the run's own" in own_model.stderr
+  assert own_model.returncode != 0 and (
+      "--config.model.preset: with --run the model and agent sections are the run's own"
+      in own_model.stderr)
+  # The host's sections may be set, and are checked against this host as the run's were.
+  no_split = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",
+                       "--config.sampler_mesh.tensor=3", f"--workdir={tmp_path}")
+  assert no_split.returncode != 0 and (
+      "config.sampler_mesh.tensor: 3 does not divide the 8 devices" in no_split.stderr)
   scripted = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:demo",
                        f"--workdir={tmp_path}")
   assert scripted.returncode != 0 and "config.eval.policy must be 'model'" in scripted.stderr
+
+
+def test_evaluate_run_samples_on_a_mesh_of_its_own(run_dir, tmp_path):
+  """A run trained with 8 slots over 8 devices, evaluated with its copy of the weights split
+  over 2 devices and 4 slots (a host unlike the run's): the command line's engine and
+  sampler_mesh keys replace the run's, its other keys stay the run's."""
+  out = tmp_path / "eval"
+  done = _evaluate(f"--run={run_dir}", "--config=configs/eval.py:run",
+                   "--config.sampler_mesh.tensor=2", "--config.engine.num_slots=4",
+                   "--config.eval.max_scenarios=1", f"--workdir={out}")
+  assert done.returncode == 0, done.stderr[-4000:]
+  config = json.load(open(out / "eval_dev.json"))["config"]
+  run_config = json.load(open(run_dir / "config.json"))
+  assert config["sampler_mesh"] == {**run_config["sampler_mesh"], "tensor": 2}
+  assert config["engine"] == {**run_config["engine"], "num_slots": 4}
+  assert config["agent"] == run_config["agent"]
 
 
 def test_the_run_preset_without_a_run_is_refused(tmp_path):
