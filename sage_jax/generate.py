@@ -6,10 +6,10 @@ r"""Completes one prompt with the sampler engine and prints the completion.
 
 --model takes an HF checkpoint directory (a training run's export among them), a .gguf file,
 the bundled model's name, or a training run's workdir: its checkpoint of --stage (rl or sft)
-at --step (default: the latest), with the run's tokenizer, on the run's sampler mesh. A
-checkpoint is loaded straight onto --tensor of the host's devices, sharded over them, in
---param_dtype. With --chat (default) the prompt is a user message in Qwen's ChatML; --nochat
-completes raw text.
+at --step (default: the latest), with the run's tokenizer, on the run's sampler mesh unless
+--tensor or --param_dtype replace its keys. A checkpoint is loaded straight onto --tensor of
+the host's devices, sharded over them, in --param_dtype. With --chat (default) the prompt is
+a user message in Qwen's ChatML; --nochat completes raw text.
 
 An HF directory's generation_config.json gives the sampling defaults, as it does for
 transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p, top_k
@@ -155,12 +155,13 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
   FLAGS = flags.FLAGS
   recorded = run_checkpoint.run_config_at(spec)
   if recorded is not None:
-    given = [f"--{name}" for name in ("tensor", "param_dtype") if FLAGS[name].present]
-    if given:
-      raise app.UsageError(f"{given[0]} sets how a checkpoint is loaded; --model={spec} is a "
-                           "training run's workdir, which samples on the run's sampler mesh "
-                           "(its config.json's sampler_mesh)")
-    run = run_config.resolve(recorded, local_devices=jax.local_device_count())
+    for name in ("tensor", "param_dtype"):  # this host's mesh instead of the run's
+      if FLAGS[name].present:
+        recorded["sampler_mesh"][name] = FLAGS[name].value
+    try:
+      run = run_config.resolve(recorded, local_devices=jax.local_device_count(), trained=True)
+    except ConfigError as e:
+      raise app.UsageError(f"--model={spec}: {e}") from None
 
     def restore() -> tuple[Qwen2, Mesh]:
       try:
@@ -247,13 +248,14 @@ def define_flags() -> None:
                        "latest).")
   flags.DEFINE_enum("stage", "rl", list(run_checkpoint.STAGE_DIRS), "With a run's workdir: "
                     "which stage's checkpoints.")
-  flags.DEFINE_integer("tensor", 1, "A checkpoint (not a run's workdir, which samples on the "
-                       "run's sampler mesh) is loaded sharded over this many of the host's "
-                       "devices (tensor parallel), and generates there: set it for a model "
-                       "larger than one device.")
-  flags.DEFINE_enum("param_dtype", "auto", list(multihost.SAMPLING_DTYPES), "A checkpoint's "
+  flags.DEFINE_integer("tensor", 1, "The checkpoint is loaded sharded over this many of the "
+                       "host's devices (tensor parallel), and generates there: set it for a "
+                       "model larger than one device. A run's workdir samples on the run's "
+                       "sampler_mesh.tensor unless this is given.")
+  flags.DEFINE_enum("param_dtype", "auto", list(multihost.SAMPLING_DTYPES), "The checkpoint's "
                     "weights are sampled in this dtype (auto: bfloat16 on accelerators, "
-                    "float32 on CPU).")
+                    "float32 on CPU; a run's workdir: the run's sampler_mesh.param_dtype "
+                    "unless this is given).")
   flags.DEFINE_bool("chat", True, "Wrap the prompt as a ChatML user message.")
   flags.DEFINE_string("system", "You are Qwen, created by Alibaba Cloud. You are a helpful "
                       "assistant.", "System message in chat mode.")

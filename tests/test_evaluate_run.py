@@ -167,6 +167,13 @@ def test_generate_samples_the_runs_checkpoint(run_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
   assert "the rl stage's checkpoint at step 1" in from_run.stderr
   assert from_run.stdout.strip() and from_run.stdout == from_export.stdout
+  # The run's sampler mesh, or this host's: --tensor replaces the run's, checked as it is.
+  split = _generate(f"--model={run_dir}", "--tensor=2")
+  assert split.returncode == 0 and split.stdout.strip(), split.stderr[-4000:]
+  assert "Sampling on 8 of this host's devices: data=4, fsdp=1, tensor=2" in split.stderr
+  no_split = _generate(f"--model={run_dir}", "--tensor=3")
+  assert no_split.returncode != 0 and (
+      "config.sampler_mesh.tensor: 3 does not divide the 8 devices" in no_split.stderr)
   missing = _generate(f"--model={run_dir}", "--step=7")
   assert missing.returncode != 0 and "available steps: [1]" in missing.stderr
   not_a_run = _generate(f"--model={exported}", "--stage=sft")
