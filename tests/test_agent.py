@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from sage_jax import configurable
+from sage_jax import configurable, stopping
 from sage_jax.agent import agent as agent_lib
 from sage_jax.agent import gold_solutions, parsing, prompts, retrieval, skills
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
@@ -647,6 +647,23 @@ def test_episode_masks_logprobs_turns_and_events(tok):
   assert trace.events.generated == () and trace.events.mentioned == ()
   roles = [t.role for t in trace.conversation.turns]
   assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+
+
+def test_a_stop_asked_during_a_turn_ends_the_episode_before_the_next(tok):
+  """Within `stopping.stop_when` (a dev evaluation), a stop asked while a turn runs ends the
+  episode before the next turn, with StopRequested; outside it the episode runs on."""
+  texts = ["```python\nprint(1)\n```"] * 3
+  for stoppable in (True, False):
+    episode, policy = FakeEpisode(), ListPolicy(tok, texts)
+    work = agent_lib.run_task(policy=policy, episode=episode, tokenizer=tok,
+                              config=AgentConfig(max_steps=3), skills=[], scenario="abc1234")
+    asked = lambda: len(policy.requests) > 0  # noqa: E731 - asked during the first turn
+    if stoppable:
+      with stopping.stop_when(asked), pytest.raises(stopping.StopRequested):
+        asyncio.run(work)
+      assert len(policy.requests) == len(episode.executed) == 1
+    else:
+      assert asyncio.run(work).num_steps == 3
 
 
 def test_episode_limits_end_cleanly(tok):

@@ -207,6 +207,42 @@ def test_sigterm_stops_the_run_after_its_step_and_a_rerun_finishes_it(
   assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == [1]
 
 
+def test_sigterm_during_a_dev_evaluation_ends_it_and_a_rerun_makes_it(
+    tmp_path, demo_expert_file):  # noqa: F811
+  """A SIGTERM while the dev evaluation after SFT step 1 plays its episodes ends it at their
+  next turn, not at its end: the run saves step 1 without that evaluation and exits with 143.
+  The rerun makes the evaluation of step 1 first, then trains and evaluates step 2."""
+  workdir = tmp_path / "run"
+  command = _command(workdir, "--config.pipeline.stages=('sft',)", "--config.sft.total_steps=2",
+                     "--config.sft.eval_every=1", "--config.eval.max_scenarios=2",
+                     *TRAIN_ONLY, _expert(demo_expert_file))
+  proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, env=ONE_DEVICE)
+  evaluation = workdir / "eval_sft_step1"  # made as the evaluation starts its episodes
+  deadline = time.monotonic() + 900
+  while not evaluation.exists():
+    assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-5000:]
+    time.sleep(0.2)
+  time.sleep(2.0)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=600)
+  assert proc.returncode == 143, stderr[-5000:]
+  assert "A signal ended the evaluation of step 1" in stderr, stderr[-5000:]
+  assert not (evaluation / "eval_dev.json").exists()
+  saved = [int(d) for d in os.listdir(workdir / "sft" / "checkpoints") if d.isdigit()]
+  assert saved == [1]
+  metrics = workdir / "sft" / "metrics.jsonl"
+  assert [(r["step"], "dev/tgc" in r) for r in map(json.loads, open(metrics))] == [(1, False)]
+
+  rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900,
+                         env=ONE_DEVICE)
+  assert rerun.returncode == 0, rerun.stderr[-5000:]
+  # The evaluation made first joins step 1's line.
+  assert [(r["step"], "dev/tgc" in r) for r in map(json.loads, open(metrics))] == [
+      (1, True), (2, True)]
+  assert (evaluation / "eval_dev.json").exists()
+
+
 def test_a_stopped_run_exits_as_the_signal_it_caught():
   """Ctrl-C gives the shell's 130; SIGTERM, and a stop that another process's signal or a
   preemption notice asked for, 143 (the test above runs the whole path with SIGTERM)."""

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from sage_jax import stopping
 from sage_jax.model import get_preset, init_model
 from sage_jax.rl import batch as B
 from sage_jax.rl import grpo
@@ -225,6 +226,48 @@ def test_a_signal_during_a_step_saves_before_the_evaluation_due(tmp_path):
                           metrics=MetricsConfig(log_dir="", progress=False))
   assert (result.end_step, result.preempted, result.stop_signal) == (2, True, signal.SIGTERM)
   assert evaluated == [] and ckpt.Checkpointer(config).all_steps() == [2]
+
+
+def test_a_signal_during_an_evaluation_ends_it_saves_the_step_and_a_rerun_makes_it(tmp_path):
+  """An evaluation checks for a stop before each turn (`stopping.check`, which the agent
+  calls): a signal during it ends it there, the step is saved without it and the loop stops;
+  the rerun makes that evaluation first, then goes on. A step's own work is not ended early:
+  its checks do nothing, and the loop stops after the step."""
+  config = ckpt.CheckpointConfig(directory=str(tmp_path / "ck"), save_every=100,
+                                 async_save=False)
+  turns = []
+
+  def one_step(step, _):
+    stopping.check()  # a training step's rollouts run on
+    return {"loss": 1.0}
+
+  def signalled_after_a_turn(step):
+    for turn in range(100):
+      stopping.check()
+      turns.append((step, turn))
+      if step == 4:
+        signal.raise_signal(signal.SIGTERM)
+    return {"tgc": step / 10}
+
+  def run(evaluate):
+    trainer = rl_loop.grpo_trainer(init_model(get_preset("tiny").replace(vocab_size=VOCAB)),
+                                   GRPO, OPTIM)
+    return loop.run_steps(trainer, one_step, total_steps=6, eval_every=2, evaluate=evaluate,
+                          checkpointer=ckpt.Checkpointer(config),
+                          metrics=MetricsConfig(log_dir=str(tmp_path), tensorboard=False,
+                                                progress=False))
+
+  stopped = run(signalled_after_a_turn)
+  assert (stopped.end_step, stopped.preempted, stopped.stop_signal) == (4, True, signal.SIGTERM)
+  assert [t for t in turns if t[0] == 4] == [(4, 0)]  # ended at its second turn
+  assert ckpt.Checkpointer(config).all_steps() == [2, 4]
+  assert [h.get("dev/tgc") for h in stopped.history] == [None, 0.2, None, None]
+  turns.clear()
+  resumed = run(lambda step: turns.append(step) or {"tgc": step / 10})
+  assert (resumed.start_step, resumed.end_step, resumed.preempted) == (4, 6, False)
+  assert turns == [4, 6]
+  assert [(r["step"], r.get("dev/tgc")) for r in read_jsonl(str(tmp_path)) if "dev/tgc" in r] == [
+      (2, 0.2), (4, 0.4), (6, 0.6)]
 
 
 def test_a_resumed_run_first_makes_the_evaluation_a_signal_skipped(tmp_path):

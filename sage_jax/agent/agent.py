@@ -3,8 +3,9 @@
 `run_task` drives one task in one started AppWorld episode: it builds the conversation token
 by token (Qwen2.5 ChatML, append-only), asks the policy for each assistant turn, runs the
 turn's code in the world, appends the output as an observation, and stops when the task is
-completed, a limit is hit (steps, tokens), or the environment fails. It knows nothing of
-rewards or of how the episode is scored.
+completed, a limit is hit (steps, tokens), or the environment fails. Before each turn it
+raises `stopping.StopRequested` if a signal asked the work around it to end early (a dev
+evaluation). It knows nothing of rewards or of how the episode is scored.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from sage_jax import stopping
 from sage_jax.agent import parsing, prompts
 from sage_jax.agent.config import AgentConfig
 from sage_jax.agent.library import Skill
@@ -133,6 +135,7 @@ async def run_task(*, policy: Policy, episode: Any, tokenizer: Tokenizer, config
   session = policy.session(context)
   try:
     for step in range(config.max_steps):
+      stopping.check()
       max_new = budget.turn_tokens(len(conv))
       if max_new < 1:
         end_reason = "token_limit"

@@ -9,13 +9,15 @@ steps; with the peak memory so far, `memory/*`), evaluates every `eval_every` st
 SIGTERM / SIGINT saves, waits for the save to land, and returns. With several processes, a
 signal to any one of them stops all of them after the same step, with one checkpoint. A signal
 that comes while the last step is being saved lets that save land and still counts as a stop,
-so that what follows the loop does not start. An evaluation that fails saves its step before
-the error ends the loop: a rerun resumes after it. A run resumed at a step whose evaluation was
-due and is not in its checkpoint (a signal stopped that step, or its evaluation failed) makes
-it first, on the restored weights, and logs it at that step: no point of the dev curve goes
-missing. A save that fails raises `CheckpointSaveError` at the next save, or for the last one
-(at the end or at a stop) before the loop returns: a run whose checkpoint did not land is
-never reported done or stopped.
+so that what follows the loop does not start. A signal during an evaluation ends it at each
+episode's next turn (`sage_jax.stopping`): the step is saved without it and the loop stops,
+rather than outlasting a scheduler's grace period. An evaluation that fails saves its step
+before the error ends the loop: a rerun resumes after it. A run resumed at a step whose
+evaluation was due and is not in its checkpoint (a signal stopped that step or its
+evaluation, or its evaluation failed) makes it first, on the restored weights, and logs it at
+that step: no point of the dev curve goes missing. A save that fails raises
+`CheckpointSaveError` at the next save, or for the last one (at the end or at a stop) before
+the loop returns: a run whose checkpoint did not land is never reported done or stopped.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Callable, Mapping
 import numpy as np
 from flax import nnx
 
-from sage_jax import multihost
+from sage_jax import multihost, stopping
 
 from sage_jax.train.checkpoint import Checkpointer, PreemptionGuard
 from sage_jax.train.metrics import MetricsConfig, MetricsWriter, memory_metrics
@@ -105,20 +107,31 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
   step, preempted = start, False
   extra_meta = dict(meta or {})
 
-  def evaluation(at: int) -> tuple[dict[str, float], float]:
-    """The dev numbers of step `at` and the seconds they took. Rates with an empty
-    denominator are None, breakdowns nest. A failure is every process's (all_succeed)."""
+  def evaluation(at: int) -> tuple[dict[str, float], float] | None:
+    """The dev numbers of step `at` and the seconds they took, or None when a signal (on any
+    process) ended the evaluation. Rates with an empty denominator are None, breakdowns nest.
+    A failure is every process's (all_succeed)."""
     t = time.perf_counter()
-    dev = {f"dev/{k}": float(v) for k, v in multihost.all_succeed(lambda: evaluate(at)).items()
-           if isinstance(v, numbers.Real)}
-    return dev, time.perf_counter() - t
+    try:
+      with stopping.stop_when(lambda: guard.requested):
+        dev = multihost.all_succeed(lambda: evaluate(at))
+    except Exception:  # every process's: they agree on whether a signal caused it
+      if not multihost.any_process(guard.requested):
+        raise
+      logging.warning("A signal ended the evaluation of step %d: the step is saved without "
+                      "it, and a rerun makes it first", at)
+      return None
+    return ({f"dev/{k}": float(v) for k, v in dev.items() if isinstance(v, numbers.Real)},
+            time.perf_counter() - t)
 
   with PreemptionGuard() as guard:
     try:
       if owed:  # a failure leaves the step as it is: the next rerun tries again
-        dev, seconds = evaluation(start)
-        history.append(writer.write(start, {**dev, "time/eval_s": seconds}))
-        preempted = multihost.any_process(guard.requested)
+        done = evaluation(start)
+        if done is not None:
+          dev, seconds = done
+          history.append(writer.write(start, {**dev, "time/eval_s": seconds}))
+        preempted = done is None or multihost.any_process(guard.requested)
       while step < total_steps and not preempted:
         t0 = time.perf_counter()
         values = dict(one_step(step, step_seed(seed, step)))
@@ -138,7 +151,7 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
         dev = {}
         if evaluate is not None and eval_every and step % eval_every == 0 and not preempted:
           try:
-            dev, values["time/eval_s"] = evaluation(step)
+            done = evaluation(step)
           except Exception:  # every process's, and so is this save
             # The step's update is kept: a rerun evaluates it again and goes on after it,
             # instead of training it anew.
@@ -146,7 +159,11 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
               checkpointer.save(step, trainer.state,
                                 meta={**extra_meta, "step": step, "seed": seed})
             raise
-          values.update(dev)
+          if done is None:  # saved below without its evaluation, which a rerun makes
+            preempted = True
+          else:
+            dev, values["time/eval_s"] = done
+            values.update(dev)
         values = writer.write(step, values)
         writer.progress(step, values)
         history.append(values)
