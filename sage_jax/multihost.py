@@ -33,6 +33,7 @@ import pickle
 import signal
 import sys
 import threading
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -390,15 +391,87 @@ def sampling_dtype(name: str) -> jnp.dtype | None:
   return jnp.dtype(name)
 
 
+class LayerwiseProgram:
+  """`fn`, a pure function of a model's parameters that maps each decoder layer and each other
+  top-level entry (the embedding, the final norm, the head) on its own (a cast, folded
+  adapters, fused projections), run part by part as jitted programs whose outputs take
+  `out_shardings`' shardings. A reshard of the whole model in one program gathers it at once:
+  XLA planned 24 GiB of temporaries per device for the 7B's sync beside its 14 GiB copy
+  (BENCHMARKS.md, "The weight sync, layer by layer"); part by part, the temporaries are one
+  part's. Every layer runs one compiled program: inside it, each is layer 0.
+  `donate`: each part's input buffers are given to its program (a copy that replaces them)."""
+
+  def __init__(self, fn: Callable[[nnx.State], nnx.State], out_shardings: nnx.State,
+               donate: bool = False):
+    self._fn, self._out_shardings = fn, out_shardings
+    by_kind = {key: shardings for key, _, shardings in _parts(out_shardings)}
+    self._programs = {key: jax.jit(fn, out_shardings=shardings,
+                                   donate_argnums=(0,) if donate else ())
+                      for key, shardings in by_kind.items()}
+    # The same, also given the part of the result's predecessor, whose buffers it takes.
+    self._replacing = {key: jax.jit(lambda part, replaced: fn(part), out_shardings=shardings,
+                                    donate_argnums=(1,), keep_unused=True)
+                       for key, shardings in by_kind.items()}
+
+  def __call__(self, state: nnx.State, replacing: nnx.State | None = None) -> nnx.State:
+    """`fn(state)`. `replacing`: arrays laid out as the result (the copy it replaces), given
+    up part by part to the part that replaces them, so that the two are never both whole in
+    memory; they are deleted."""
+    old = {} if replacing is None else {where: part for _, where, part in _parts(replacing)}
+    done = []
+    with warnings.catch_warnings():
+      # A donated array that no output can reuse (q/k/v, fused into one) is freed all the same.
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      for key, where, part in _parts(state):
+        out = (self._programs[key](part) if replacing is None
+               else self._replacing[key](part, old.pop(where)))
+        done += _moved(nnx.to_flat_state(out), key, where)
+    return nnx.from_flat_state(done)
+
+  def lower(self, state: Any, whole: bool = False, replacing: Any = None) -> dict[str, Any]:
+    """The lowered program of each kind of part of `state` (abstract arrays do), by the
+    part's path ("layers/0"), for `memory_analysis()`, as `__call__` runs them with
+    `replacing`; `whole`: `fn` as one program over all of `state` instead ("all"), what the
+    split avoids (bench/weight_sync_memory.py)."""
+    if whole:
+      return {"all": jax.jit(self._fn, out_shardings=self._out_shardings).lower(state)}
+    parts = {key: part for key, _, part in _parts(state)}  # one of each kind
+    old = {} if replacing is None else {key: part for key, _, part in _parts(replacing)}
+    return {"/".join(map(str, key)): (self._programs[key].lower(part) if replacing is None
+                                      else self._replacing[key].lower(part, old[key]))
+            for key, part in parts.items()}
+
+
+def _parts(state: nnx.State) -> list[tuple[tuple, tuple, nnx.State]]:
+  """`state` split into its layers and other top-level entries, in order: (the key of the
+  part's program, where the part lives, the part). A layer's program key is ("layers", 0), and
+  its part is moved there: every layer has the first one's structure."""
+  groups: dict[tuple, list] = {}
+  for path, var in nnx.to_flat_state(state):
+    groups.setdefault(tuple(path[:2]) if path[0] == "layers" else tuple(path[:1]), []).append(
+        (path, var))
+  parts = []
+  for where, flat in groups.items():
+    key = ("layers", 0) if where[0] == "layers" else where
+    parts.append((key, where, nnx.from_flat_state(_moved(flat, where, key))))
+  return parts
+
+
+def _moved(flat, old: tuple, new: tuple) -> list:
+  """`flat`'s (path, value) pairs, their path prefix `old` replaced by `new`."""
+  return [((*new, *path[len(old):]), var) for path, var in flat]
+
+
 class WeightSync:
   """Turns the trainer's parameters (float, sharded over every process's devices) into this
   process's sampling copy (sampling dtype, sharded over its local mesh).
 
-  One jitted reshard onto a mesh of shape [processes, *local mesh] whose spec leaves the
-  process axis out: XLA gathers what each host lacks, in one collective step that every
-  process runs, and each process keeps the shards that live on its own devices. With one
-  process, a matching sharding and dtype, the parameters are handed over as they are (unless
-  `config` asks for a merged or fused copy there too).
+  A jitted reshard onto a mesh of shape [processes, *local mesh] whose spec leaves the
+  process axis out: XLA gathers what each host lacks, in collective steps that every process
+  runs (one per layer and per other part of the model: `LayerwiseProgram`), and each process
+  keeps the shards that live on its own devices. With one process, a matching sharding and
+  dtype, the parameters are handed over as they are (unless `config` asks for a merged or
+  fused copy there too).
 
   LoRA: a merged copy holds the adapters folded into their kernels (`lora.fold_adapters`,
   rounded once to the sampling dtype), which the sampler reads faster than unmerged adapters;
@@ -430,16 +503,16 @@ class WeightSync:
         fused_projections=self.fuses)
     self._fold = functools.partial(lora.fold_adapters, scale=lora_config.scale,
                                    dtype=self.dtype) if self.folds_adapters else None
+    self._copy = jax.eval_shape(self._cast, params)  # the copy's structure, shapes, dtypes
     if self.folds_adapters or self.fuses:
-      self.local_shardings = shd.state_shardings(jax.eval_shape(self._cast, params), self.mesh,
-                                                 rules)
+      self.local_shardings = shd.state_shardings(self._copy, self.mesh, rules)
     grids = host_grids(mesh_config)
     self._sync_mesh = Mesh(grids, ("process", *shd.MESH_AXES),
                            axis_types=(jax.sharding.AxisType.Auto,) * 4)
     self._sync_shardings = jax.tree.map(
         lambda s: NamedSharding(self._sync_mesh, PartitionSpec(*s.spec)),
         self.local_shardings)
-    self._reshard = jax.jit(self._cast, out_shardings=self._sync_shardings)
+    self.reshard = LayerwiseProgram(self._cast, self._sync_shardings)
 
   def _cast(self, params: nnx.State) -> nnx.State:
     if self.folds_adapters:
@@ -452,12 +525,20 @@ class WeightSync:
           fused_projections=False))
     return params
 
-  def __call__(self, params: nnx.State) -> nnx.State:
+  def __call__(self, params: nnx.State, replacing: nnx.State | None = None) -> nnx.State:
+    """This process's copy of `params`. `replacing`: the copy it replaces (the sampler's),
+    whose memory the new one takes over part by part (`LayerwiseProgram`): its arrays are
+    deleted, and a sync never holds two whole copies. Kept where the new copy is `params`
+    itself (shared with the trainer) or where it is laid out otherwise."""
     if (not self.folds_adapters and not self.fuses and jax.process_count() == 1
         and self._is_local_copy(params)):
       return params
-    synced = self._reshard(params)
-    return jax.tree.map(self._local_part, synced, self.local_shardings)
+    if replacing is not None and self._is_copy(replacing, params):
+      replacing = jax.tree.map(self._rewrapped, replacing, self._sync_shardings)
+    else:
+      replacing = None
+    synced = self.reshard(params, replacing=replacing)
+    return jax.tree.map(self._rewrapped, synced, self.local_shardings)
 
   def sampling_model(self, model: nnx.Module) -> nnx.Module:
     """The sampler's model: `model` in this copy's layout (adapters folded, projections fused
@@ -468,13 +549,28 @@ class WeightSync:
 
   def _is_local_copy(self, params: nnx.State) -> bool:
     leaves, targets = jax.tree.leaves(params), jax.tree.leaves(self.local_shardings)
-    return all((self.dtype is None or x.dtype == self.dtype)
-               and isinstance(x.sharding, NamedSharding)
-               and x.sharding.mesh.devices.tolist() == self.mesh.devices.tolist()
-               and x.sharding.spec == t.spec for x, t in zip(leaves, targets))
+    return all((self.dtype is None or x.dtype == self.dtype) and self._placed_as(x, t)
+               for x, t in zip(leaves, targets))
+
+  def _is_copy(self, tree: nnx.State, params: nnx.State) -> bool:
+    """Whether `tree` is laid out as this sync's copy (structure, shapes, dtypes, shardings)
+    and shares no array with `params`."""
+    if jax.tree.structure(tree) != jax.tree.structure(self._copy):
+      return False
+    theirs = {id(x) for x in jax.tree.leaves(params)}
+    return all(id(x) not in theirs and (x.shape, x.dtype) == (w.shape, w.dtype)
+               and self._placed_as(x, t)
+               for x, w, t in zip(jax.tree.leaves(tree), jax.tree.leaves(self._copy),
+                                  jax.tree.leaves(self.local_shardings)))
+
+  def _placed_as(self, x: jax.Array, target: NamedSharding) -> bool:
+    return (isinstance(x.sharding, NamedSharding) and x.sharding.spec == target.spec
+            and x.sharding.mesh.devices.tolist() == self.mesh.devices.tolist())
 
   @staticmethod
-  def _local_part(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  def _rewrapped(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """The shards of `x` on this process's devices as an array of `sharding`: the local
+    mesh's (this process's part of a global array) or the sync mesh's (the reverse)."""
     shards = [s.data for s in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
@@ -518,7 +614,7 @@ def load_sampling_model(spec: loader.ModelSpec, config: SamplerMeshConfig, num_s
   unfused = nnx.state(model)
   del model
   shardings = shd.state_shardings(jax.eval_shape(fuse, unfused), mesh, rules)
-  fused = jax.jit(fuse, out_shardings=shardings, donate_argnums=0)(unfused)
+  fused = LayerwiseProgram(fuse, shardings, donate=True)(unfused)
   return nnx.merge(graphdef, fused), mesh
 
 

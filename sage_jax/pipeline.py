@@ -24,11 +24,12 @@ AppWorld's working files then stay on each host).
 
 A run that is interrupted resumes where it stopped: finished stages are skipped and the
 loops continue from their latest checkpoint. A SIGTERM (a preemption) stops the run after the
-step in progress, with a checkpoint of it: no later stage, evaluation or export runs, and the
-command exits with status 143 (what an unhandled SIGTERM gives) so that a scheduler or retry
-loop runs it again. An evaluation done before is redone when the weights it scored or its
-settings have changed since (a rerun with more steps evaluates the new last step). A rerun
-may change how long and how the run goes (steps, layout, evaluation;
+step in progress, with a checkpoint of it (during a dev evaluation, at each episode's next
+turn, the evaluation left for the rerun to make): no later stage, evaluation or export runs,
+and the command exits with status 143 (what an unhandled SIGTERM gives) so that a scheduler
+or retry loop runs it again. An evaluation done before is redone when the weights it scored
+or its settings have changed since (a rerun with more steps evaluates the new last step). A
+rerun may change how long and how the run goes (steps, layout, evaluation;
 `run_config.RESUMABLE_KEYS`), not the experiment its checkpoints belong to: that fails,
 naming the keys changed; a workdir whose run stopped before it saved or evaluated anything
 (`Pipeline.progress`) takes any config. More SFT steps
@@ -632,7 +633,7 @@ class Pipeline:
 
   def sync_sampler(self, params: nnx.State) -> None:
     """Every process's sampler samples from `params` (a collective: all processes call it)."""
-    copy = self.weight_sync(params)
+    copy = self.weight_sync(params, replacing=self.engine.weights[1])
     self.weight_sync.check_copies_agree(copy)
     self.engine.update_params(copy)
 

@@ -110,12 +110,13 @@ def main(argv):
   batch_config = batch_lib.BatchConfig(micro_batch_tokens=256, num_micro_batches=2,
                                        length_buckets=(32, 64, 128),
                                        row_multiple=mesh.shape["fsdp"])
-  fingerprints = []
+  fingerprints, held = [], []
 
-  def sync_params(params):
-    copy = sync(params)
+  def sync_params(params):  # as the pipeline's sampler does: each copy replaces the last
+    copy = sync(params, replacing=held.pop() if held else None)
     sync.check_copies_agree(copy)
     fingerprints.append([float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(copy)])
+    held.append(copy)
 
   def one_step(step, seed):
     del seed

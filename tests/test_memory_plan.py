@@ -116,7 +116,7 @@ def test_activations_count_the_working_sets_of_the_layers_not_rematted():
   assert every == activations(remat="full", remat_layers=tuple(range(24))) < two < one == none
   assert one - two == (none - every) / 23  # a working set, of the 23 that full remat saves
   spec = ModelSpec(preset="tiny", remat="dots", remat_layers=(1,))
-  assert memory_plan._model_config(spec).remat_layers == (1,)
+  assert memory_plan.model_config(spec).remat_layers == (1,)
 
 
 def test_the_32b_sampler_does_not_fit_one_chip_per_copy():
@@ -287,5 +287,5 @@ def test_fused_kernels_keep_no_per_head_scores():
           ] == ["cudnn", "splash", "dense"]
   assert memory_plan.attention_kernel(cfg.replace(dtype="float32"), t, "gpu") == "dense"
   assert memory_plan.attention_kernel(cfg.replace(attention_block=1024), t, None) == "blocked"
-  assert memory_plan._model_config(ModelSpec(preset="tiny", attention_impl="splash")
+  assert memory_plan.model_config(ModelSpec(preset="tiny", attention_impl="splash")
                                    ).attention_impl == "splash"

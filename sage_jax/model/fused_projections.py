@@ -21,7 +21,9 @@ from sage_jax.model.qwen2 import abstract_model
 def fuse(state: nnx.State, config: Qwen2Config) -> nnx.State:
   """The parameters `state` of a model with `config` (separate projections, no adapters) in
   the fused layout: those of `qwen2.abstract_model(config.replace(fused_projections=True))`.
-  A pure function of the arrays, for jit; values are concatenated, not changed."""
+  `state` may be any part of the parameters that holds each projection it has with its
+  siblings (one layer, say): the result is that part in the fused layout. A pure function of
+  the arrays, for jit; values are concatenated, not changed."""
   if config.lora.enabled or config.fused_projections:
     raise ValueError("fuse takes the parameters of a model with separate projections and no "
                      "adapters (fold LoRA adapters first)")
@@ -40,6 +42,12 @@ def fuse(state: nnx.State, config: Qwen2Config) -> nnx.State:
       return jnp.stack([get("gate_proj"), get("up_proj")])
     return source[path].get_value()
 
+  def present(path):  # in the part of the parameters `state` holds
+    fused_from = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj"}
+    if len(path) > 1 and path[-2] in fused_from:
+      path = (*path[:-2], fused_from[path[-2]], path[-1])
+    return path in source
+
   target = nnx.state(abstract_model(config.replace(fused_projections=True)))
   return nnx.from_flat_state([(path, var.replace(fused_value(path)))
-                              for path, var in nnx.to_flat_state(target)])
+                              for path, var in nnx.to_flat_state(target) if present(path)])

@@ -14,7 +14,10 @@ training mesh over every device, the frozen KL reference when KL is on (a copy o
 trainable params: with LoRA the adapters, sharing the frozen base with the trainer), the
 activations of one micro-batch (an estimate, see `activation_bytes`), and on each host the
 sampler's copy of the weights and its KV cache (slots x max_len), which live on the same
-devices as the train state. With --device_memory_gib, a run that does not fit exits with
+devices as the train state. The weight sync between steps needs no term of its own: it writes
+the new copy into the old one's memory part by part (`multihost.LayerwiseProgram`), with one
+part's temporaries, fewer than a train step's activations in every preset
+(bench/weight_sync_memory.py). With --device_memory_gib, a run that does not fit exits with
 status 1 after its plan, naming the keys that shrink each part.
 """
 
@@ -252,7 +255,7 @@ def run_plan(run, *, hosts: int, devices_per_host: int,
   `devices_per_host` devices of `platform` (which picks the attention kernel, see
   `attention_kernel`): the activations of its largest stage, the KL reference only when RL
   trains with one."""
-  cfg = _model_config(run.model)
+  cfg = model_config(run.model)
   data, fsdp, tensor = run.mesh.resolve(hosts * devices_per_host)
   train = plan(cfg, (data, fsdp, tensor))
   sampler_tensor = run.sampler_mesh.tensor
@@ -315,7 +318,7 @@ def shortfall(run, result: RunPlan, device_kind: str, devices_per_host: int) -> 
           f"with more hosts (config.mesh), the activations with config.batch.micro_batch_tokens.")
 
 
-def _model_config(spec) -> Qwen2Config:
+def model_config(spec) -> Qwen2Config:
   """The architecture a run's model section names (`loader.architecture`), with its numerics."""
   from sage_jax.weights import loader  # noqa: PLC0415
 
