@@ -12,7 +12,9 @@ listing of the checkpoint steps, at a resume whether a damaged one is moved asid
 each save whether its step is there already, and its reads of the workdir files that decide
 which stages and evaluations run (`from_lead`, `allgather_objects`), and (6) at the end,
 leaving the run together (`finish`). Each is a collective: every process calls it, in
-the same order.
+the same order. A stop asked on one process during an evaluation reaches the others without
+one (`asked_anywhere`): through the coordination service's key-value store, which each
+process reads when it next checks, whatever it is doing.
 
 With one process every function here is the identity or a local device-to-device copy, so
 single-host runs pay nothing.
@@ -33,6 +35,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -40,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src import distributed  # the coordination service's client (as orbax reads it)
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -214,6 +218,42 @@ def check_same(value: Any, what: str) -> None:
   if differ:
     raise ValueError(f"{what} differs between processes: process 0 has {values[0]}; "
                      + "; ".join(f"process {i} has {values[i]}" for i in differ))
+
+
+# The coordination service's key that a process sets when a stop was asked of it.
+_STOP_KEY = "sage_jax/stop_asked"
+
+
+def asked_anywhere(asked: Callable[[], bool], every_s: float = 1.0) -> Callable[[], bool]:
+  """A predicate that is true once `asked()` is true on this process or on any other that
+  polls its own: a process whose `asked()` turns true sets a key in the coordination
+  service's key-value store, which the others read at most every `every_s` seconds. So a
+  SIGTERM to one host ends every host's share of an evaluation (`sage_jax.stopping`), not
+  only its own while the others run theirs to the end. A stop is the run's last act, so the
+  key is never cleared. With one process, `asked` itself."""
+  client = distributed.global_state.client
+  if jax.process_count() == 1 or client is None:
+    return asked
+  told, seen, last = False, False, -math.inf
+
+  def anywhere() -> bool:
+    nonlocal told, seen, last
+    if asked():
+      if not told:
+        client.key_value_set(_STOP_KEY, str(jax.process_index()), allow_overwrite=True)
+        told = True
+      return True
+    if not seen and time.monotonic() - last >= every_s:
+      last = time.monotonic()
+      try:
+        client.key_value_try_get(_STOP_KEY)
+        seen = True
+      except jax.errors.JaxRuntimeError as e:  # NOT_FOUND: no process was asked
+        if "NOT_FOUND" not in str(e):
+          raise
+    return seen
+
+  return anywhere
 
 
 class ProcessFailed(RuntimeError):

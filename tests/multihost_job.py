@@ -2,6 +2,7 @@
 
   python tests/multihost_job.py --out=DIR [--steps=N] [--step_sleep_s=S] [--ckpt=DIR]
       [--save_every=N] [--slow_move_s=S] [--late_start_s=S] [--lagging_listing=I]
+      [--eval_turns=N --eval_turn_s=S]
 
 A tiny Qwen2 (vocabulary 256) on a global (fsdp) mesh over every process's devices; each step
 draws a fixed global batch of synthetic episodes from (seed, step), every process packs its
@@ -9,6 +10,8 @@ own share (at step 1 process 0 holds all of it), and the GRPO update runs on the
 each process's sampling copy. Process 0 writes DIR/result.json (the loop's steps, every
 process's start step, the loss per step) and DIR/params.npz (the final parameters, gathered);
 every process writes DIR/copy_<i>.json, the fingerprint of its sampling copy after each step.
+With --eval_turns, every step is evaluated: each process plays turns of S seconds, checking
+before each whether a stop was asked (as the agent does), after writing DIR/eval_<i>_<step>.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ _LATE = flags.DEFINE_float("late_start_s", 0.0,
 _LAGGING = flags.DEFINE_integer("lagging_listing", -1,
                                 "This process lists no step in the checkpoint directory (storage "
                                 "whose listing lags behind on its host); -1: none.")
+_EVAL_TURNS = flags.DEFINE_integer("eval_turns", 0, "Turns of each process's share of an "
+                                   "evaluation after every step; 0: no evaluation.")
+_EVAL_TURN_S = flags.DEFINE_float("eval_turn_s", 0.5, "Seconds each evaluation turn takes.")
 _SEQUENCES = 12
 
 
@@ -84,6 +90,7 @@ def main(argv):
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
   from sage_jax import sharding as shd  # noqa: PLC0415
+  from sage_jax import stopping  # noqa: PLC0415
   from sage_jax.weights.loader import init_model  # noqa: PLC0415
   from sage_jax.model.config import get_preset  # noqa: PLC0415
   from sage_jax.rl import batch as batch_lib  # noqa: PLC0415
@@ -128,12 +135,20 @@ def main(argv):
     mine = episodes(step)[share]
     return rl_loop.grpo_update(trainer, mine, grpo.GRPOConfig(), batch_config)
 
+  def evaluate(step):
+    open(os.path.join(_OUT.value, f"eval_{jax.process_index()}_{step}"), "w").close()
+    for _ in range(_EVAL_TURNS.value):
+      stopping.check()
+      time.sleep(_EVAL_TURN_S.value)
+    return {"score": float(step)}
+
   checkpointer = (checkpoint.Checkpointer(checkpoint.CheckpointConfig(
       directory=_CKPT.value, save_every=_SAVE_EVERY.value, keep_last=5, keep_best=0,
       async_save=False))
       if _CKPT.value else None)
   result = run_steps(trainer, one_step, total_steps=_STEPS.value, sync_params=sync_params,
-                     checkpointer=checkpointer,
+                     checkpointer=checkpointer, eval_every=int(_EVAL_TURNS.value > 0),
+                     evaluate=evaluate if _EVAL_TURNS.value else None,
                      metrics=MetricsConfig(log_dir=_OUT.value, progress=False,
                                            tensorboard=False))
   if checkpointer is not None:
@@ -151,6 +166,7 @@ def main(argv):
                  "end_step": result.end_step,
                  "preempted": result.preempted,
                  "loss": [h.get("loss") for h in result.history],
+                 "dev_score": [h.get("dev/score") for h in result.history],
                  "processes": jax.process_count(), "devices": jax.device_count()}, f)
   multihost.finish()
 

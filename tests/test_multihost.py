@@ -5,6 +5,7 @@ The GRPO job (tests/multihost_job.py) checks the update and the stop/resume prot
 demo pipeline test runs SFT, SAGE, checkpoints, dev evaluation and export as 2 processes.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -181,6 +182,39 @@ def test_a_signal_before_the_step_loop_stops_its_process_at_once(tmp_path):
   output, _ = proc.communicate(timeout=300)
   assert proc.returncode != 0 and "launch: process 1 exited" in output, _failure(output)
   assert not (out / "result.json").exists()
+
+
+def test_a_signal_to_one_process_during_an_evaluation_ends_every_process_share(tmp_path):
+  """SIGTERM to process 1 while both evaluate step 1, each share 300 s of turns: every
+  process ends its share at its next turn (process 0 hears of the stop through the
+  coordination service; before, it played its share to the end), step 1 is saved without its
+  evaluation, and a rerun with one process makes that evaluation first."""
+  out, ckpt = tmp_path / "first", str(tmp_path / "ckpt")
+  proc = _launch(2, 2, str(out), "--steps=2", f"--ckpt={ckpt}", "--eval_turns=600",
+                 "--eval_turn_s=0.5", wait=False)
+  pids = _pids(proc, 2)
+  deadline = time.monotonic() + 600
+  while not all((out / f"eval_{i}_1").exists() for i in range(2)):
+    assert time.monotonic() < deadline and proc.poll() is None, _failure(proc.stdout.read())
+    time.sleep(0.2)
+  os.kill(pids[1], signal.SIGTERM)
+  try:
+    output, _ = proc.communicate(timeout=150)
+  except subprocess.TimeoutExpired:
+    for pid in (proc.pid, *pids):  # each process leads a group of its own
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    pytest.fail("the processes went on evaluating after the signal:\n"
+                + _failure(proc.communicate()[0]))
+  assert proc.returncode == 0, _failure(output)
+  logs = [output, (out / "logs" / "process_1.log").read_text()]  # process 0 prints here
+  assert all("A signal ended the evaluation of step 1" in log for log in logs), _failure(*logs)
+  stopped = json.load(open(out / "result.json"))
+  assert (stopped["end_step"], stopped["preempted"], stopped["dev_score"]) == (1, True, [None])
+  assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == [1]
+  rerun = _launch(1, 2, str(tmp_path / "rerun"), "--steps=2", f"--ckpt={ckpt}",
+                  "--eval_turns=1", "--eval_turn_s=0")
+  assert (rerun["start_step"], rerun["end_step"], rerun["dev_score"]) == (1, 2, [1.0, 2.0])
 
 
 @pytest.fixture(scope="module")

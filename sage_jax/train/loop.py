@@ -9,10 +9,11 @@ steps; with the peak memory so far, `memory/*`), evaluates every `eval_every` st
 SIGTERM / SIGINT saves, waits for the save to land, and returns. With several processes, a
 signal to any one of them stops all of them after the same step, with one checkpoint. A signal
 that comes while the last step is being saved lets that save land and still counts as a stop,
-so that what follows the loop does not start. A signal during an evaluation ends it at each
-episode's next turn (`sage_jax.stopping`): the step is saved without it and the loop stops,
-rather than outlasting a scheduler's grace period. An evaluation that fails saves its step
-before the error ends the loop: a rerun resumes after it. A run resumed at a step whose
+so that what follows the loop does not start. A signal during an evaluation, to any process,
+ends it at each episode's next turn on every process (`sage_jax.stopping`,
+`multihost.asked_anywhere`): the step is saved without it and the loop stops, rather than
+outlasting a scheduler's grace period. An evaluation that fails saves its step before the
+error ends the loop: a rerun resumes after it. A run resumed at a step whose
 evaluation was due and is not in its checkpoint (a signal stopped that step or its
 evaluation, or its evaluation failed) makes it first, on the restored weights, and logs it at
 that step: no point of the dev curve goes missing. A save that fails raises
@@ -113,7 +114,7 @@ def run_steps(trainer: Trainer, one_step: Callable[[int, int], dict[str, float]]
     A failure is every process's (all_succeed)."""
     t = time.perf_counter()
     try:
-      with stopping.stop_when(lambda: guard.requested):
+      with stopping.stop_when(multihost.asked_anywhere(lambda: guard.requested)):
         dev = multihost.all_succeed(lambda: evaluate(at))
     except Exception:  # every process's: they agree on whether a signal caused it
       if not multihost.any_process(guard.requested):
