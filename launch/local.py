@@ -14,7 +14,9 @@ With --num_processes=N, process i gets JAX_COORDINATOR_ADDRESS (127.0.0.1 and a 
 JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=i, which `multihost.initialize()` in every entry
 point reads; with --cpu_devices=D each simulates D CPU devices and collectives go over gloo.
 With --gpus=0,1,2,3 each process gets its own contiguous share (CUDA_VISIBLE_DEVICES=0,1 and
-2,3 for N=2); without --gpus every process sees every GPU of the machine, so list them.
+2,3 for N=2); without it, N processes share out the GPUs this launcher sees (those
+CUDA_VISIBLE_DEVICES lists, else every GPU that nvidia-smi lists), since each would otherwise
+drive them all.
 Process 0 prints to this terminal, process i > 0 to <workdir>/logs/process_<i>.log (./logs/
 for a remote workdir such as gs://bucket/run). A
 SIGTERM or SIGINT here (Ctrl-C) is passed to every process once (they save one checkpoint
@@ -63,28 +65,51 @@ def device_env(cpu_devices: int = 0, gpus: str | None = None) -> dict[str, str]:
   return env
 
 
-def process_envs(num_processes: int, port: int, base: dict[str, str]) -> list[dict[str, str]]:
-  """The environment additions of each process of a multi-process run. GPUs listed in `base`
-  (CUDA_VISIBLE_DEVICES) are split into contiguous shares, one per process: each process
-  drives every GPU it sees, and jax.distributed takes the processes' devices to be disjoint."""
-  gpus = gpu_shares(base.get("CUDA_VISIBLE_DEVICES"), num_processes)
+def process_envs(num_processes: int, port: int, base: dict[str, str],
+                 machine_gpus: tuple[str, str] | None = None) -> list[dict[str, str]]:
+  """The environment additions of each process of a multi-process run. The GPUs listed in
+  `base` (CUDA_VISIBLE_DEVICES, from --gpus), else `machine_gpus` (where that list came from,
+  the list), are split into contiguous shares, one per process: each process drives every GPU
+  it sees, and jax.distributed takes the processes' devices to be disjoint."""
+  if "CUDA_VISIBLE_DEVICES" in base:
+    gpus = gpu_shares(base["CUDA_VISIBLE_DEVICES"], num_processes)
+  else:
+    gpus = gpu_shares(machine_gpus[1], num_processes, machine_gpus[0]) if machine_gpus else None
   return [{**base, **({"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {}),
            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
            "JAX_NUM_PROCESSES": str(num_processes), "JAX_PROCESS_ID": str(i)}
           for i in range(num_processes)]
 
 
-def gpu_shares(gpus: str | None, num_processes: int) -> list[str] | None:
+def gpu_shares(gpus: str | None, num_processes: int,
+               source: str = "--gpus") -> list[str] | None:
   """The GPUs "0,1,2,3" over 2 processes: ["0,1", "2,3"]; None when none is listed. Raises
-  ValueError when the GPUs do not split evenly (the processes' shards would differ)."""
+  ValueError when the GPUs do not split evenly (the processes' shards would differ), naming
+  where the list came from (`source`)."""
   ids = [g.strip() for g in (gpus or "").split(",") if g.strip()]
   if not ids:
     return None
   if len(ids) % num_processes:
-    raise ValueError(f"--gpus={gpus}: {len(ids)} GPUs do not split evenly over "
-                     f"--num_processes={num_processes}")
+    raise ValueError(f"{source}={gpus}: {len(ids)} GPUs do not split evenly over "
+                     f"--num_processes={num_processes}"
+                     + ("" if source == "--gpus" else "; list the ones to use with --gpus"))
   per_process = len(ids) // num_processes
   return [",".join(ids[i * per_process:(i + 1) * per_process]) for i in range(num_processes)]
+
+
+def machine_gpus() -> tuple[str, str] | None:
+  """(where the list came from, "0,1,...") for the GPUs a process started here would see:
+  CUDA_VISIBLE_DEVICES's, else nvidia-smi's; None without either."""
+  listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if listed is not None:
+    return "CUDA_VISIBLE_DEVICES", listed
+  try:
+    found = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+  except (OSError, subprocess.SubprocessError):  # no NVIDIA driver here
+    return None
+  ids = [line.strip() for line in found.splitlines() if line.strip()]
+  return ("the GPUs nvidia-smi lists", ",".join(ids)) if ids else None
 
 
 def free_port() -> int:
@@ -180,7 +205,8 @@ def main(argv):
     raise app.UsageError(f"--num_processes must be >= 1, got {FLAGS.num_processes}")
   try:
     envs = ([env] if FLAGS.num_processes == 1 else
-            process_envs(FLAGS.num_processes, FLAGS.port or free_port(), env))
+            process_envs(FLAGS.num_processes, FLAGS.port or free_port(), env,
+                         None if FLAGS.cpu_devices or FLAGS.gpus else machine_gpus()))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   if FLAGS.dry_run:
@@ -202,7 +228,7 @@ def define_flags():
   flags.DEFINE_integer("port", 0, "Coordinator port of a multi-process run (0: a free one).")
   flags.DEFINE_integer("cpu_devices", 0, "Simulate this many CPU devices (per process).")
   flags.DEFINE_string("gpus", None, "Comma-separated visible GPU ids, split evenly over the "
-                      "processes.")
+                      "processes (default: the GPUs this launcher sees).")
   flags.DEFINE_bool("dry_run", False, "Print the command(s) instead of running them.")
 
 

@@ -68,6 +68,30 @@ def test_local_processes_get_disjoint_shares_of_the_listed_gpus():
       "--gpus=0,1,2: 3 GPUs do not split evenly over --num_processes=2")
 
 
+def test_local_processes_share_out_the_gpus_the_launcher_sees():
+  """Without --gpus, N processes split the GPUs that CUDA_VISIBLE_DEVICES gives the launcher
+  (a scheduler's allocation) instead of each driving them all; --gpus, or simulated CPU
+  devices, take precedence; one process keeps what it is given."""
+  base = [sys.executable, "launch/local.py", "--port=4321", "--config=configs/sage.py:demo",
+          "--workdir=runs/demo2", "--dry_run"]
+  allocated = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+
+  def visible(argv, env=allocated):
+    return [[a for a in shlex.split(line) if a.startswith("CUDA_VISIBLE_DEVICES=")]
+            for line in _run(base + argv, env).strip().splitlines()]
+
+  assert visible(["--num_processes=2"]) == [["CUDA_VISIBLE_DEVICES=4,5"],
+                                            ["CUDA_VISIBLE_DEVICES=6,7"]]
+  assert visible(["--num_processes=4"]) == [[f"CUDA_VISIBLE_DEVICES={g}"] for g in "4567"]
+  assert visible(["--num_processes=2", "--gpus=6,7"]) == [["CUDA_VISIBLE_DEVICES=6"],
+                                                          ["CUDA_VISIBLE_DEVICES=7"]]
+  assert visible(["--num_processes=2", "--cpu_devices=2"]) == [[], []]
+  assert visible([]) == [[]]
+  assert _fails(base + ["--num_processes=3"], allocated).endswith(
+      "CUDA_VISIBLE_DEVICES=4,5,6,7: 4 GPUs do not split evenly over --num_processes=3; "
+      "list the ones to use with --gpus")
+
+
 def test_every_entry_point_launches_with_its_own_flags():
   """Export reads the run's own config and takes --out; generate takes neither a config nor a
   workdir: each gets the flags it reads, and a flag it does not read is refused."""
