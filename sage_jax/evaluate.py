@@ -14,6 +14,8 @@ unlike the run's: `--config.sampler_mesh.tensor=1 --config.engine.num_slots=4` r
 run's values of those keys. The merged config is validated as a training run's is
 (`sage_jax.run_config`), so a misspelt key fails.
 
+A stopped evaluation (a preemption, a crash) resumes when the same command runs again: the
+scenarios it finished are kept in DIR and only the others are played (`sage_jax.eval.progress`).
 See `sage_jax.eval.runner` for what runs and what is written into DIR.
 """
 
@@ -73,7 +75,7 @@ def evaluate_run(run_dir: str, eval_config, workdir: str, step: int | None = Non
   sections = run_config.with_seeds(config, run)
   sections["eval"] = {**sections["eval"], "data": run.pipeline.data}
   return evaluate(sections, workdir, engine=engine, tokenizer=tokenizer,
-                  checkpoint={"run": run_dir, "stage": stage, "step": step})
+                  checkpoint={"run": run_dir, "stage": stage, "step": step}, resume=True)
 
 
 def main(argv) -> None:
@@ -101,7 +103,7 @@ def main(argv) -> None:
   multihost.initialize()
   logging.getLogger("httpx").setLevel(logging.WARNING)
   if run_dir is None:
-    report = evaluate(config, workdir)
+    report = evaluate(config, workdir, resume=True)
   else:
     report = evaluate_run(run_dir, config, workdir, FLAGS.step, FLAGS.stage, host)
   multihost.finish()

@@ -6,7 +6,8 @@ by `path`; orbax writes the checkpoint arrays itself (tensorstore speaks `gs://`
 object store has no rename and no append, so:
 
 - a file is written whole, in one upload, which readers see complete or not at all (a local
-  file goes through a temporary file and a rename for the same effect): `write_text`;
+  file goes through a temporary file and a rename for the same effect): `write_text`,
+  `write_bytes`;
 - a file that grows (metrics.jsonl, TensorBoard's events) is written in a local directory
   and copied up whole after each change: `LocalMirror`;
 - a writer that only writes local files (safetensors) writes into a local directory that
@@ -100,14 +101,19 @@ def read_json(p: PathLike) -> Any | None:
 
 def write_text(p: PathLike, text: str) -> None:
   """Writes `p` whole: a reader never sees part of it (see the module doc)."""
+  write_bytes(p, text.encode("utf-8"))
+
+
+def write_bytes(p: PathLike, data: bytes) -> None:
+  """`write_text` for bytes."""
   p = path(p)
   if is_remote(p):
-    p.write_text(text, encoding="utf-8")
+    p.write_bytes(data)
     return
   p.parent.mkdir(parents=True, exist_ok=True)
   tmp = p.with_name(f"{p.name}.tmp-{os.getpid()}")
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
+  with open(tmp, "wb") as f:
+    f.write(data)
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, p)

@@ -1,6 +1,7 @@
 """The evaluation entry point on the mini dev split with the scripted skill-format policy."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 
+from sage_jax import stopping
 from sage_jax.agent import AgentConfig, ScriptedPolicy
 from sage_jax.agent.gold_solutions import scripted_agent
 from sage_jax.configurable import ConfigError
@@ -70,6 +72,46 @@ def test_cross_scenario_retrieval_runs_scenarios_in_order(pool, tmp_path):
   # Task 1 of the second scenario saw the first scenario's skill (cross-scenario retrieval).
   second = [r for r in report["records"] if r["group"] == 1]
   assert second[0]["visible_skills"] and not second[0]["events"]["used"]
+
+
+def _retrieving(strategy, **eval_overrides):
+  c = _config(**eval_overrides)
+  c.retrieval = dict(strategy=strategy, top_k=2)
+  return c
+
+
+@pytest.mark.parametrize("strategy", ["same_scenario", "query_ngram"])
+def test_a_stopped_evaluation_resumes_with_the_scenarios_it_finished(pool, tmp_path, strategy):
+  """Stopped after its first scenario (as a signal stops it, at the next turn), the same
+  evaluation run again plays only the other two, and reports what one uninterrupted run
+  reports: records, metrics, AppWorld's scores of every task, the library (across scenarios,
+  the one the first scenario left). An evaluation with other settings refuses the kept
+  scenarios."""
+  config = functools.partial(_retrieving, strategy)
+  whole = evaluate.evaluate(config(), str(tmp_path / "whole"), pool=pool, resume=True)
+  assert not (tmp_path / "whole" / "eval_dev_progress").exists()  # removed with the report
+  out = tmp_path / "stopped"
+  kept = out / "eval_dev_progress"
+  one_at_a_time = config(max_concurrent_scenarios=1)  # how fast, not what: may change
+  with pytest.raises(stopping.StopRequested):
+    with stopping.stop_when(lambda: kept.exists() and any(kept.glob("scenario_*.pkl"))):
+      evaluate.evaluate(one_at_a_time, str(out), pool=pool, resume=True)
+  assert [p.name for p in kept.iterdir()] == ["scenario_00000.pkl"]
+  other = config()
+  other.agent = dict(max_steps=5)
+  with pytest.raises(ValueError, match="holds scenarios finished by an evaluation with other "
+                                       "settings or another checkpoint"):
+    evaluate.evaluate(other, str(out), pool=pool, resume=True)
+  resumed = evaluate.evaluate(config(), str(out), pool=pool, resume=True)
+  assert resumed["resumed_scenarios"] == [0] and not kept.exists()
+  assert resumed["records"] == whole["records"] and resumed["metrics"] == whole["metrics"]
+  assert resumed["appworld"] == whole["appworld"] and resumed["appworld_unchecked"] == []
+  assert (out / "transcripts_dev.jsonl").read_text() == (
+      tmp_path / "whole" / "transcripts_dev.jsonl").read_text()
+  # The same skills (in the order their scenarios ended, which concurrency decides).
+  library = lambda run: sorted(json.loads((run / "library_dev.json").read_text()),
+                               key=lambda s: (s["scenario"], s["name"]))
+  assert library(out) == library(tmp_path / "whole")
 
 
 def test_metrics_table():

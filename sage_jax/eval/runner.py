@@ -25,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,6 +41,7 @@ from sage_jax.agent.retrieval import SCENARIO_LOCAL_STRATEGIES, Retriever, make_
 from sage_jax.configurable import ConfigError
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics as metrics_lib
+from sage_jax.eval import progress as progress_lib
 from sage_jax.rl import rollout
 from sage_jax.rl.episode import EpisodeRecord
 from sage_jax.sampler import AsyncEngine, Engine, EngineConfig
@@ -90,21 +93,31 @@ class EvalConfig:
     return dataclasses.replace(agent, temperature=self.temperature)
 
 
-async def run_scenarios(ctx: rollout.RolloutContext, task_ids: Sequence[str], *,
-                        experiment: str, library: SkillLibrary, max_concurrent: int = 0,
-                        seed: int = 0, first_index: int = 0) -> list[EpisodeRecord]:
+async def run_scenarios(
+    ctx: rollout.RolloutContext, task_ids: Sequence[str], *, experiment: str,
+    library: SkillLibrary, max_concurrent: int = 0, seed: int = 0,
+    indices: Sequence[int] | None = None,
+    finished: Callable[[int, list[EpisodeRecord]], None] | None = None) -> list[EpisodeRecord]:
   """Every scenario of `task_ids` (tasks in order) with one shared library; records in
-  split order. Scenario i is number `first_index + i` of the split (its group and seed)."""
+  split order. The i-th scenario is number `indices[i]` of the split (its group and seed;
+  default i); `finished(number, records)` is called as each scenario ends."""
   chains = rollout.scenario_chains(task_ids)
+  indices = range(len(chains)) if indices is None else indices
+  if len(indices) != len(chains):
+    raise ValueError(f"{len(indices)} scenario numbers for {len(chains)} scenarios")
   limit = max_concurrent or len(chains)
   semaphore = asyncio.Semaphore(limit)
 
   async def one(index: int, chain: rollout.Chain) -> list[EpisodeRecord]:
     async with semaphore:
-      return await rollout.run_chain(ctx, chain, group=index, rollout=0, experiment=experiment,
-                                     library=library, seed=seed * 1_000_003 + index)
+      records = await rollout.run_chain(ctx, chain, group=index, rollout=0,
+                                        experiment=experiment, library=library,
+                                        seed=seed * 1_000_003 + index)
+    if finished is not None:
+      finished(index, records)
+    return records
 
-  results = await asyncio.gather(*(one(i, c) for i, c in enumerate(chains, first_index)))
+  results = await asyncio.gather(*(one(i, c) for i, c in zip(indices, chains)))
   by_task = {r.task_id: r for chain in results for r in chain}
   return [by_task[t] for c in chains for t in c.task_ids]
 
@@ -164,13 +177,16 @@ def _sections(config: Any) -> dict[str, Any]:
 
 def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
              policy: Any = None, engine: Any = None,
-             tokenizer: Tokenizer | None = None, checkpoint: dict | None = None) -> dict:
+             tokenizer: Tokenizer | None = None, checkpoint: dict | None = None,
+             resume: bool = False) -> dict:
   """Runs the evaluation described by `config` (a ConfigDict or mapping of sections) and
   writes the reports into `workdir`; returns the report. `pool` / `policy` / `tokenizer`
   may be given (tests and the training pipeline share them); otherwise they are built from
   the config. `engine`: the sampler engine to evaluate (a trained run's), or the one a given
   `policy` samples from; the policy embedding of retrieval reads its weights.
-  `checkpoint`: which trained checkpoint the engine holds (run, stage, step), for the report."""
+  `checkpoint`: which trained checkpoint the engine holds (run, stage, step), for the report.
+  `resume`: keep each finished scenario in the workdir, and play only those a stopped run of
+  the same evaluation did not finish (`sage_jax.eval.progress`)."""
   s = _sections(config)
   ev, retrieval_cfg = s["eval"], s["retrieval"]
   agent_cfg = ev.agent(s["agent"])
@@ -179,12 +195,31 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   task_ids = appworld.first_scenarios(appworld.read_split(root, ev.split), ev.max_scenarios)
   scenarios = list(appworld.group_by_scenario(task_ids).values())
   across = retrieval_cfg.strategy not in SCENARIO_LOCAL_STRATEGIES
+  max_concurrent = ev.max_concurrent_scenarios or (1 if across else 0)
+  progress, finished = None, {}
+  # Across scenarios, the library a scenario leaves is the next one's only when they run one
+  # at a time; otherwise the scenarios cannot be resumed one by one.
+  if resume and not (across and max_concurrent != 1):
+    plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    progress = progress_lib.Progress(out, ev.split, progress_lib.fingerprint(
+        {name: plain.get(name) for name in s}, checkpoint))
+    finished = {i: entry for i, entry in multihost.from_lead(progress.finished).items()
+                if i < len(scenarios)}  # an earlier run may have played more (max_scenarios)
+    for i, entry in finished.items():
+      if [r.task_id for r in entry["records"]] != scenarios[i]:
+        raise ValueError(f"{progress.directory}: scenario {i} holds tasks "
+                         f"{[r.task_id for r in entry['records']]}, not the {ev.split} split's "
+                         f"{scenarios[i]}; remove it to start this evaluation afresh")
+    if finished:
+      logging.info("%d of %d scenarios of the %s split were finished before: playing the rest",
+                   len(finished), len(scenarios), ev.split)
+  remaining = [i for i in range(len(scenarios)) if i not in finished]
   # Retrieval across scenarios shows a task the skills of every scenario played before it:
   # one library, so process 0 plays them all, as one process would (the others' shares would
   # start from an empty library and make the scores depend on the number of processes).
-  share = (slice(0, len(scenarios) if multihost.is_lead() else 0) if across
-           else multihost.share(len(scenarios)))
-  own_task_ids = [t for ids in scenarios[share] for t in ids]
+  own = (remaining if multihost.is_lead() else []) if across else remaining[
+      multihost.share(len(remaining))]
+  own_task_ids = [t for i in own for t in scenarios[i]]
   tokenizer = tokenizer or Tokenizer()
   own_pool = None
   if pool is None:  # several processes: each pool keeps its outputs on its own host
@@ -211,9 +246,18 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
     if own_pool is not None:
       own_pool.close()
     raise
-  max_concurrent = ev.max_concurrent_scenarios or (1 if across else 0)
-  library = SkillLibrary()
+  # The finished scenarios' records, and (on process 0, which reports them) their library.
+  before = [r for i in sorted(finished) for r in finished[i]["records"]]
+  library = (progress_lib.restored_library(finished, across) if multihost.is_lead()
+             else SkillLibrary())
   started = time.time()
+
+  def keep(index: int, records: list[EpisodeRecord]) -> None:
+    """Keeps a finished scenario for a rerun, unless the environment failed under one of its
+    episodes (a rerun plays it again)."""
+    if progress is not None and not any(r.env_failed for r in records):
+      scenario = records[0].scenario
+      progress.record(index, records, library.skills() if across else library.skills(scenario))
 
   def play(pool: appworld.EnvPool) -> tuple[list[EpisodeRecord], list[str], Any]:
     """This process's share: its records, the tasks AppWorld's check scored, its scores."""
@@ -221,9 +265,14 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
       ctx = rollout.RolloutContext(policy, pool, tokenizer, agent_cfg, retriever, root)
       records = asyncio.run(run_scenarios(ctx, own_task_ids, experiment=ev.experiment,
                                           library=library, max_concurrent=max_concurrent,
-                                          seed=ev.seed, first_index=share.start))
+                                          seed=ev.seed, indices=own, finished=keep))
       rollout.check_environment(records, f"this process's share of the {ev.split} split")
-      checked = [r.task_id for r in appworld_checked(records)] if ev.appworld_check else []
+      # The finished scenarios' episodes are scored too where their outputs are still here
+      # (one process: <workdir>/appworld); those whose outputs are gone stay unchecked.
+      kept = [r for r in (before if multihost.is_lead() else [])
+              if os.path.isdir(appworld.saved_dbs(pool.outputs_root, r.experiment, r.task_id))]
+      checked = ([r.task_id for r in appworld_checked(kept + records)]
+                 if ev.appworld_check else [])
       scores = (metrics_lib.appworld_scores(
           pool.outputs_root, ev.experiment, checked,
           evaluation_timeout_s=pool.config.evaluation_timeout_s) if checked else None)
@@ -236,21 +285,26 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
 
   records, checked, own_scores = multihost.all_succeed(lambda: play(pool or own_pool))
   elapsed = time.time() - started
-  records = [r for part in multihost.allgather_objects(records) for r in part]
+  played = [r for part in multihost.allgather_objects(records) for r in part]
+  order = {t: n for n, t in enumerate(task_ids)}
+  records = sorted(played + before, key=lambda r: order[r.task_id])
   metrics = metrics_lib.evaluation_metrics(records)
   report = {"split": ev.split, "data_root": root, "experiment": ev.experiment,
             "policy": ev.policy, "retrieval": retrieval_cfg.strategy,
             "temperature": agent_cfg.temperature, "elapsed_s": elapsed, "metrics": metrics}
   if checkpoint is not None:
     report["checkpoint"] = checkpoint
+  if finished:
+    report["resumed_scenarios"] = sorted(finished)
   disagreement = None
   if ev.appworld_check:
-    theirs = _combine_scores(multihost.allgather_objects(
-        (own_scores, len(checked), len({appworld.scenario_id(t) for t in checked}))))
-    compared = appworld_checked(records)
-    compared_ids = {id(r) for r in compared}
+    parts = multihost.allgather_objects((own_scores, checked))
+    theirs = _combine_scores([(scores, len(ids), len({appworld.scenario_id(t) for t in ids}))
+                              for scores, ids in parts])
+    scored = {t for _, ids in parts for t in ids}
+    compared = [r for r in records if r.task_id in scored]
     report["appworld"] = theirs
-    report["appworld_unchecked"] = [r.task_id for r in records if id(r) not in compared_ids]
+    report["appworld_unchecked"] = [r.task_id for r in records if r.task_id not in scored]
     disagreement = (appworld_disagreement(metrics_lib.summarize(compared), theirs)
                     if compared else None)
     if disagreement:
@@ -268,6 +322,8 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
         json.dumps({"task_id": r.task_id, "success": r.success,
                     "conversation": tokenizer.decode(r.tokens.tolist())}) + "\n"
         for r in records))
+    if progress is not None:  # the report holds every scenario now
+      progress.clear()
   if disagreement:  # after the report is written: the episodes' results are kept
     raise RuntimeError(f"{disagreement} (report: {out / name}.json)")
   return report

@@ -11,6 +11,7 @@ from sage_jax.envs.appworld.dataset import first_scenarios
 from sage_jax.envs.appworld.dataset import group_by_scenario
 from sage_jax.envs.appworld.dataset import read_split
 from sage_jax.envs.appworld.dataset import scenario_id
+from sage_jax.envs.appworld.evaluation import saved_dbs
 from sage_jax.envs.appworld.mini_world import ensure_mini_world
 from sage_jax.envs.appworld.pool import AsyncEpisode
 from sage_jax.envs.appworld.pool import EnvPool

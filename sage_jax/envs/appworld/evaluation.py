@@ -106,6 +106,12 @@ def _refuse_replay_errors_in(directory: str) -> None:
   model_lib.apply_db_changes = checked
 
 
+def saved_dbs(outputs_root: str, experiment: str, task_id: str) -> str:
+  """Where an episode of `experiment` saved the state of its task's databases."""
+  return os.path.join(outputs_root, "experiments", "outputs", experiment, "tasks", task_id,
+                      "dbs")
+
+
 def main() -> None:
   outputs_root, experiment = sys.argv[1], sys.argv[2]
   task_ids, timeout = json.loads(sys.argv[3]), float(sys.argv[4])
@@ -120,9 +126,8 @@ def main() -> None:
   confine = sandbox.unavailable() is None  # else the pool ran with sandbox="off"
   metric = Metric()
   for task_id in task_ids:
-    saved = os.path.join(outputs_root, "experiments", "outputs", experiment, "tasks", task_id,
-                         "dbs")
-    result = evaluate(data, apps, task_id, experiment, saved, confine=confine,
+    result = evaluate(data, apps, task_id, experiment,
+                      saved_dbs(outputs_root, experiment, task_id), confine=confine,
                       timeout=timeout)
     if "refused" in result:  # one failed test, as AppWorld's Metric counts it
       tracker = TestTracker()
