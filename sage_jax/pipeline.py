@@ -390,7 +390,9 @@ class Pipeline:
   def evaluate(self, name: str, training_scenarios: bool = False) -> dict:
     """Dev evaluation of the current params, or with `training_scenarios` one on the
     scenarios RL trains on; kept in <workdir>/<name>/ and reused while the params are the
-    checkpoint it evaluated under the same evaluation settings (a rerun may change them)."""
+    checkpoint it evaluated under the same evaluation settings (a rerun may change them). One
+    that a signal stopped resumes with the scenarios it finished, if the rerun evaluates the
+    same weights the same way."""
     out = self.workdir / name
     split, scenarios = ((self.run.pipeline.train_split, self.run.pipeline.train_scenarios)
                         if training_scenarios else (self.run.eval.split,
@@ -411,7 +413,8 @@ class Pipeline:
       self.read_sft_result(f"the model that {name} evaluates")
       metrics = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
                                 engine=self.engine, tokenizer=self.tokenizer,
-                                checkpoint=self.weights_from)["metrics"]
+                                checkpoint=self.weights_from, resume=True,
+                                replace_other=True)["metrics"]
     return metrics["overall"]
 
   def compact_tokenizer_dir(self) -> str:

@@ -209,21 +209,24 @@ def test_sigterm_stops_the_run_after_its_step_and_a_rerun_finishes_it(
 
 def test_sigterm_during_a_dev_evaluation_ends_it_and_a_rerun_makes_it(
     tmp_path, demo_expert_file):  # noqa: F811
-  """A SIGTERM while the dev evaluation after SFT step 1 plays its episodes ends it at their
-  next turn, not at its end: the run saves step 1 without that evaluation and exits with 143.
-  The rerun makes the evaluation of step 1 first, then trains and evaluates step 2."""
+  """A SIGTERM while the dev evaluation after SFT step 1 plays its episodes (its first
+  scenario finished, the second under way) ends it at their next turn, not at its end: the
+  run saves step 1 without that evaluation and exits with 143. The rerun makes the
+  evaluation of step 1 first, playing only the second scenario, then trains and evaluates
+  step 2."""
   workdir = tmp_path / "run"
   command = _command(workdir, "--config.pipeline.stages=('sft',)", "--config.sft.total_steps=2",
                      "--config.sft.eval_every=1", "--config.eval.max_scenarios=2",
+                     "--config.eval.max_concurrent_scenarios=1",
                      *TRAIN_ONLY, _expert(demo_expert_file))
   proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True, env=ONE_DEVICE)
-  evaluation = workdir / "eval_sft_step1"  # made as the evaluation starts its episodes
+  evaluation = workdir / "eval_sft_step1"
+  kept = evaluation / "eval_dev_progress"  # holds each scenario the evaluation finished
   deadline = time.monotonic() + 900
-  while not evaluation.exists():
+  while not (kept.exists() and any(kept.glob("scenario_*.pkl"))):
     assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-5000:]
     time.sleep(0.2)
-  time.sleep(2.0)
   proc.send_signal(signal.SIGTERM)
   _, stderr = proc.communicate(timeout=600)
   assert proc.returncode == 143, stderr[-5000:]
@@ -240,7 +243,8 @@ def test_sigterm_during_a_dev_evaluation_ends_it_and_a_rerun_makes_it(
   # The evaluation made first joins step 1's line.
   assert [(r["step"], "dev/tgc" in r) for r in map(json.loads, open(metrics))] == [
       (1, True), (2, True)]
-  assert (evaluation / "eval_dev.json").exists()
+  assert json.load(open(evaluation / "eval_dev.json"))["resumed_scenarios"] == [0]
+  assert not kept.exists()
 
 
 def test_a_stopped_run_exits_as_the_signal_it_caught():

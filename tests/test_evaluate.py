@@ -16,6 +16,7 @@ from sage_jax.configurable import ConfigError
 from sage_jax.eval import runner as evaluate
 from sage_jax.envs import appworld
 from sage_jax.eval import metrics
+from sage_jax.eval import progress
 from sage_jax.rl import rollout
 from sage_jax.tokenizer import Tokenizer
 from tests.appworld_fixtures import WorkerKillingPolicy
@@ -112,6 +113,21 @@ def test_a_stopped_evaluation_resumes_with_the_scenarios_it_finished(pool, tmp_p
   library = lambda run: sorted(json.loads((run / "library_dev.json").read_text()),
                                key=lambda s: (s["scenario"], s["name"]))
   assert library(out) == library(tmp_path / "whole")
+
+
+def test_kept_scenarios_of_other_settings_are_refused_or_replaced(tmp_path):
+  """In a directory that only a training run evaluates in, an evaluation of other weights or
+  settings starts afresh; elsewhere the kept scenarios are refused, naming the directory."""
+  base = progress.fingerprint({"eval": {"split": "dev", "max_scenarios": 1}}, None)
+  assert base == progress.fingerprint({"eval": {"split": "dev", "max_scenarios": 3}}, None)
+  other = progress.fingerprint({"eval": {"split": "dev"}}, {"stage": "rl", "step": 2})
+  assert other != base
+  progress.Progress(tmp_path, "dev", base).record(0, [], [])
+  with pytest.raises(ValueError, match=f"{tmp_path / 'eval_dev_progress'} holds scenarios"):
+    progress.Progress(tmp_path, "dev", other).finished()
+  assert progress.Progress(tmp_path, "dev", base).finished()[0]["records"] == []
+  assert progress.Progress(tmp_path, "dev", other).finished(replace_other=True) == {}
+  assert not (tmp_path / "eval_dev_progress").exists()
 
 
 def test_metrics_table():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import pickle
 from typing import Any
 
@@ -50,14 +51,20 @@ class Progress:
     self.directory = storage.path(workdir) / f"eval_{split}_progress"
     self.key = key
 
-  def finished(self) -> dict[int, dict]:
+  def finished(self, replace_other: bool = False) -> dict[int, dict]:
     """Scenario index -> {"records": [...], "skills": [...]}, from the files there. Raises
-    ValueError when a file belongs to another evaluation."""
+    ValueError when a file belongs to another evaluation, or (`replace_other`: a directory
+    that only its owner evaluates in) removes them all."""
     if not self.directory.exists():
       return {}
     done = {}
     for entry in sorted(self.directory.glob("scenario_*.pkl")):
       value = pickle.loads(entry.read_bytes())
+      if value["key"] != self.key and replace_other:
+        logging.warning("%s holds scenarios of an evaluation with other settings or weights: "
+                        "evaluating afresh", self.directory)
+        self.clear()
+        return {}
       if value["key"] != self.key:
         raise ValueError(
             f"{self.directory} holds scenarios finished by an evaluation with other settings "

@@ -178,7 +178,7 @@ def _sections(config: Any) -> dict[str, Any]:
 def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
              policy: Any = None, engine: Any = None,
              tokenizer: Tokenizer | None = None, checkpoint: dict | None = None,
-             resume: bool = False) -> dict:
+             resume: bool = False, replace_other: bool = False) -> dict:
   """Runs the evaluation described by `config` (a ConfigDict or mapping of sections) and
   writes the reports into `workdir`; returns the report. `pool` / `policy` / `tokenizer`
   may be given (tests and the training pipeline share them); otherwise they are built from
@@ -186,7 +186,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   `policy` samples from; the policy embedding of retrieval reads its weights.
   `checkpoint`: which trained checkpoint the engine holds (run, stage, step), for the report.
   `resume`: keep each finished scenario in the workdir, and play only those a stopped run of
-  the same evaluation did not finish (`sage_jax.eval.progress`)."""
+  the same evaluation did not finish (`sage_jax.eval.progress`); scenarios kept there by an
+  evaluation with other settings are refused, or with `replace_other` (a training run's own
+  evaluation directories) removed."""
   s = _sections(config)
   ev, retrieval_cfg = s["eval"], s["retrieval"]
   agent_cfg = ev.agent(s["agent"])
@@ -203,8 +205,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
     plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     progress = progress_lib.Progress(out, ev.split, progress_lib.fingerprint(
         {name: plain.get(name) for name in s}, checkpoint))
-    finished = {i: entry for i, entry in multihost.from_lead(progress.finished).items()
-                if i < len(scenarios)}  # an earlier run may have played more (max_scenarios)
+    on_disk = multihost.from_lead(lambda: progress.finished(replace_other))
+    # An earlier run may have played more scenarios (max_scenarios).
+    finished = {i: entry for i, entry in on_disk.items() if i < len(scenarios)}
     for i, entry in finished.items():
       if [r.task_id for r in entry["records"]] != scenarios[i]:
         raise ValueError(f"{progress.directory}: scenario {i} holds tasks "
