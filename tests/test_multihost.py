@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from sage_jax.envs import appworld
 from tests.appworld_fixtures import demo_expert_file  # noqa: F401 - pytest fixture
 from tests.appworld_fixtures import mini_root  # noqa: F401 - pytest fixture
 
@@ -360,6 +361,41 @@ def test_an_evaluation_that_retrieves_across_scenarios_keeps_one_library(tmp_pat
   one = visible(tmp_path / "one")
   assert len(one) == 6 and one[3][1]  # the second scenario's first task sees skills
   assert visible(tmp_path / "two") == one
+
+
+def test_an_evaluation_stopped_as_one_process_resumes_as_two(tmp_path, mini_root):  # noqa: F811
+  """A SIGTERM ends an evaluation after its first scenario, which stays kept; run again as 2
+  processes, they share the scenarios left, and the report holds every scenario as one
+  uninterrupted run's does. The kept episodes' outputs are on the stopped process's host
+  only, so AppWorld's own scores cover the others and the report lists the kept ones."""
+  evaluate = ["-m", "sage_jax.evaluate", "--config=configs/eval.py:demo",
+              "--config.eval.max_concurrent_scenarios=1", "--config.pool.num_workers=1",
+              f"--workdir={tmp_path}"]
+  kept = tmp_path / "eval_dev_progress"
+  proc = subprocess.Popen([sys.executable, *evaluate], env={**_env(), "JAX_PLATFORMS": "cpu"},
+                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+  deadline = time.monotonic() + 600
+  while not (kept.exists() and any(kept.glob("scenario_*.pkl"))):
+    assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-5000:]
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGTERM)
+  proc.communicate(timeout=300)
+  assert proc.returncode != 0 and not (tmp_path / "eval_dev.json").exists()
+  finished = sorted(int(p.stem.split("_")[1]) for p in kept.glob("scenario_*.pkl"))
+  assert finished and len(finished) < 3
+
+  _launch_entry(tmp_path / "logs", *evaluate)
+  report = json.load(open(tmp_path / "eval_dev.json"))
+  assert report["resumed_scenarios"] == finished and not kept.exists()
+  overall = report["metrics"]["overall"]
+  assert (overall["num_tasks"], overall["tgc"], overall["sgc"]) == (9, 100.0, 100.0)
+  assert [r["task_id"] for r in report["records"]] == appworld.read_split(mini_root, "dev")
+  assert report["appworld_unchecked"] == [r["task_id"] for r in report["records"]
+                                          if r["group"] in finished]
+  assert report["appworld"]["task_goal_completion"] == 100.0
+  library = json.load(open(tmp_path / "library_dev.json"))
+  assert len(library) == 3 and all(s["uses"] == 2 and s["successes"] == 2 for s in library)
 
 
 def test_a_process_that_cannot_start_its_episodes_stops_every_process_with_its_error(tmp_path):
