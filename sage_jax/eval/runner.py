@@ -201,7 +201,11 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   progress, finished = None, {}
   # Across scenarios, the library a scenario leaves is the next one's only when they run one
   # at a time; otherwise the scenarios cannot be resumed one by one.
-  if resume and not (across and max_concurrent != 1):
+  if resume and across and max_concurrent != 1:
+    logging.info("Retrieval across scenarios, %d of them at once: a stopped run of this "
+                 "evaluation will not resume (it does with eval.max_concurrent_scenarios=1)",
+                 max_concurrent)
+  elif resume:
     plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     progress = progress_lib.Progress(out, ev.split, progress_lib.fingerprint(
         {name: plain.get(name) for name in s}, checkpoint))
