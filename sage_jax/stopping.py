@@ -1,9 +1,9 @@
 """Ending long work early, at a clean point, when a signal asks this process to stop.
 
 A training loop's dev evaluation can outlast a scheduler's grace period. The loop runs it
-within `stop_when(lambda: guard.requested)`, and the agent calls `check()` before each turn:
-after a signal, every episode ends at its next turn with StopRequested instead of the
-evaluation running to its end. Outside such a block `check()` does nothing, so a training
+within `stop_when` of its signal guard, heard on any process (`multihost.asked_anywhere`),
+and the agent calls `check()` before each turn: after a signal, every episode ends at its
+next turn with StopRequested instead of the evaluation running to its end. Outside such a block `check()` does nothing, so a training
 step's rollouts run to the step's end, where the loop stops. The predicate is a context
 variable, which asyncio's tasks inherit from the code that starts them.
 """
