@@ -72,6 +72,9 @@ def check_command(module: str, args: Sequence[str]) -> None:
     raise ValueError(config_file.unknown_override(config_args, e) or repr(e)) from None
   except flags.Error as e:  # a value of the wrong type
     raise ValueError(str(e)) from None
+  joined = config_file.joined_tuple_override(config_args, values.config)
+  if joined is not None:
+    raise ValueError(joined)
   if module in RUN_ENTRY_POINTS:
     try:
       run_config.resolve(values.config)

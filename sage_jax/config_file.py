@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import ml_collections
 from absl import app, flags
@@ -132,7 +132,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   of it, exits with one line naming it, instead of ml_collections' traceback or bare
   KeyError."""
   try:
-    return app.parse_flags_with_usage(argv)
+    remaining = app.parse_flags_with_usage(argv)
   except ConfigFileError as e:
     sys.exit(str(e))
   except (KeyError, AttributeError) as e:
@@ -140,6 +140,37 @@ def parse_flags(argv: list[str]) -> list[str]:
     if message is None:
       raise
     sys.exit(message)
+  if "config" in flags.FLAGS and flags.FLAGS.config is not None:
+    message = joined_tuple_override(argv, flags.FLAGS.config)
+    if message is not None:
+      sys.exit(message)
+  return remaining
+
+
+def joined_tuple_override(argv: Sequence[str], config: ml_collections.ConfigDict
+                          ) -> str | None:
+  """The line refusing a tuple key that `argv` overrides more than once with a whole tuple
+  among its values, or None. ml_collections joins the values of a repeated tuple override
+  (`--config.x=1 --config.x=2` sets (1, 2)), so `--config.x="(512, 1024)"` followed by
+  `--config.x="(256,)"` (a base command and a sweep's setting of the same key) sets
+  (512, 1024, 256) where the last value was meant to replace the first."""
+  given: dict[str, list[str]] = {}
+  for arg in argv:
+    if arg.startswith("--config.") and "=" in arg:
+      key, _, value = arg.removeprefix("--config.").partition("=")
+      given.setdefault(key, []).append(value)
+  for key, values in given.items():
+    whole = [v for v in values if v.strip().startswith(("(", "["))]
+    if len(values) < 2 or not whole:
+      continue
+    value: Any = config
+    for part in key.split("."):
+      value = value[part] if isinstance(value, ml_collections.ConfigDict) else None
+    if isinstance(value, tuple):
+      return (f"--config.{key} is given {len(values)} times ({', '.join(values)}), which "
+              f"would set {value}: ml_collections joins repeated tuple overrides. Give the "
+              "whole tuple once.")
+  return None
 
 
 def unknown_override(argv: list[str], error: KeyError | AttributeError) -> str | None:

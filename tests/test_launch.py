@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from absl import flags
 
 from launch import common, local, sweep, tpu_pod
 from sage_jax import config_file
@@ -526,6 +527,25 @@ def test_every_run_of_a_sweep_is_checked_before_any_starts(override, line):
   got = _fails(["bash", "launch/multinode.sh", "--config=configs/sage.py:demo", "--workdir=w",
                 f"--config.{override}"], {"HOSTS": "h0 h1", "DRY_RUN": "1"})
   assert got.startswith(line.removeprefix("run 'k1': ")), got
+
+
+def test_a_launch_refuses_a_tuple_key_given_twice_as_whole_tuples():
+  """The launchers check before any host starts; ml_collections' own form of a repeated tuple
+  override (one element each) still builds the tuple."""
+  twice = ["--config=configs/sage.py:demo", "--workdir=w",
+           "--config.batch.length_buckets=(512, 1024)", "--config.batch.length_buckets=[256]"]
+  got = _fails(["bash", "launch/multinode.sh", *twice], {"HOSTS": "h0 h1", "DRY_RUN": "1"})
+  assert got == ("--config.batch.length_buckets is given 2 times ((512, 1024), [256]), which "
+                 "would set (512, 1024, 256): ml_collections joins repeated tuple overrides. "
+                 "Give the whole tuple once."), got
+  elements = ["--config.batch.length_buckets=1024", "--config.batch.length_buckets=2048"]
+  common.check_command("sage_jax.train", ["--config=configs/sage.py:demo", *elements])
+  values = flags.FlagValues()
+  argv = ["m", "--config=configs/sage.py:demo", *elements]
+  config_file.define_flag("config", "", flag_values=values, sys_argv=argv)
+  values(argv)
+  assert values.config.batch.length_buckets == (1024, 2048)
+  assert config_file.joined_tuple_override(argv, values.config) is None
 
 
 def test_sweep_misuse_fails_in_one_line(tmp_path):

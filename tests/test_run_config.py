@@ -322,6 +322,22 @@ def test_unknown_override_exits_with_one_line_naming_it(override, named, tmp_pat
   assert done.stderr.strip() == f"{override}: {named}."
 
 
+def test_a_tuple_key_given_twice_as_whole_tuples_exits_with_one_line(tmp_path):
+  """ml_collections would join them: (512, 1024) then (256,) set (512, 1024, 256)."""
+  done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
+                         f"--workdir={tmp_path / 'run'}",
+                         "--config.batch.length_buckets=(512, 1024)",
+                         "--config.batch.length_buckets=(256,)"],
+                        capture_output=True, text=True, timeout=120,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert done.stderr.strip() == (
+      "--config.batch.length_buckets is given 2 times ((512, 1024), (256,)), which would set "
+      "(512, 1024, 256): ml_collections joins repeated tuple overrides. Give the whole tuple "
+      "once.")
+  assert not (tmp_path / "run").exists()
+
+
 def test_value_the_schema_refuses_exits_with_its_message(tmp_path):
   done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
                          f"--workdir={tmp_path}", "--config.grpo.group_size=0"],
