@@ -120,6 +120,32 @@ def test_tgc_sgc_score_a_task_once_by_its_last_result():
   assert appworld.task_goal_completion([results[1], results[0], results[2]]) == 50.0
 
 
+@pytest.mark.parametrize("cancel_after_s", [0.0, 0.3])
+def test_a_start_cancelled_is_not_live_once_the_cancel_returns(pool, mini_root,  # noqa: F811
+                                                              cancel_after_s):
+  """A stop while an episode starts (its start still queued, or begun by a worker: a slow
+  library install) leaves nothing live once the cancelled call returns: the same task starts
+  again at once, as a rerun of a stopped evaluation on the same pool does."""
+  task_id = appworld.read_split(mini_root, "dev")[0]
+  slow_library = "total = 0\nfor i in range(3_000_000):\n  total += i\n"  # a start of ~1 s
+
+  async def cancelled() -> None:
+    async def enter() -> None:
+      async with pool.episode(task_id, "cancelled", library_code=slow_library):
+        await asyncio.sleep(60)
+
+    entering = asyncio.ensure_future(enter())
+    await asyncio.sleep(cancel_after_s)
+    entering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+      await entering
+
+  asyncio.run(cancelled())
+  with pool.episode(task_id, "cancelled") as episode:
+    assert episode.start.task_id == task_id
+  assert episode.result is not None
+
+
 def test_wrong_answers_fail(pool, mini_root):  # noqa: F811
   qa = [t for t in all_task_ids(mini_root) if ground_truth_answer(mini_root, t) is not None]
   runs = []

@@ -151,15 +151,27 @@ class _EpisodeContext:
     try:
       self._episode = await asyncio.wrap_future(future)
     except asyncio.CancelledError:
-      # The episode may still start after we stopped waiting: close it then, so that
-      # it yields its result and frees its worker.
-      future.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().close())
+      # Cancelled (a stop, a failed sibling) before the episode started: a start still
+      # queued is dropped; one a worker has begun is closed once started, and waited for,
+      # so that the episode is not live when the caller goes on (it may start it again).
+      if not future.cancel():
+        closed = concurrent.futures.Future()
+        future.add_done_callback(lambda f: _close_started(f, closed))
+        await asyncio.wrap_future(closed)
       raise
     return AsyncEpisode(self._episode)
 
   async def __aexit__(self, *exc_info) -> None:
     if not self._episode._closing:
       await asyncio.wrap_future(self._episode.close())
+
+
+def _close_started(start: concurrent.futures.Future, closed: concurrent.futures.Future) -> None:
+  """Closes the episode `start` resolved to (if it started), then resolves `closed`."""
+  if start.cancelled() or start.exception() is not None:
+    closed.set_result(None)
+  else:
+    start.result().close().add_done_callback(lambda _: closed.set_result(None))
 
 
 class EnvPool:
