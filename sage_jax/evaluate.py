@@ -65,16 +65,20 @@ def evaluate_run(run_dir: str, eval_config, workdir: str, step: int | None = Non
     raise app.UsageError(f"--run evaluates the run's model: config.eval.policy must be "
                          f"'model', not {run.eval.policy!r}")
   try:
-    # This process's sampling copy of the weights, on its own devices, as in training.
-    model, mesh, step = run_checkpoint.restore_sampling_model(run_dir, run, step, stage)
+    step = run_checkpoint.checkpoint_step(run_dir, stage, step)
   except FileNotFoundError as e:  # no such stage or step: name the ones there are
     raise app.UsageError(str(e)) from e
   tokenizer = Tokenizer(run_checkpoint.tokenizer_dir(run_dir, run))
-  engine = Engine(model, run.engine, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
+
+  def make_engine() -> Engine:
+    """This process's sampling copy of the weights, on its own devices, as in training."""
+    model, mesh, _ = run_checkpoint.restore_sampling_model(run_dir, run, step, stage)
+    return Engine(model, run.engine, eos_ids=[tokenizer.eos_id, tokenizer.endoftext],
                   detokenize=tokenizer.decode, mesh=mesh)
+
   sections = run_config.with_seeds(config, run)
   sections["eval"] = {**sections["eval"], "data": run.pipeline.data}
-  return evaluate(sections, workdir, engine=engine, tokenizer=tokenizer,
+  return evaluate(sections, workdir, make_engine=make_engine, tokenizer=tokenizer,
                   checkpoint={"run": run_dir, "stage": stage, "step": step}, resume=True)
 
 

@@ -75,6 +75,33 @@ def _stage_steps(run_dir: str, stage: str) -> list[int]:
     checkpointer.close()
 
 
+def checkpoint_step(run_dir: str, stage: str = "rl", step: int | None = None) -> int:
+  """`step` (default: the latest) of the run's `stage` checkpoints, checked to be there
+  (`restore_model`'s error where not), without reading it."""
+  checkpointer = _reader(run_dir, stage)
+  try:
+    return _checked_step(checkpointer, run_dir, stage, step)
+  finally:
+    checkpointer.close()
+
+
+def _checked_step(checkpointer: Checkpointer, run_dir: str, stage: str,
+                  step: int | None) -> int:
+  steps = checkpointer.all_steps()  # process 0's: every process fails, or none
+  ckpt_dir = os.fspath(checkpointer.directory)
+  if not steps:
+    others = [s for s in STAGE_DIRS if s != stage and _stage_steps(run_dir, s)]
+    raise FileNotFoundError(
+        f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist or holds no finished "
+        "step)" + (f"; it has {others[0]} checkpoints: pass --stage={others[0]}"
+                   if others else ""))
+  step = steps[-1] if step is None else step
+  if step not in steps:
+    raise FileNotFoundError(f"{ckpt_dir}: no checkpoint step {step}; available steps: "
+                            f"{steps}")
+  return step
+
+
 def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = None,
                   stage: str = "rl") -> tuple[nnx.Module, int]:
   """(model, step) of checkpoint `step` (default: the latest) of the run's `stage`, its
@@ -82,19 +109,8 @@ def restore_model(run_dir: str, run: run_config.RunConfig, step: int | None = No
   mesh trained it). Only the params are read: the optimizer state, twice the params under
   Adam, stays on disk. A missing step is an error that lists the steps there are."""
   checkpointer = _reader(run_dir, stage)
-  ckpt_dir = os.fspath(checkpointer.directory)
   try:
-    steps = checkpointer.all_steps()  # process 0's: every process fails, or none
-    if not steps:
-      others = [s for s in STAGE_DIRS if s != stage and _stage_steps(run_dir, s)]
-      raise FileNotFoundError(
-          f"{run_dir}: no {stage} checkpoints ({ckpt_dir} does not exist or holds no finished "
-          "step)" + (f"; it has {others[0]} checkpoints: pass --stage={others[0]}"
-                     if others else ""))
-    step = steps[-1] if step is None else step
-    if step not in steps:
-      raise FileNotFoundError(f"{ckpt_dir}: no checkpoint step {step}; available steps: "
-                              f"{steps}")
+    step = _checked_step(checkpointer, run_dir, stage, step)
     vocab_size = (Tokenizer(tokenizer_dir(run_dir, run)).vocab_size
                   if run.model.vocabulary == "compact" else None)
     model = loader.abstract_model(run.model, vocab_size=vocab_size)  # reads no weights

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sage_jax import stopping
+from sage_jax import multihost, stopping
 from sage_jax.agent import AgentConfig, ScriptedPolicy
 from sage_jax.agent.gold_solutions import scripted_agent
 from sage_jax.configurable import ConfigError
@@ -113,6 +113,36 @@ def test_a_stopped_evaluation_resumes_with_the_scenarios_it_finished(pool, tmp_p
   library = lambda run: sorted(json.loads((run / "library_dev.json").read_text()),
                                key=lambda s: (s["scenario"], s["name"]))
   assert library(out) == library(tmp_path / "whole")
+
+
+def test_an_evaluation_stopped_before_its_report_reports_without_starting_anything(
+    mini_root, tmp_path, monkeypatch):  # noqa: F811
+  """Stopped after its last scenario, before its report was written (AppWorld's check of a
+  whole split takes minutes): the same command run again reports the kept scenarios,
+  AppWorld's scores of their saved outputs included, without starting AppWorld or building
+  the model (for a large model, minutes of loading)."""
+  config = _config(policy="model", experiment="eval_tiny", max_scenarios=1)
+  config.model = dict(spec="", preset="tiny", seed=0)
+  config.agent = dict(max_steps=2, max_turn_tokens=16, max_episode_tokens=2048)
+  config.engine = dict(num_slots=2, max_len=2048)
+  with monkeypatch.context() as stopped_before_its_report:
+    stopped_before_its_report.setattr(progress.Progress, "clear", lambda self: None)
+    whole = evaluate.evaluate(config, str(tmp_path), resume=True)
+  assert [p.name for p in (tmp_path / "eval_dev_progress").iterdir()] == ["scenario_00000.pkl"]
+  (tmp_path / "eval_dev.json").unlink()
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("an evaluation with nothing to play started AppWorld or a model")
+
+  monkeypatch.setattr(appworld.EnvPool, "start_in_background", refuse)
+  monkeypatch.setattr(multihost, "load_sampling_model", refuse)
+  again = evaluate.evaluate(config, str(tmp_path), resume=True)
+  assert again["resumed_scenarios"] == [0] and not (tmp_path / "eval_dev_progress").exists()
+  assert again["appworld"] is not None and again["appworld_unchecked"] == []
+  for key in ("records", "metrics", "appworld"):
+    assert again[key] == whole[key], key
+  saved = json.loads((tmp_path / "eval_dev.json").read_text())
+  assert saved["metrics"] == whole["metrics"] and len(saved["records"]) == 3
 
 
 def test_kept_scenarios_of_other_settings_are_refused_or_replaced(tmp_path):

@@ -140,6 +140,36 @@ def test_evaluate_run_samples_on_a_mesh_of_its_own(run_dir, tmp_path):
   assert config["agent"] == run_config["agent"]
 
 
+def test_a_run_evaluation_stopped_before_its_report_reads_no_checkpoint(run_dir, tmp_path,
+                                                                        monkeypatch):
+  """Stopped after its last scenario, before its report: run again, it reports the kept
+  scenarios without reading the checkpoint (for a large model, minutes) or starting AppWorld.
+  """
+  from configs import eval as eval_configs  # noqa: PLC0415
+  from sage_jax import evaluate, run_checkpoint  # noqa: PLC0415
+  from sage_jax.envs import appworld  # noqa: PLC0415
+  from sage_jax.eval import progress  # noqa: PLC0415
+
+  config = eval_configs.get_config("run")
+  config.eval.max_scenarios = 1
+  with monkeypatch.context() as stopped_before_its_report:
+    stopped_before_its_report.setattr(progress.Progress, "clear", lambda self: None)
+    whole = evaluate.evaluate_run(str(run_dir), config, str(tmp_path))
+  assert (tmp_path / "eval_dev_progress").exists()
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("an evaluation with nothing to play read a model or started AppWorld")
+
+  monkeypatch.setattr(run_checkpoint, "restore_sampling_model", refuse)
+  monkeypatch.setattr(appworld.EnvPool, "start_in_background", refuse)
+  again = evaluate.evaluate_run(str(run_dir), config, str(tmp_path))
+  assert again["resumed_scenarios"] == [0] and again["appworld_unchecked"] == []
+  assert again["checkpoint"] == whole["checkpoint"] == {"run": str(run_dir), "stage": "rl",
+                                                        "step": 1}
+  for key in ("records", "metrics", "appworld"):
+    assert again[key] == whole[key], key
+
+
 def test_the_run_preset_without_a_run_is_refused(tmp_path):
   """It evaluates a trained run's model; without --run it names none (it used to evaluate
   the bundled model instead, on the whole dev split)."""

@@ -341,7 +341,8 @@ def test_an_evaluation_that_retrieves_across_scenarios_keeps_one_library(tmp_pat
   """Retrieval across scenarios shows a task the skills of every scenario played before it. As
   2 processes the evaluation shows each task what one process shows it (process 0 plays
   every scenario, with one library); each process playing its share from an empty library
-  showed the second scenario's first task nothing. Each process's pool logs apart."""
+  showed the second scenario's first task nothing. Process 1, with nothing to play, starts
+  no AppWorld (and loads no model)."""
   def visible(out):
     report = json.load(open(out / "eval_dev.json"))
     return [(r["task_id"], r["visible_skills"]) for r in report["records"]]
@@ -352,9 +353,7 @@ def test_an_evaluation_that_retrieves_across_scenarios_keeps_one_library(tmp_pat
   logs = tmp_path / "pool_logs"
   _launch_entry(tmp_path / "two", *evaluate, f"--workdir={tmp_path / 'two'}",
                 f"--config.pool.log_dir={logs}")
-  # Each process's pool logs apart (in one directory both appended to the same files).
-  assert sorted(os.listdir(logs)) == ["process_0", "process_1"]
-  assert all((logs / d / "template.log").exists() for d in os.listdir(logs))
+  assert os.listdir(logs) == ["process_0"] and (logs / "process_0" / "template.log").exists()
   subprocess.run([sys.executable, *evaluate, f"--workdir={tmp_path / 'one'}"],
                  env={**_env(), "JAX_PLATFORMS": "cpu"}, cwd=REPO, capture_output=True,
                  text=True, timeout=600, check=True)

@@ -177,13 +177,16 @@ def _sections(config: Any) -> dict[str, Any]:
 
 def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
              policy: Any = None, engine: Any = None,
+             make_engine: Callable[[], Engine] | None = None,
              tokenizer: Tokenizer | None = None, checkpoint: dict | None = None,
              resume: bool = False, replace_other: bool = False) -> dict:
   """Runs the evaluation described by `config` (a ConfigDict or mapping of sections) and
   writes the reports into `workdir`; returns the report. `pool` / `policy` / `tokenizer`
   may be given (tests and the training pipeline share them); otherwise they are built from
-  the config. `engine`: the sampler engine to evaluate (a trained run's), or the one a given
-  `policy` samples from; the policy embedding of retrieval reads its weights.
+  the config. `engine`: the sampler engine to evaluate, or the one a given `policy` samples
+  from; the policy embedding of retrieval reads its weights. `make_engine` builds it instead
+  (a trained run's checkpoint, which every process reads together), unless nothing is left
+  to play.
   `checkpoint`: which trained checkpoint the engine holds (run, stage, step), for the report.
   `resume`: keep each finished scenario in the workdir, and play only those a stopped run of
   the same evaluation did not finish (`sage_jax.eval.progress`); scenarios kept there by an
@@ -231,13 +234,18 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   own_pool = None
   if pool is None:  # several processes: each pool keeps its outputs on its own host
     own_pool = appworld.EnvPool(multihost.pool_config(s["pool"], root, workdir))
+  # A process with no scenario to play (every one kept by a stopped run; across scenarios,
+  # any but process 0) starts no AppWorld and loads no model of its own: it only reports.
+  # A trained run's checkpoint (`make_engine`) is read unless no process plays any.
+  driver = retriever = None
   try:
     if own_pool is not None:  # AppWorld starts while the model is built
-      multihost.all_succeed(own_pool.start_in_background)
-    driver = None
+      multihost.all_succeed(lambda: own and own_pool.start_in_background())
+    if engine is None and make_engine is not None and remaining:
+      engine = make_engine()  # by every process alike: reading a checkpoint is collective
     if policy is None and ev.policy == "scripted":
       policy, agent_cfg = ScriptedPolicy(root, tokenizer), scripted_agent(agent_cfg)
-    elif policy is None:
+    elif policy is None and own:
       if engine is None:
         spec = configurable.build(loader.ModelSpec, s["model"] or {}, "config.model")
         loader.check_tokenizer(spec)
@@ -247,8 +255,9 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
                         detokenize=tokenizer.decode, mesh=mesh)
       driver = AsyncEngine(engine)
       policy = rollout.SamplerPolicy(driver, agent_cfg)
-    retriever = Retriever(retrieval_cfg, make_embedder(retrieval_cfg, engine=engine,
-                                                       tokenizer=tokenizer))
+    if own:
+      retriever = Retriever(retrieval_cfg, make_embedder(retrieval_cfg, engine=engine,
+                                                         tokenizer=tokenizer))
   except BaseException:
     if own_pool is not None:
       own_pool.close()
@@ -269,15 +278,17 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   def play(pool: appworld.EnvPool) -> tuple[list[EpisodeRecord], list[str], Any]:
     """This process's share: its records, the tasks AppWorld's check scored, its scores."""
     try:
-      ctx = rollout.RolloutContext(policy, pool, tokenizer, agent_cfg, retriever, root)
-      records = asyncio.run(run_scenarios(ctx, own_task_ids, experiment=ev.experiment,
-                                          library=library, max_concurrent=max_concurrent,
-                                          seed=ev.seed, indices=own, finished=keep))
-      rollout.check_environment(records, f"this process's share of the {ev.split} split")
+      records = []
+      if own:
+        ctx = rollout.RolloutContext(policy, pool, tokenizer, agent_cfg, retriever, root)
+        records = asyncio.run(run_scenarios(ctx, own_task_ids, experiment=ev.experiment,
+                                            library=library, max_concurrent=max_concurrent,
+                                            seed=ev.seed, indices=own, finished=keep))
+        rollout.check_environment(records, f"this process's share of the {ev.split} split")
       # The finished scenarios' episodes are scored too where their outputs are still here
       # (one process: <workdir>/appworld); those whose outputs are gone stay unchecked.
-      kept = [r for r in (before if multihost.is_lead() else [])
-              if os.path.isdir(appworld.saved_dbs(pool.outputs_root, r.experiment, r.task_id))]
+      kept = [r for r in (before if multihost.is_lead() else []) if pool.outputs_root
+              and os.path.isdir(appworld.saved_dbs(pool.outputs_root, r.experiment, r.task_id))]
       checked = ([r.task_id for r in appworld_checked(kept + records)]
                  if ev.appworld_check else [])
       scores = (metrics_lib.appworld_scores(
