@@ -163,9 +163,7 @@ def joined_tuple_override(argv: Sequence[str], config: ml_collections.ConfigDict
     whole = [v for v in values if v.strip().startswith(("(", "["))]
     if len(values) < 2 or not whole:
       continue
-    value: Any = config
-    for part in key.split("."):
-      value = value[part] if isinstance(value, ml_collections.ConfigDict) else None
+    value = config[key]  # the parse found it: a dotted path of the config
     if isinstance(value, tuple):
       return (f"--config.{key} is given {len(values)} times ({', '.join(values)}), which "
               f"would set {value}: ml_collections joins repeated tuple overrides. Give the "
