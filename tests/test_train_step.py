@@ -350,6 +350,40 @@ def test_a_sampling_temperature_trains_that_policy_with_pi_old_recomputed():
   assert abs(at_one["ratio_mean"] - 1.0) > 0.1
 
 
+def test_gspo_by_its_ratio_level_alone_trains_the_papers_objective():
+  """`ratio_level="sequence"` with the default aggregation ("auto") is GSPO's objective, in
+  which every sequence weighs the same whatever its length: the mean over sequences of
+  max(-A_i s_i, -A_i clip(s_i)), s_i the exp of the sequence's mean token log-ratio. An
+  explicit token-mean still weighs each sequence by its tokens."""
+  from sage_jax.train import rl_loop  # noqa: PLC0415
+
+  records = _records(6, seed=7, min_len=3, max_len=15)  # model_logprobs not this model's
+  config = B.BatchConfig(micro_batch_tokens=64, length_buckets=(16,))
+  batch = B.make_batch(records, config)[0]
+  losses, per_sequence = {}, []
+  for aggregation in ("auto", "token-mean"):
+    g = grpo.GRPOConfig(ratio_level="sequence", loss_aggregation=aggregation, logprob_chunk=0)
+    trainer = rl_loop.grpo_trainer(init_model(CFG, seed=3), g, LINEAR_ADAM)
+    new = trainer.logprobs(batch)  # pi_theta before the update
+    losses[aggregation] = rl_loop.grpo_update(trainer, records, g, config)["loss"]
+  rows = lambda x: np.asarray(x).reshape(-1, batch.tokens.shape[-1])  # [micro, rows, T]
+  mask, segments, new, old = (rows(batch.loss_mask) > 0, rows(batch.segment_ids), rows(new),
+                              rows(batch.old_logprobs))
+  for row, segment in {(r, segments[r, t]) for r, t in zip(*np.nonzero(mask))}:
+    tokens = mask[row] & (segments[row] == segment)
+    s = np.exp(np.mean(new[row][tokens] - old[row][tokens]))
+    a = float(rows(batch.advantages)[row][tokens][0])
+    per_sequence.append((max(-a * s, -a * np.clip(s, 0.8, 1.2)), int(tokens.sum())))
+  assert len(per_sequence) == len(records)
+  assert len({n for _, n in per_sequence}) > 1  # lengths differ: the two weighings differ
+  loss, tokens = np.asarray(per_sequence).T
+  assert losses["auto"] == pytest.approx(loss.mean(), rel=1e-4)
+  assert losses["token-mean"] == pytest.approx((loss * tokens).sum() / tokens.sum(), rel=1e-4)
+  assert abs(loss.mean() - (loss * tokens).sum() / tokens.sum()) > 1e-2
+  assert grpo.GRPOConfig().aggregation == "token-mean"  # GRPO's own: every token the same
+  assert grpo.GRPOConfig(ratio_level="sequence-token").aggregation == "seq-mean-token-mean"
+
+
 def test_a_step_of_several_updates_reports_extremes_of_them_all():
   """With several mini-batches, a step's metrics combine its updates': maxima as the largest,
   minima as the smallest, counts as totals, the rest as means over the updates."""

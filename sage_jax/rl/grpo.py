@@ -5,8 +5,9 @@ Per masked token t with advantage A (the sequence's), ratio r = pi_theta / pi_ol
   pg   = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))   (clip-higher: eps_high > eps_low)
   ratio_level "token" (GRPO): r_t = exp(logp_t - old_t)
               "sequence" (GSPO): r = exp(mean_t (logp_t - old_t)) over the sequence's masked
-                tokens, the same on each of them (its loss, with seq-mean-token-mean
-                weights, is GSPO's per-sequence objective)
+                tokens, the same on each of them (its loss, with the seq-mean-token-mean
+                weights that loss_aggregation "auto" gives it, is GSPO's per-sequence
+                objective)
               "sequence-token" (GSPO-token): r_t = sg(r) * pi_theta(t) / sg(pi_theta(t)): the
                 sequence ratio's value, each token's own gradient
               the log-ratio clamped first, as verl does: to [-20, 20] per token, to at most
@@ -62,15 +63,17 @@ class GRPOConfig:
     None = off.
   loss_aggregation: "token-mean" (every token of the batch weighs the same),
     "seq-mean-token-mean", "seq-mean-token-sum", or "seq-mean-token-sum-norm" (Dr.GRPO;
-    needs `norm_constant`); see `rl.batch.loss_weights`.
+    needs `norm_constant`); see `rl.batch.loss_weights`. "auto" (default): the ratio
+    level's own objective, token-mean for GRPO and seq-mean-token-mean for GSPO and
+    GSPO-token, whose paper weighs each sequence once (verl's GSPO loss aggregates so
+    whatever its mode); `aggregation` is the one in effect.
   norm_constant: the constant normaliser of seq-mean-token-sum-norm, e.g. the generation
     budget in tokens.
   kl_coef: weight of the KL penalty to the frozen reference (0 = off, no reference forward).
   kl_estimator: k3 (Schulman's unbiased, non-negative estimator; default), k1 or k2.
   kl_clamp: clamp each token's KL estimate to [-kl_clamp, kl_clamp]; None = off.
   ratio_level: "token" (GRPO), "sequence" (GSPO) or "sequence-token" (GSPO-token); see the
-    module docstring. GSPO's paper uses seq-mean-token-mean and much tighter clip ranges
-    (e.g. 3e-4 / 4e-4).
+    module docstring. GSPO's paper uses much tighter clip ranges (e.g. 3e-4 / 4e-4).
   entropy_coef: entropy bonus weight (0 = off; entropy is still reported).
   negative_weight: weight of the policy-gradient loss of tokens whose advantage is negative
     (1 = GRPO). 0 trains on the better-than-average rollouts only: positive sample
@@ -99,7 +102,7 @@ class GRPOConfig:
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   dual_clip_c: float | None = None
-  loss_aggregation: Aggregation = "token-mean"
+  loss_aggregation: str = "auto"
   norm_constant: float | None = None
   kl_coef: float = 0.0
   kl_estimator: KLEstimator = "k3"
@@ -120,9 +123,9 @@ class GRPOConfig:
                        f"clip_eps_high={self.clip_eps_high} >= 0")
     if self.dual_clip_c is not None and self.dual_clip_c <= 1:
       raise ValueError(f"dual_clip_c={self.dual_clip_c} must be > 1 (or None)")
-    if self.loss_aggregation not in AGGREGATIONS:
-      raise ValueError(f"loss_aggregation={self.loss_aggregation!r}; expected one of "
-                       f"{AGGREGATIONS}")
+    if self.loss_aggregation not in ("auto",) + AGGREGATIONS:
+      raise ValueError(f"loss_aggregation={self.loss_aggregation!r}; expected 'auto' or one "
+                       f"of {AGGREGATIONS}")
     if self.loss_aggregation == "seq-mean-token-sum-norm" and not (
         self.norm_constant and self.norm_constant > 0):
       raise ValueError("loss_aggregation='seq-mean-token-sum-norm' needs norm_constant > 0")
@@ -143,6 +146,13 @@ class GRPOConfig:
     if not self.temperature > 0:
       raise ValueError(f"temperature={self.temperature} must be > 0: GRPO trains a sampled "
                        "policy (a greedy one gives a group identical rollouts)")
+
+  @property
+  def aggregation(self) -> Aggregation:
+    """The loss aggregation in effect (`loss_aggregation`, "auto" resolved)."""
+    if self.loss_aggregation != "auto":
+      return self.loss_aggregation
+    return "token-mean" if self.ratio_level == "token" else "seq-mean-token-mean"
 
   @property
   def use_kl(self) -> bool:

@@ -164,7 +164,7 @@ def grpo_update(trainer: Trainer, episodes: Sequence[Any], grpo_config: grpo.GRP
   batches = []
   for part in parts:
     batch, info = batch_lib.make_batch(part, batch_config,
-                                       aggregation=grpo_config.loss_aggregation,
+                                       aggregation=grpo_config.aggregation,
                                        norm_constant=grpo_config.norm_constant,
                                        allgather=multihost.allgather)
     if info.num_sequences:  # else no process had an episode for it (the counts are global)
