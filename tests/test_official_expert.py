@@ -174,6 +174,50 @@ def test_a_library_skill_with_another_tasks_constant_is_not_called(official_root
   assert f"def {name}(" in _code(turn)
 
 
+def test_the_tasks_part_of_an_f_string_is_a_parameter(pool, official_root):  # noqa: F811
+  """AppWorld's compiled solutions write the task's values into f-strings too
+  (f"~/photographs/vacations/Petra/{file_name}"): the part of such a piece that changes
+  between the sibling solutions, cut at word boundaries, becomes a parameter, so the
+  scenario's tasks share one skill, which solves each with its own values."""
+  def with_fstring(task_id: str) -> tuple[str, str]:
+    source, instruction = _task(official_root, task_id)
+    path = re.search(r"file_path='~/documents/(\w+)\.txt'", source)
+    source = source.replace(path[0], f"file_path=f'{{folder}}/{path[1]}.txt'").replace(
+        "    passwords = ", "    folder = '~/documents'\n    passwords = ", 1)
+    return source, instruction
+  tasks = {t: with_fstring(t) for t in ("1d3abf7_1", "1d3abf7_2", "1d3abf7_3")}
+  skills = {t: gold_solutions.official_skill(*task, [v for u, v in tasks.items() if u != t])
+            for t, task in tasks.items()}
+  [(name, definition)] = {(n, d) for n, d, _ in skills.values()}  # one skill for them all
+  assert "f'{folder}/{value}.txt'" in definition and "grocery_list" not in definition
+  call = skills["1d3abf7_2"][2]
+  assert call == f"{name}('Hardware store', 'hardware_store')"
+  # Task 2, with the skill task 1 wrote in the library, calls it; the call solves task 2.
+  [turn] = gold_solutions.expert_turns(
+      tasks["1d3abf7_2"][0], {name: gold_solutions.with_docstrings(definition)},
+      instruction=tasks["1d3abf7_2"][1], siblings=[tasks["1d3abf7_1"], tasks["1d3abf7_3"]])
+  assert _code(turn).strip() == call
+  with pool.episode("1d3abf7_2", "official_fstring") as ep:
+    ep.execute(f"{definition}\n\n\n{call}\n").result()
+  assert ep.result.success
+
+
+def test_an_f_strings_parameter_splits_no_word_and_its_format_spec_is_not_one():
+  """Cities sharing their first letter ("Budapest", "Berlin") are still whole parameters;
+  the ".2f" of a format spec is the code's, not the task's."""
+  def solution(city: str, amount: float) -> str:
+    return ("def solution(apis, requester):\n"
+            f"    total = {amount}\n"
+            "    apis.supervisor.complete_task("
+            f"answer=f'{{total:.2f}} spent on the {city} trip')\n")
+  first, second = ((solution("Budapest", 12.5), "What did the Budapest trip cost?"),
+                   (solution("Berlin", 8.0), "What did the Berlin trip cost?"))
+  name, definition, call = gold_solutions.official_skill(*first, [second])
+  assert "f'{total:.2f} spent on the {value} trip'" in definition
+  assert call == f"{name}(12.5, 'Budapest')"
+  assert gold_solutions.official_skill(*second, [first])[1] == definition
+
+
 def test_a_value_bound_in_a_nested_function_stays_there(pool, official_root):  # noqa: F811
   """A variable assigned once, but inside a function nested in the solution, is not the
   skill's parameter itself: the skill runs as the solution does."""

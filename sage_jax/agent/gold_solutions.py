@@ -9,10 +9,11 @@ Two forms of gold solution are understood:
   called by AppWorld's own verifier as `solution(apis, requester)` (the `solution.py` beside
   it is the task generator's program, which needs the generator's inputs and packages). The
   expert turns it into a skill (`official_skill`): the values that change between the tasks
-  of the scenario (the sibling solutions of the same structure), or else the values that
-  appear in the task instruction, become parameters; the name comes from the instruction's
-  words shared by the scenario's tasks; the file's helper functions, classes and constants
-  that it reads travel with it. A `solution.py` alone is refused (`read_solution`).
+  of the scenario (the sibling solutions of the same structure; in an f-string, the part of
+  its text that changes), or else the values that appear in the task instruction, become
+  parameters; the name comes from the instruction's words shared by the scenario's tasks;
+  the file's helper functions, classes and constants that it reads travel with it. A
+  `solution.py` alone is refused (`read_solution`).
 
 The expert then writes the agent's format: when the library the task sees has no such
 function (or a different one under that name), one turn defines the function (with a
@@ -145,10 +146,18 @@ def official_function(source: str) -> ast.FunctionDef | None:
   return None if tree is None else _official_entry(tree)
 
 
+def _format_specs(fn: ast.FunctionDef) -> set[int]:
+  """ids of the format specs of the function's f-strings (`f"{x:.2f}"`'s ".2f")."""
+  return {id(n.format_spec) for n in ast.walk(fn)
+          if isinstance(n, ast.FormattedValue) and n.format_spec is not None}
+
+
 def _constants(fn: ast.FunctionDef) -> list[ast.Constant]:
-  """String and number literals of the body that may become parameters (not docstrings,
-  not f-string pieces), in a fixed walk order."""
-  skip = {id(v) for n in ast.walk(fn) if isinstance(n, ast.JoinedStr) for v in n.values}
+  """String and number literals of the body that may become parameters, an f-string's text
+  pieces among them (`_fstring_pieces`; not its format specs, nor docstrings), in a fixed
+  walk order."""
+  specs = _format_specs(fn)
+  skip = {id(v) for n in ast.walk(fn) if id(n) in specs for v in ast.walk(n)}
   body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
   out = []
   for node in (n for stmt in body for n in ast.walk(stmt)):
@@ -156,6 +165,35 @@ def _constants(fn: ast.FunctionDef) -> list[ast.Constant]:
         and isinstance(node.value, (str, int, float)) and not isinstance(node.value, bool)):
       out.append(node)
   return out
+
+
+def _fstring_pieces(fn: ast.FunctionDef) -> set[int]:
+  """ids of the text pieces of the function's f-strings (format specs aside)."""
+  specs = _format_specs(fn)
+  return {id(v) for n in ast.walk(fn) if isinstance(n, ast.JoinedStr) and id(n) not in specs
+          for v in n.values if isinstance(v, ast.Constant)}
+
+
+def _word_cut(texts: list[str], length: int, from_end: bool = False) -> int:
+  """`length` shortened until cutting every text that far from its start (or end) splits no
+  word: the part the texts share, up to a word boundary."""
+  def splits(text: str, k: int) -> bool:
+    i = len(text) - k if from_end else k
+    return 0 < i < len(text) and text[i - 1].isalnum() and text[i].isalnum()
+  while length and any(splits(t, length) for t in texts):
+    length -= 1
+  return length
+
+
+def _varying_part(texts: list[str]) -> tuple[int, int]:
+  """(start, end offset from the end) of the part that differs between `texts` (an f-string
+  piece of sibling tasks: "~/vacations/Petra/", "~/vacations/Rome/"): what they all begin and
+  end with, cut at word boundaries, is left out."""
+  start = _word_cut(texts, len(os.path.commonprefix(texts)))
+  shortest = min(len(t) for t in texts) - start
+  end = _word_cut(texts, min(shortest, len(os.path.commonprefix([t[::-1] for t in texts]))),
+                  from_end=True)
+  return start, end
 
 
 def _masked(fn: ast.FunctionDef) -> str:
@@ -308,39 +346,68 @@ def official_skill(solution: str, instruction: str,
     return None
   siblings = list(siblings)
   constants = _constants(fn)
+  pieces = _fstring_pieces(fn)
   same_shape = [f for s, _ in siblings if (f := official_function(s)) is not None
                 and _masked(f) == _masked(fn)]
   parents = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+  # An f-string piece's parameter is the part of it that is the task's (`cuts`: what is left
+  # at its start and end): "Petra" of f"~/vacations/Petra/{name}".
+  cuts: dict[int, tuple[int, int]] = {}
   if same_shape:  # what changes between the scenario's tasks is a parameter
-    varying = {i for f in same_shape for i, (a, b) in
-               enumerate(zip(constants, _constants(f))) if a.value != b.value}
+    others = [_constants(f) for f in same_shape]
+    varying = {i for other in others for i, (a, b) in enumerate(zip(constants, other))
+               if a.value != b.value}
     chosen = [c for i, c in enumerate(constants) if i in varying]
+    cuts = {id(constants[i]): _varying_part([constants[i].value, *(o[i].value for o in others)])
+            for i in varying if id(constants[i]) in pieces}
   else:
     # A key (`passwords["phone"]`, `song["title"]`) names a field of the data, not a value
-    # of the task, even where the instruction says the word.
-    chosen = [c for c in constants if _in_instruction(c.value, instruction)
+    # of the task, even where the instruction says the word. f-string pieces stay as written.
+    chosen = [c for c in constants if id(c) not in pieces
+              and _in_instruction(c.value, instruction)
               and not (isinstance(parents.get(id(c)), ast.Subscript)
                        and parents[id(c)].slice is c)]
+
+  def value(c: ast.Constant) -> str | int | float:
+    if id(c) not in cuts:
+      return c.value
+    start, end = cuts[id(c)]
+    return c.value[start:len(c.value) - end]
+
   reserved = (_read_names(fn) | set(OFFICIAL_ARGS)
               | set().union(*(module_scope_bindings(n) for n in module.body)))
   taken = set(reserved)
   bound_once = _assigned_once(fn)
   params: dict[tuple[type, object], str] = {}
+  key = lambda c: (type(value(c)), value(c))
   for c in chosen:
-    key = (type(c.value), c.value)
-    if key not in params:
-      params[key] = _parameter_name(c, parents, taken, bound_once)
+    if key(c) not in params:
+      params[key(c)] = _parameter_name(c, parents, taken, bound_once)
   name = _skill_name(instruction, [i for _, i in siblings], [v for _, v in params], reserved)
   new = copy.deepcopy(fn)
   chosen_ids = {id(c) for c in chosen}
-  targets = {id(n) for n, old in zip(_constants(new), constants) if id(old) in chosen_ids}
+  originals = {id(n): old for n, old in zip(_constants(new), constants) if id(old) in chosen_ids}
 
   class Substitute(ast.NodeTransformer):
     def visit_Constant(self, node):  # noqa: N802 - ast's name
-      if id(node) not in targets:
+      if id(node) not in originals:
         return node
-      return ast.copy_location(ast.Name(params[(type(node.value), node.value)], ast.Load()),
-                               node)
+      return ast.copy_location(ast.Name(params[key(originals[id(node)])], ast.Load()), node)
+
+    def visit_JoinedStr(self, node):  # noqa: N802 - ast's name
+      parts = []
+      for piece in node.values:
+        old = originals.get(id(piece))
+        if old is None:
+          parts.append(self.visit(piece))
+          continue
+        start, end = cuts[id(old)]
+        text = old.value
+        parts += [ast.Constant(text[:start])] if start else []
+        parts.append(ast.FormattedValue(ast.Name(params[key(old)], ast.Load()), -1, None))
+        parts += [ast.Constant(text[len(text) - end:])] if end else []
+      node.values = parts
+      return node
 
   new = Substitute().visit(new)
   new.body = [st for st in new.body if not (  # `x = x`: x is the parameter now
