@@ -147,6 +147,19 @@ def test_integer_weights_are_refused_not_cast(src):
     hf.load_hf(str(src / "src"))
 
 
+def test_a_tensor_without_a_numpy_type_is_named(src):
+  """An 8-bit float tensor (an FP8 release's weights) has no numpy type to read it as."""
+  from safetensors import torch as st_torch  # noqa: PLC0415
+  path = str(src / "src" / "model.safetensors")
+  name = "model.layers.0.mlp.down_proj.weight"
+  tensors = st_torch.load_file(path)
+  tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+  st_torch.save_file(tensors, path, metadata={"format": "pt"})
+  with pytest.raises(hf.CheckpointError, match=rf"model.safetensors: tensor '{name}' \(F8_E4M3\) "
+                     "cannot be read as an array .*expected floating-point weights"):
+    hf.load_hf(str(src / "src"))
+
+
 def test_unknown_tensor_names_it(src):
   f = src / "src" / "model.safetensors"
   _rewrite(f, lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", np.zeros(3, np.float32)))
@@ -219,6 +232,8 @@ def _edit_config(model_dir, **changes):
      r"rope_parameters=.*'yarn'.*default RoPE only"),  # one set per layer type
     ("hidden_act", "gelu", r"hidden_act='gelu': .*'silu' only"),
     ("attention_dropout", 0.1, r"attention_dropout=0.1: .*no dropout"),
+    ("quantization_config", {"quant_method": "awq", "bits": 4},
+     r"quantization_config \(quant_method='awq'\): .*quantised.*full-precision release"),
 ])
 def test_settings_the_model_does_not_implement_are_refused(src, field, value, problem):
   if field == "use_sliding_window":  # a window from layer 1 on (transformers' reading)

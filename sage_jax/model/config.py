@@ -109,6 +109,13 @@ def check_supported(hf: dict[str, Any], source: str) -> None:
     raise CheckpointError(f"{source}: attention_dropout={dropout}: the model implements no "
                           "dropout, which transformers applies in training; set it to 0.0 in "
                           "config.json (as the Qwen2.5 releases do)")
+  if quantization := hf.get("quantization_config"):
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise CheckpointError(
+        f"{source}: quantization_config (quant_method={method!r}): the checkpoint's weights are "
+        "quantised (packed integers or 8-bit floats with scales), which the model does not "
+        "read; use the full-precision release (e.g. Qwen/Qwen2.5-7B-Instruct rather than its "
+        "-AWQ or -GPTQ-Int4 variant)")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise CheckpointError(f"{source}: hidden_act={act!r}: the model implements 'silu' only "

@@ -153,7 +153,13 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
       for name in sorted(names):
         if name not in present:
           raise CheckpointError(f"{path}: the index lists tensor {name!r}, but the file lacks it")
-        yield path, name, f.get_tensor(name)
+        try:
+          array = f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - e.g. numpy has no type for a float8 tensor
+          raise CheckpointError(
+              f"{path}: tensor {name!r} ({f.get_slice(name).get_dtype()}) cannot be read as an "
+              f"array ({type(e).__name__}: {e}); expected floating-point weights") from e
+        yield path, name, array
 
 
 def stated_dtype(model_dir: str) -> str | None:
