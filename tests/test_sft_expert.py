@@ -191,6 +191,18 @@ def test_trajectories_from_elsewhere_are_replayed_and_failures_dropped(gold, min
     assert a.messages == b.messages and a.metadata["source"] == "strong.jsonl"
 
 
+def test_two_trajectories_of_one_task_are_refused_before_any_play(tok):
+  """A replay plays one trajectory per task: a file the expert wrote with rewrites holds a
+  task's rewrite beside it (same task_id), and the error names both."""
+  messages = ({"role": "user", "content": "task"},
+              {"role": "assistant", "content": "```python\napis.supervisor.complete_task()\n```"})
+  given = [sft_data.Trajectory(id=i, messages=messages, metadata={"task_id": "a1b2c3d_2"})
+           for i in ("a1b2c3d_2", "a1b2c3d_2" + expert.REWRITE_SUFFIX)]
+  with pytest.raises(sft_data.FormatError, match=rf"two input trajectories for task 'a1b2c3d_2' "
+                     rf"\('a1b2c3d_2' and 'a1b2c3d_2{expert.REWRITE_SUFFIX}'\); .*keep one"):
+    expert.replayed_trajectories(given, expert.ExpertConfig(appworld_root="/nonexistent"), tok)
+
+
 def test_selection_keeps_scenarios_whose_first_two_tasks_succeeded(gold, mini_root, tok, pool):
   trajectories, _ = gold
   scenario = trajectories[0].metadata["scenario"]

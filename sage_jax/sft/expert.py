@@ -332,11 +332,15 @@ def replayed_trajectories(trajectories: Sequence[data_lib.Trajectory], config: E
   """Trajectories collected elsewhere, replayed against the engine as
   `scripted_agent(agent)`, skills picked by `retriever`; successes only."""
   turns: dict[str, list[str]] = {}
+  ids: dict[str, str] = {}
   for t in trajectories:
     tid = task_id_of(t)
     if tid in turns:
-      raise data_lib.FormatError(f"two input trajectories for task {tid!r}")
-    turns[tid] = [m["content"] for m in t.messages if m["role"] == "assistant"]
+      raise data_lib.FormatError(
+          f"two input trajectories for task {tid!r} ({ids[tid]!r} and {t.id!r}); a replay "
+          "plays one per task: keep one of them (an expert file made with rewrites or firsts "
+          "holds a task's other version beside it)")
+    turns[tid], ids[tid] = [m["content"] for m in t.messages if m["role"] == "assistant"], t.id
   return play(ReplayPolicy(turns, tokenizer), _chains(turns), tokenizer, config, source, pool,
               agent=scripted_agent(agent), retriever=retriever)
 
