@@ -111,6 +111,22 @@ def test_a_sage_generation_bonus_no_later_task_credits_is_unknown_after_a_failur
                                "reward_unknown": record.reward_unknown}) == (k != 1)
 
 
+def test_a_task_the_environment_failed_under_credits_no_generation_bonus():
+  """AppWorld may still score the task a success (it evaluates the state the episode left);
+  its use of task 1's skill earns task 1 nothing, which then is unknown, as after a failure
+  AppWorld scored a fail."""
+  for later_success in (True, False):
+    chain = [rec(0, True, generated=["f"]), _failed(rec(1, later_success, used=["f"]))]
+    rewards = rewards_lib.chain_rewards(chain, rewards_lib.RewardConfig())
+    assert rewards[0] == 1.0 and chain[0].reward_unknown
+    assert [episode.trained_on(r) for r in chain] == [False, False]
+  # A later task the environment did not fail under still credits it.
+  chain = [rec(0, True, generated=["f"]), _failed(rec(1, True, used=["f"])),
+           rec(2, True, used=["f"])]
+  assert rewards_lib.chain_rewards(chain, rewards_lib.RewardConfig())[0] == 2.0
+  assert [episode.trained_on(r) for r in chain] == [True, False, True]
+
+
 def test_fewer_episodes_than_mini_batches_make_fewer_updates():
   # Failures (or dynamic sampling) can leave a step fewer episodes than its mini-batches; a
   # process may even hold none (tests/multihost_job.py, step 1). Each remaining episode is

@@ -30,7 +30,8 @@ passed.
   out of tokens); "outcome" leaves them to the outcome reward alone.
 - Environment failures: an episode on which the environment failed is not trained on
   (`rl.episode.trained_on`), and neither is an earlier task of its chain whose bonus hangs on
-  it (`reward_unknown`): a SAGE task that saved a skill no other later task credits, or a
+  it (`reward_unknown`): a SAGE task that saved a skill no other later task credits (a
+  failed task's outcome, even one AppWorld scored a success, credits nothing), or a
   chain-based task whose chain the failed one alone keeps from succeeding. Scoring the failed
   task as a failure instead would take the bonus from the skills an environment fault hid.
 """
@@ -101,9 +102,11 @@ def credited_uses(record: EpisodeRecord, credit_idle_uses: bool = True) -> dict[
 
 def generation_credited(chain: Sequence[EpisodeRecord], k: int,
                         credit_idle_uses: bool = True) -> bool:
-  """Whether a later task of the chain succeeded using a skill version task k saved."""
+  """Whether a later task of the chain succeeded using a skill version task k saved. A task
+  the environment failed under credits nothing, whatever AppWorld scored of it."""
   source = chain[k].task_id
-  return any(later.success and source in credited_uses(later, credit_idle_uses).values()
+  return any(later.success and not later.env_failed
+             and source in credited_uses(later, credit_idle_uses).values()
              for later in chain[k + 1:])
 
 
