@@ -9,6 +9,7 @@ reaches the real system calls (posix, socket, ctypes) through __import__.
 import errno
 import json
 import os
+import resource
 import socket
 import tempfile
 
@@ -31,6 +32,7 @@ def attempt(name, call):
         print(name, errno.errorcode.get(e.errno, e))
 """
 MPTCP = 262  # IPPROTO_MPTCP: a TCP stream under another protocol number
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +152,39 @@ def test_threads_still_run_under_the_filter(pool, mini_root):  # noqa: F811
   observation = _run(pool, mini_root, "threads", code)
   assert "THREADS [45, 1, 2, 3, 4]" in observation, observation
   assert "udp in a thread EPERM" in observation, observation
+
+
+def test_agent_code_sets_no_other_process_limits_priority_or_signal(pool, mini_root):  # noqa: F811
+  """Every process here runs as root: without the filter, agent code could lower the
+  trainer's limits (a CPU-time limit gets it killed), scheduling or priority, whatever
+  Landlock scopes. Its own stay its to set. The trainer here is this test's process."""
+  trainer = os.getpid()
+  before = resource.getrlimit(resource.RLIMIT_NOFILE)
+  code = (f"resource, posix, ctypes = (__import__(m) for m in ('resource', 'posix', 'ctypes'))\n"
+          f"libc = ctypes.CDLL(None, use_errno=True)\n"
+          f"def check(name, result):\n"
+          f"    print(name, 'OK' if result == 0 else errno.errorcode.get(ctypes.get_errno()))\n"
+          f"soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+          f"for pid, who in (({trainer}, 'other'), (posix.getppid(), 'worker'), (0, 'own'),\n"
+          f"                 (posix.getpid(), 'own')):\n"
+          f"    attempt(f'{{who}} prlimit', lambda: resource.prlimit(pid, resource.RLIMIT_NOFILE,"
+          f" (soft - 24, hard)))\n"
+          f"    attempt(f'{{who}} affinity', lambda: posix.sched_setaffinity(pid, {{0}}))\n"
+          f"    attempt(f'{{who}} nice', lambda: posix.setpriority(posix.PRIO_PROCESS, pid, 1))\n"
+          f"    check(f'{{who}} ioprio', libc.syscall({_IOPRIO_SET}, 1, pid, 0))\n"
+          f"attempt('user nice', lambda: posix.setpriority(posix.PRIO_USER, 0, 2))\n"
+          f"attempt('other kill', lambda: posix.kill({trainer}, 0))\n"
+          f"attempt('group kill', lambda: posix.kill(0, 0))\n"
+          f"attempt('own kill', lambda: posix.kill(posix.getpid(), 0))\n")
+  observation = _run(pool, mini_root, "other_processes", code)
+  for call in ("prlimit", "affinity", "nice", "ioprio"):
+    assert f"other {call} EPERM" in observation and f"worker {call} EPERM" in observation, (
+        observation)
+    assert observation.count(f"own {call} OK") == 2, observation
+  for refused in ("user nice", "other kill", "group kill"):
+    assert f"{refused} EPERM" in observation, observation
+  assert "own kill OK" in observation, observation
+  assert resource.getrlimit(resource.RLIMIT_NOFILE) == before
 
 
 def test_without_seccomp_confinement_refuses_and_says_how_to_opt_out(monkeypatch):

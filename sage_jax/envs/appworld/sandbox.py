@@ -13,7 +13,11 @@ it or by any process it starts:
 - processes: none started (seccomp: no fork, vfork, clone but of a thread, exec), since the
   memory limit (RLIMIT_AS) holds per process and root ignores RLIMIT_NPROC; threads work;
 - signals and abstract UNIX sockets: none to processes outside the sandbox, so agent code
-  cannot stop its supervisor or the trainer (Landlock ABI >= 6);
+  cannot stop its supervisor or the trainer (Landlock ABI >= 6; signals to any process but
+  itself are refused by seccomp too);
+- other processes: no resource limits, scheduling, nice or I/O priority set on any process
+  but itself (seccomp), which root may otherwise do to every process of the machine (a CPU
+  time limit on the trainer gets it killed);
 - privileges: no_new_privs, and every capability dropped, so a process running as root
   cannot raise its resource limits again or bypass file modes;
 - metadata (`hide`, where unprivileged user and mount namespaces are allowed): the data's
@@ -43,11 +47,26 @@ _AUDIT_ARCH_X86_64 = 0xC000003E
 _SECCOMP_ARCH = {
   "x86_64": (_AUDIT_ARCH_X86_64, dict(
     seccomp=317, socket=41, socketpair=53, clone=56, clone3=435, fork=57, vfork=58, execve=59,
-    execveat=322, io_uring_setup=425)),
+    execveat=322, io_uring_setup=425, prlimit64=302, sched_setaffinity=203,
+    sched_setparam=142, sched_setscheduler=144, sched_setattr=314, setpriority=141,
+    ioprio_set=251, kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129,
+    rt_tgsigqueueinfo=297, pidfd_open=434, pidfd_send_signal=424)),
   "aarch64": (0xC00000B7, dict(  # aarch64 has no fork or vfork: glibc calls clone
     seccomp=277, socket=198, socketpair=199, clone=220, clone3=435, execve=221, execveat=281,
-    io_uring_setup=425)),
+    io_uring_setup=425, prlimit64=261, sched_setaffinity=122, sched_setparam=118,
+    sched_setscheduler=119, sched_setattr=274, setpriority=140, ioprio_set=30, kill=129,
+    tkill=130, tgkill=131, rt_sigqueueinfo=138, rt_tgsigqueueinfo=240, pidfd_open=434,
+    pidfd_send_signal=424)),
 }.get(os.uname().machine)
+# Calls that act on the process their first argument names (0: the caller): allowed on the
+# episode process itself only. Every process here runs as root, so without this rule agent
+# code could set another's resource limits (prlimit64: the trainer's CPU time, which the
+# kernel then kills it for) or scheduling, whatever Landlock scopes.
+_OWN_OR_ZERO = ("prlimit64", "sched_setaffinity", "sched_setparam", "sched_setscheduler",
+                "sched_setattr")
+# Signals and process handles: to the episode process itself only (kill's 0 is a group).
+_OWN_ONLY = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
+_PRIO_PROCESS, _IOPRIO_WHO_PROCESS = 0, 1
 _X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 calls share its audit arch: all refused
 _SECCOMP_SET_MODE_FILTER, _SECCOMP_GET_ACTION_AVAIL = 1, 2
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
@@ -279,11 +298,15 @@ def _drop_capabilities() -> None:
   _syscall(_SYS_CAPSET, header, data)
 
 
-def _seccomp_program(arch: int, calls: dict[str, int]) -> list[tuple[int, int, int, int]]:
-  """The filter, as BPF (code, jt, jf, k). It refuses with EPERM every socket but TCP over
-  IPv4/IPv6 (which Landlock governs), socketpair but AF_UNIX, io_uring, exec, and every
-  clone but a thread's; clone3 (whose flags the filter cannot read) gets ENOSYS, so that
-  glibc falls back to clone for threads. Foreign arches and x32 calls are refused."""
+def _seccomp_program(arch: int, calls: dict[str, int],
+                     pid: int) -> list[tuple[int, int, int, int]]:
+  """The filter of process `pid`, as BPF (code, jt, jf, k). It refuses with EPERM every
+  socket but TCP over IPv4/IPv6 (which Landlock governs), socketpair but AF_UNIX, io_uring,
+  exec, and every clone but a thread's; clone3 (whose flags the filter cannot read) gets
+  ENOSYS, so that glibc falls back to clone for threads. Resource limits, scheduling,
+  priorities and signals reach `pid` alone (`_OWN_OR_ZERO`, `_OWN_ONLY`; tkill, whose thread
+  id the filter cannot tie to a process, and pidfd_send_signal, whose pidfd may be another's
+  /proc directory, are refused). Foreign arches and x32 calls are refused."""
   def load_arg(i: int) -> tuple:  # its low 32 bits (little-endian): all these are ints
     return (_LD_ABS, 16 + 8 * i)
 
@@ -295,9 +318,19 @@ def _seccomp_program(arch: int, calls: dict[str, int]) -> list[tuple[int, int, i
               (_JEQ, calls["socketpair"], "socketpair", None),
               (_JEQ, calls["clone"], "clone", None), (_JEQ, calls["clone3"], "enosys", None)]
   listing += [(_JEQ, calls[name], "eperm", None) for name in
-              ("fork", "vfork", "execve", "execveat", "io_uring_setup") if name in calls]
+              ("fork", "vfork", "execve", "execveat", "io_uring_setup", "tkill",
+               "pidfd_send_signal") if name in calls]
+  listing += [(_JEQ, calls[name], "own_or_zero", None) for name in _OWN_OR_ZERO]
+  listing += [(_JEQ, calls[name], "own", None) for name in _OWN_ONLY]
+  listing += [(_JEQ, calls["setpriority"], "priority", None),
+              (_JEQ, calls["ioprio_set"], "ioprio", None)]
   listing += [
     (_RET, _RET_ALLOW),
+    "own_or_zero", load_arg(0), (_JEQ, 0, "allow", "own_pid"),
+    "own", load_arg(0), "own_pid", (_JEQ, pid, "allow", "eperm"),
+    "priority", load_arg(0), (_JEQ, _PRIO_PROCESS, "who", "eperm"),
+    "ioprio", load_arg(0), (_JEQ, _IOPRIO_WHO_PROCESS, "who", "eperm"),
+    "who", load_arg(1), (_JEQ, 0, "allow", None), (_JEQ, pid, "allow", "eperm"),
     "socket", load_arg(0), (_JEQ, socket.AF_INET, "type", None),
     (_JEQ, socket.AF_INET6, None, "eperm"),
     "type", load_arg(1), (_AND, _SOCK_TYPE_MASK), (_JEQ, socket.SOCK_STREAM, None, "eperm"),
@@ -322,7 +355,7 @@ def _seccomp_program(arch: int, calls: dict[str, int]) -> list[tuple[int, int, i
 
 def _install_seccomp() -> None:
   arch, calls = _SECCOMP_ARCH
-  program = _seccomp_program(arch, calls)
+  program = _seccomp_program(arch, calls, os.getpid())
   instructions = (_SockFilter * len(program))(*(_SockFilter(*op) for op in program))
   fprog = _SockFprog(len(program), instructions)
   _syscall(calls["seccomp"], ctypes.c_uint(_SECCOMP_SET_MODE_FILTER), ctypes.c_uint(0),
