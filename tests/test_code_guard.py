@@ -85,6 +85,12 @@ print("never called my_skill")
     "from appworld.common import utils\nutils.import_module_file('x.py')",
     "from appworld.common import utils\nobjects = utils.gc.get_objects()",
     "from appworld import requester\nrequester.requests.logging.handlers.pickle.loads(b'')",
+    # the interpreter's import and exec under other names, deep in allowed imports
+    "from appworld.apps import model_lib\nc = model_lib.event.legacy.util.compat\n"
+    "c.exec_('import gc')",
+    "from appworld.apps.model_lib.event.legacy.util.compat import import_",
+    "from appworld import requester\n"
+    "i = requester.requests.logging.config.BaseConfigurator.importer",
     # code run from text: string annotations, which pydantic evaluates as a class is made
     "from appworld.apps.model_lib import PydanticModel\nclass M(PydanticModel):\n"
     "    x: \"exec('t = 1')\"",
@@ -167,7 +173,7 @@ queue = collections.deque((importlib.import_module(name), name, 0) for name in r
 seen, found = set(), []
 while queue:
   obj, path, depth = queue.popleft()
-  if id(obj) in seen or depth == 4:
+  if id(obj) in seen or depth == 10:  # the walk ends before that: nothing new is reached
     continue
   seen.add(id(obj))
   try:

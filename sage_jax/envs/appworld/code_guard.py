@@ -68,6 +68,9 @@ FORBIDDEN_ATTRIBUTES = frozenset({
     "dictConfig", "fileConfig", "resolve_name", "locate", "ImportString", "import_string",
     "ForwardRef", "evaluate_forwardref", "update_forward_refs", "model_rebuild",
     "create_model",
+    # the interpreter's import and exec under other names (SQLAlchemy's compat module,
+    # logging.config's configurators), reached by attribute chains from allowed imports
+    "import_", "exec_", "importer", "importlib_metadata", "dottedgetter",
     # attribute access by a name chosen at run time; format fields resolved to objects
     # (string.Formatter's machinery, and IPython's subclasses, which evaluate a field as code)
     "attrgetter", "methodcaller", "Formatter", "EvalFormatter", "FullEvalFormatter",
