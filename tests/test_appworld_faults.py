@@ -67,6 +67,10 @@ FAULTS = {
   # posix.* are the real system calls behind AppWorld's patched os.* names.
   "kill_the_worker": ("o = __import__('pos' + 'ix')\ngetattr(o, 'ki' + 'll')(o.getppid(), 9)",
                       "PermissionError"),
+  # AppWorld's save of the block, in the process the code ran in, fails on what the code
+  # changed there: the code's failure, not an environment fault left out of training.
+  "broken_save": ("o = __import__('o' + 's')\no.makedirs = None",
+                  "AppWorld failed after the code ran (TypeError"),
   # No process to kill it from: the fork is refused (seccomp).
   "fork_and_kill_the_worker": (
     "o = __import__('pos' + 'ix')\nparent = o.getppid()\n"
@@ -108,8 +112,8 @@ def test_fault_gives_observation_and_the_next_episode_is_served(pool, mini_root,
     observation = ep.execute(code).result()
     assert len(observation) <= pool.config.max_output_chars + 100
     assert expected in observation, observation[:300]
-    if expected == STOPPED or "ended its own process" in expected:
-      assert ep.execute("print(1)").result() == observation  # the episode has ended
+    if "This episode has ended." in observation:
+      assert ep.execute("print(1)").result() == observation  # nothing runs any more
   result = ep.result
   assert result is not None and result in pool.results
   assert result.error is None and result.evaluation is not None  # the agent's failure

@@ -172,6 +172,18 @@ def test_appworlds_own_forms_pass(line):
   saved_state.check_line(line)
 
 
+def test_a_file_nested_too_deep_to_parse_is_refused(tmp_path):
+  """JSON nested past the parser's recursion limit is the episode's forgery (AppWorld writes
+  flat lines), not an environment fault."""
+  for name, text in (("supervisor.jsonl", "[" * 100_000 + "\n"),
+                     (saved_state.HASHES, "{\"a\": " * 100_000)):
+    saved = tmp_path / name.split(".")[0]
+    saved.mkdir()
+    (saved / name).write_text(text)
+    with pytest.raises(saved_state.RefusedState, match=name):
+      saved_state.copy_checked(str(saved), str(tmp_path / "copy"), ["supervisor"])
+
+
 # --- The evaluation alone, with the line check off: confinement and time limit still hold --
 
 UNCHECKED_EVALUATION = """

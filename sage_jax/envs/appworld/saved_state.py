@@ -85,7 +85,7 @@ def _changes(name: str, data: bytes) -> str:
     try:
       line = json.loads(text)
       check_line(line)
-    except (ValueError, RefusedState) as e:
+    except (ValueError, RecursionError, RefusedState) as e:  # nesting too deep to parse
       raise RefusedState(f"{name} line {number}: {e}") from e
     lines.append(json.dumps(line, allow_nan=False) + "\n")
   return "".join(lines)
@@ -94,7 +94,7 @@ def _changes(name: str, data: bytes) -> str:
 def _hashes(data: bytes) -> str:
   try:
     hashes = json.loads(data)
-  except ValueError as e:
+  except (ValueError, RecursionError) as e:
     raise RefusedState(f"{HASHES} is not JSON") from e
   if not (isinstance(hashes, dict) and all(
       isinstance(models, dict) and all(isinstance(h, int) and h in _INT64

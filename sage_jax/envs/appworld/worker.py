@@ -251,7 +251,15 @@ class Worker:
       self.ended = f"{FAILED_PREFIX} Traceback:\n{why}. This episode has ended."
       return None
     if not answer["ok"]:
-      raise RuntimeError(answer["error"])
+      # AppWorld raised in the process the episode's code runs in, after that code ran there
+      # (its save or its logs: the code may have changed the modules they use). The code's
+      # failure, not the environment's: else breaking its world would leave an episode out
+      # of training.
+      self._end_episode_process()
+      self.refused = f"AppWorld failed in the process the episode's code ran in: {answer['error']}"
+      self.ended = (f"{FAILED_PREFIX} Traceback:\nAppWorld failed after the code ran "
+                    f"({answer['error']}). This episode has ended.")
+      return None
     return answer
 
   def start(self, task_id: str, experiment: str, library_code: str | None) -> dict:
