@@ -52,7 +52,10 @@ NOT_APPLIED = {"encoder_repetition_penalty": 1.0, "typical_p": 1.0, "epsilon_cut
                "eta_cutoff": 0.0, "num_beams": 1, "penalty_alpha": None,
                "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": None,
                "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-               "sequence_bias": None, "guidance_scale": None}
+               "sequence_bias": None, "guidance_scale": None, "top_h": None,
+               "exponential_decay_length_penalty": None, "forced_bos_token_id": None,
+               "forced_eos_token_id": None, "stop_strings": None, "max_time": None,
+               "watermarking_config": None}
 
 
 def generation_defaults(generation: dict[str, Any], prompt_length: int) -> dict[str, Any]:

@@ -38,8 +38,9 @@ def test_generation_defaults_read_as_transformers_reads_them():
       "repetition_penalty": 1.05, "max_new_tokens": 7}
   assert defaults({"max_length": 12, "max_new_tokens": 3}) == {"max_new_tokens": 3}
   assert generate.not_applied({"repetition_penalty": 1.05, "min_p": 0.1, "max_length": 30,
-                               "num_beams": 1, "typical_p": 0.9, "top_k": 20}) == {
-      "typical_p": 0.9}
+                               "num_beams": 1, "typical_p": 0.9, "top_k": 20,
+                               "stop_strings": ["\n\n"], "forced_eos_token_id": None}) == {
+      "typical_p": 0.9, "stop_strings": ["\n\n"]}
   tok = tokenizer_lib.Tokenizer()
   assert generate.eos_ids({}, tok) == [tok.im_end, tok.endoftext]
   assert generate.eos_ids({"eos_token_id": 7}, tok) == [7]
