@@ -13,7 +13,7 @@ a user message in Qwen's ChatML; --nochat completes raw text.
 
 An HF directory's generation_config.json gives the sampling defaults, as it does for
 transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p, top_k
-(transformers' 1.0, 1.0 and 50 for those it leaves out) and min_p; its repetition_penalty
+(transformers' 1.0, 1.0 and 50 for those it leaves out or sets to null) and min_p; its repetition_penalty
 (greedy too); its max_new_tokens, else its max_length less the prompt's length. A flag given
 on the command line wins. Generation stops at every one of its eos_token_id (else at
 `<|im_end|>` and `<|endoftext|>`). A log line says where each setting came from; settings the
@@ -42,10 +42,9 @@ from sage_jax.weights import gguf_import, hf, loader
 # The flags a checkpoint's generation_config.json gives defaults for.
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "max_new_tokens")
-# What transformers samples with when do_sample is set and the file leaves a setting out, and
-# the sampler's value for a setting the file turns off (null).
+# What transformers samples with when do_sample is set and the file leaves a setting out or
+# sets it to null (transformers 5 fills a null from these defaults too).
 TRANSFORMERS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
-SAMPLING_OFF = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 # generation_config.json settings the sampler has no counterpart for, at the values where they
 # change nothing.
 NOT_APPLIED = {"encoder_repetition_penalty": 1.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
@@ -69,8 +68,8 @@ def generation_defaults(generation: dict[str, Any], prompt_length: int) -> dict[
     defaults["temperature"] = 0.0
   elif generation.get("do_sample"):
     for name, default in TRANSFORMERS_SAMPLING.items():
-      value = generation.get(name, default)
-      defaults[name] = SAMPLING_OFF[name] if value is None else type(default)(value)
+      value = generation.get(name)
+      defaults[name] = default if value is None else type(default)(value)
     if generation.get("min_p") is not None:
       defaults["min_p"] = float(generation["min_p"])
   if generation.get("repetition_penalty") is not None:

@@ -28,8 +28,9 @@ def test_generation_defaults_read_as_transformers_reads_them():
                    "max_new_tokens": 9}) == {"temperature": 0.0, "max_new_tokens": 9}
   assert defaults({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}) == {
       "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+  # null is the default, as transformers 5 reads it (its top_k of 50), not "off"
   assert defaults({"do_sample": True, "top_k": None, "min_p": None}) == {
-      "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+      "temperature": 1.0, "top_p": 1.0, "top_k": 50}
   assert defaults({"do_sample": True}) == {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
   assert defaults({"do_sample": True, "min_p": 0.1, "repetition_penalty": 1.05}) == {
       "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.05}
