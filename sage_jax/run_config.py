@@ -454,6 +454,11 @@ def _check(run: RunConfig, num_devices: int | None, local_devices: int | None,
     raise ConfigError(f"config.sampler_mesh.merge_lora: {run.sampler_mesh.merge_lora!r} with "
                       "model.lora_rank=0, which adds no adapters to merge: set "
                       "model.lora_rank, or leave merge_lora 'auto'")
+  if run.reward.variant == "sage" and not run.agent.use_library and "rl" in pipeline.stages:
+    raise ConfigError("config.reward.variant: 'sage' pays for the library skills that later "
+                      "tasks of a chain use, and agent.use_library=False keeps no library: RL "
+                      "would train on the outcome reward alone. Set reward.variant='outcome' "
+                      "(as configs/grpo.py does), or use_library=True")
   if local_devices is not None:
     run.sampler_mesh.check_host(local_devices, run.engine.num_slots)
 

@@ -164,6 +164,8 @@ def _with(overrides, devices=1):
     ({"metrics.jsonl": False}, 1, r"config.pipeline.plot: True draws the curves from "),
     ({"model.remat_layers": (1,)}, 1, r"config.model: remat_layers=\(1,\) with remat='none' "
      r"remats no layer"),
+    ({"agent.use_library": False}, 1, r"config.reward.variant: 'sage' pays for the library "
+     r"skills .*agent.use_library=False keeps no library"),
 ])
 def test_bad_configs_name_the_key(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):
@@ -461,6 +463,8 @@ def test_a_rerun_may_change_how_the_run_goes_not_its_experiment(tmp_path):
     changed = _config("sage", "demo")
     section, field = key.split(".")
     changed[section][field] = value
+    if key == "agent.use_library":  # SAGE's reward needs the library
+      changed.reward.variant = "outcome"
     with pytest.raises(ConfigError, match=rf"config.{key}: "):
       run_config.check_resume(recorded, _recorded(changed), "run/config.json")
   changed = _config("sage", "demo")

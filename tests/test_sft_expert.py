@@ -422,6 +422,7 @@ def test_a_runs_sft_data_is_played_as_its_agent(mini_root, tmp_path):
   c = _demo_run(train_scenarios=0)  # RL on the whole train split
   c.agent.update(use_library=False, max_turn_tokens=48)
   c.retrieval.strategy = "none"
+  c.reward.variant = "outcome"  # no library: no skill to pay for
   c.expert.update(splits=("dev",), rewrites=False)
   workdir = tmp_path / "run"
   pipeline.Pipeline(c, str(workdir)).close()  # a compact vocabulary is cut to the SFT data
@@ -434,6 +435,7 @@ def test_a_runs_sft_data_is_played_as_its_agent(mini_root, tmp_path):
   done = subprocess.run([sys.executable, "-m", "sage_jax.sft.expert", f"--out={out}",
                          "--splits=dev", "--config=configs/sage.py:demo",
                          "--config.agent.use_library=false", "--config.agent.max_turn_tokens=48",
+                         "--config.reward.variant=outcome",
                          "--config.retrieval.strategy=none", "--config.expert.rewrites=false"],
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-2000:]
