@@ -79,9 +79,11 @@ def build(*, project, zone, tpu, config, workdir, overrides=(), module="sage_jax
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={setup}"])
   entry = shlex.join(common.entry_command(config, workdir, overrides, module=module,
                                           entry_flags=entry_flags))
-  # The workers join one run through JAX's Cloud TPU detection (`multihost.initialize`).
-  run = (f"cd {remote_dir} && . .venv/bin/activate && {JOIN_ENV}=1 "
-         f"setsid nohup {entry} > logs/$(hostname).log 2>&1 < /dev/null &")
+  # The workers join one run through JAX's Cloud TPU detection (`multihost.initialize`). Only
+  # the start goes to the background (the braces): `a && b &` would put the whole chain there,
+  # a subshell that waits for the run with ssh's channel open, and ssh would not return.
+  run = (f"cd {remote_dir} && . .venv/bin/activate && {{ {JOIN_ENV}=1 "
+         f"setsid nohup {entry} > logs/$(hostname).log 2>&1 < /dev/null & }}")
   commands.append(gcloud + ["ssh", tpu, "--worker=all", *where, f"--command={run}"])
   return commands
 

@@ -5,6 +5,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from absl import flags
@@ -142,8 +143,29 @@ def test_tpu_pod_dry_run_prints_every_step():
           "logs/$(hostname).log") in run
   from sage_jax import multihost  # noqa: PLC0415
   assert tpu_pod.JOIN_ENV == multihost.TPU_POD_ENV  # what initialize() reads
-  assert run.endswith("< /dev/null &")
+  assert run.endswith("< /dev/null & }")
   assert "--worker=0" in follow and follow[-1] == "--command=tail -F sage_jax/logs/$(hostname).log"
+
+
+def test_tpu_pod_start_returns_while_the_run_goes_on(tmp_path):
+  """ssh returns once every stream of the remote command is closed: the start command must
+  end at once, leaving only the detached run (here a `setsid` that sleeps) behind."""
+  (tmp_path / "sage_jax" / ".venv" / "bin").mkdir(parents=True)
+  (tmp_path / "sage_jax" / ".venv" / "bin" / "activate").write_text("")
+  (tmp_path / "sage_jax" / "logs").mkdir()
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "setsid").write_text("#!/bin/sh\nexec sleep 5\n")
+  (bin_dir / "setsid").chmod(0o755)
+  commands = tpu_pod.build(project="p", zone="z", tpu="t", config="configs/sage.py:demo",
+                           workdir="/tmp/run")
+  run = commands[-1][-1].removeprefix("--command=")
+  start = time.monotonic()
+  done = subprocess.run(["bash", "-c", run], cwd=tmp_path, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, timeout=30,
+                        env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
+  assert done.returncode == 0, done.stderr
+  assert time.monotonic() - start < 3  # not the 5 s of the run
 
 
 def test_tpu_pod_setup_refuses_an_old_python_in_one_line(monkeypatch):
