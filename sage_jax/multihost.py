@@ -70,9 +70,10 @@ def initialize() -> None:
   - our launchers: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; each process
     drives every device of its host (JAX_LOCAL_DEVICE_IDS, when set, chooses);
   - Cloud TPU slices (launch/tpu_pod.py's SAGE_JAX_JOIN_TPU_POD=1, GKE's
-    TPU_WORKER_HOSTNAMES with several hosts, or Megascale) and SLURM jobs of several tasks:
-    JAX's own detection, except that a SLURM task alone on its node drives
-    every GPU of it (JAX would give it GPU <SLURM_LOCALID>, for one task per GPU);
+    TPU_WORKER_HOSTNAMES with several hosts, or Megascale) and the tasks of an srun step:
+    JAX's own detection, except that a SLURM task alone on its node, or given GPUs of its
+    own, drives every GPU it sees (JAX would give it GPU <SLURM_LOCALID>, for one task per
+    GPU of a node whose GPUs every task sees);
   - on CPU (simulated devices, one machine), collectives go over gloo.
   Every entry point calls this first; a single process runs exactly as before.
   """
@@ -81,6 +82,9 @@ def initialize() -> None:
   coordinator = os.environ.get(COORDINATOR_ENV)
   tpu_hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
   slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+  # The tasks of an srun step join; a batch script's own shell (sbatch, salloc) has the
+  # allocation's SLURM_NTASKS too, but no step: what it runs directly is one process.
+  slurm_step = slurm_tasks > 1 and "SLURM_STEP_NODELIST" in os.environ
   if coordinator:
     num_processes = int(os.environ[NUM_PROCESSES_ENV])
     if num_processes <= 1:
@@ -91,10 +95,14 @@ def initialize() -> None:
                                process_id=int(os.environ[PROCESS_ID_ENV]),
                                cluster_detection_method="deactivate")
   elif (os.environ.get(TPU_POD_ENV) == "1" or "," in tpu_hosts
-        or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS") or slurm_tasks > 1):
+        or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS") or slurm_step):
     _use_cpu_collectives_if_cpu()
-    jax.distributed.initialize(local_device_ids=_slurm_node_gpus())
+    jax.distributed.initialize(local_device_ids=_slurm_task_gpus())
   else:
+    if slurm_tasks > 1:
+      logging.warning("SLURM_NTASKS=%d but no srun step: running as one process (start the "
+                      "command with srun, or launch/slurm.sbatch, for every task to join)",
+                      slurm_tasks)
     return
   # jax.distributed's own SIGTERM handler only records a preemption notice for the step loops
   # to meet at a sync point: outside them (setup, expert plays, evaluations) the signal went
@@ -127,18 +135,22 @@ def finish() -> None:
     jax.distributed.shutdown()
 
 
-def _slurm_node_gpus() -> list[int] | None:
-  """Every GPU of the node when each SLURM task has a node of its own (CUDA_VISIBLE_DEVICES,
-  else the node's /dev/nvidia<N>); None otherwise (JAX's choice)."""
-  # The step's counts (what JAX's detection reads), else the allocation's (sbatch's shell).
-  nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 0)
-  if not nodes or int(os.environ.get("SLURM_NTASKS") or 0) != nodes or os.environ.get(
-      "JAX_LOCAL_DEVICE_IDS"):
+def _slurm_task_gpus() -> list[int] | None:
+  """Every GPU the SLURM task sees (CUDA_VISIBLE_DEVICES, else the node's /dev/nvidia<N>) when
+  it has a node of its own, or when SLURM gave each task GPUs of its own (--gpus-per-task,
+  --gpu-bind: it sees fewer than JAX's choice, GPU <SLURM_LOCALID>, needs); None otherwise
+  (JAX's choice, for tasks that share their node's GPUs)."""
+  if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
     return None
   visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
   count = (len(visible.split(",")) if visible.strip()
            else len(glob.glob("/dev/nvidia[0-9]*")))
-  return list(range(count)) or None
+  # The step's counts (what JAX's detection reads), else the allocation's.
+  nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 0)
+  alone = nodes and int(os.environ.get("SLURM_NTASKS") or 0) == nodes
+  bound = (os.environ.get("SLURM_GPUS_PER_TASK")
+           or int(os.environ.get("SLURM_LOCALID") or 0) >= count)
+  return list(range(count)) if count and (alone or bound) else None
 
 
 def _use_cpu_collectives_if_cpu() -> None:

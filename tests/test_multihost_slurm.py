@@ -68,3 +68,30 @@ def test_bare_srun_tasks_alone_on_their_node_drive_every_gpu_of_it(visible):
   expected = ",".join(map(str, range(count)))
   assert _run([_slurm(i, job, visible) for i in (0, 1)]) == [
       ["0", "2", expected], ["1", "2", expected]]
+
+
+def _one_node(task: int, job_id: int, visible: str) -> dict[str, str]:
+  """What `srun -N1 --ntasks=2` sets in task `task` (both on one node)."""
+  return {**_slurm(task, job_id, visible), "SLURM_NNODES": "1", "SLURM_STEP_NUM_NODES": "1",
+          "SLURM_NODEID": "0", "SLURM_LOCALID": str(task)}
+
+
+def test_tasks_sharing_a_node_take_one_gpu_each_or_the_gpus_slurm_gave_them():
+  job = random.randrange(10_000, 1_000_000)
+  # Every task sees the node's GPUs: JAX's choice, GPU <SLURM_LOCALID>.
+  assert _run([_one_node(i, job, "0,1") for i in (0, 1)]) == [["0", "2", "0"], ["1", "2", "1"]]
+  # --gpus-per-task=1 (or --gpu-bind): each sees its own GPU alone, as device 0.
+  job = random.randrange(10_000, 1_000_000)
+  assert _run([_one_node(i, job, str(4 + i)) for i in (0, 1)]) == [
+      ["0", "2", "0"], ["1", "2", "0"]]
+  job = random.randrange(10_000, 1_000_000)
+  bound = [{**_one_node(i, job, ("0,1", "2,3")[i]), "SLURM_GPUS_PER_TASK": "2"} for i in (0, 1)]
+  assert _run(bound) == [["0", "2", "0,1"], ["1", "2", "0,1"]]
+
+
+def test_a_batch_scripts_own_shell_runs_one_process():
+  """sbatch's shell holds the allocation's SLURM_NTASKS but no srun step: a command it runs
+  directly is one process, not a task waiting for peers that never start."""
+  shell = {k: v for k, v in _slurm(0, random.randrange(10_000, 1_000_000)).items()
+           if not k.startswith("SLURM_STEP_")}
+  assert _run([shell]) == [["0", "1", "all"]]
