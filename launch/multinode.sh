@@ -4,7 +4,7 @@
 #   HOSTS="gpu-a gpu-b" launch/multinode.sh --config=configs/sage.py:qwen2.5-7b \
 #       --workdir=/shared/runs/sage7b [--config.key=value ...]
 #
-# The first host runs the JAX coordinator. Every host needs the code at SAGE_JAX_DIR (default:
+# HOSTS may name user@host. The first host runs the JAX coordinator. Every host needs the code at SAGE_JAX_DIR (default:
 # this checkout's path) with its venv in .venv, and the workdir on a shared filesystem or in a
 # bucket every host reaches (--workdir=gs://bucket/run).
 # Logs: $SAGE_JAX_DIR/logs/<host>.log on each host. DRY_RUN=1 prints the ssh commands.
@@ -20,7 +20,8 @@ read -r -a hosts <<< "$HOSTS"
 SAGE_JAX_DIR="${SAGE_JAX_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"
 SAGE_JAX_MODULE="${SAGE_JAX_MODULE:-sage_jax.train}"
 COORDINATOR_PORT="${COORDINATOR_PORT:-12345}"
-coordinator="${hosts[0]}:$COORDINATOR_PORT"
+# A host may be given as user@host: the name alone is the coordinator's and the log's.
+coordinator="${hosts[0]#*@}:$COORDINATOR_PORT"
 args="$(printf '%q ' "$@")"
 
 # The command's config and overrides, checked once here (with this checkout's venv, where
@@ -33,10 +34,11 @@ dir="$(printf '%q' "$SAGE_JAX_DIR")"
 pids=()
 for i in "${!hosts[@]}"; do
   host="${hosts[$i]}"
+  name="${host#*@}"
   # `exec` keeps the shell's pid, written first, for the process: what stop() signals.
-  remote="cd $dir && mkdir -p logs && . .venv/bin/activate && echo \$\$ > logs/$host.pid && \
+  remote="cd $dir && mkdir -p logs && . .venv/bin/activate && echo \$\$ > logs/$name.pid && \
 JAX_COORDINATOR_ADDRESS=$coordinator JAX_NUM_PROCESSES=${#hosts[@]} JAX_PROCESS_ID=$i \
-exec python -m $SAGE_JAX_MODULE $args > logs/$host.log 2>&1"
+exec python -m $SAGE_JAX_MODULE $args > logs/$name.log 2>&1"
   if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf 'ssh %q %q\n' "$host" "$remote"
   else
@@ -54,19 +56,25 @@ stop() {
   for host in "${hosts[@]}"; do
     # Only a pid that is this run's process: the file may be an earlier run's.
     # shellcheck disable=SC2029
-    ssh "$host" "pid=\$(cat $dir/logs/$host.pid) && \
+    ssh "$host" "pid=\$(cat $dir/logs/${host#*@}.pid) && \
 grep -qF -- $(printf '%q' "$SAGE_JAX_MODULE") /proc/\$pid/cmdline && kill -TERM \$pid" || true
   done
 }
 trap stop INT TERM
 
+# The exit status is the first failing host's (in HOSTS order); each failing host is named.
 status=0
-for pid in "${pids[@]}"; do
+for i in "${!pids[@]}"; do
+  pid="${pids[$i]}"
   while kill -0 "$pid" 2> /dev/null; do
     wait "$pid" || true  # returns early when a signal runs stop()
   done
   rc=0
   wait "$pid" || rc=$?  # the host's own exit status
-  if [[ $rc -ne 0 ]]; then status=$rc; fi
+  if [[ $rc -ne 0 ]]; then
+    echo "multinode.sh: ${hosts[$i]} exited with status $rc" \
+      "(its log: $SAGE_JAX_DIR/logs/${hosts[$i]#*@}.log there)" >&2
+    if [[ $status -eq 0 ]]; then status=$rc; fi
+  fi
 done
 exit "$status"

@@ -229,9 +229,9 @@ def test_slurm_dry_run(tmp_path):
   first, second = out.strip().splitlines()
   assert first == "JAX_COORDINATOR_ADDRESS=gpu-node-1:12345 JAX_NUM_PROCESSES=2"
   argv = shlex.split(second)
-  assert argv[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-  assert argv[3] == f"--output={tmp_path}/logs/%x-%j-node%t.log"
-  assert argv[4:6] == ["bash", "-c"] and 'export JAX_PROCESS_ID="$SLURM_PROCID"' in argv[6]
+  assert argv[:4] == ["srun", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+  assert argv[4] == f"--output={tmp_path}/logs/%x-%j-node%t.log"
+  assert argv[5:7] == ["bash", "-c"] and 'export JAX_PROCESS_ID="$SLURM_PROCID"' in argv[7]
   assert argv[-2:] == ["--config=configs/sage.py:qwen2.5-32b", "--workdir=/shared/run x"]
 
 
@@ -246,7 +246,9 @@ def test_slurm_dry_run_outside_an_allocation(tmp_path):
   assert out.returncode == 0, out.stderr
   first, second = out.stdout.strip().splitlines()
   assert first == "JAX_COORDINATOR_ADDRESS=<head_node>:12345 JAX_NUM_PROCESSES=<nodes>"
-  assert shlex.split(second)[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+  assert shlex.split(second)[:4] == ["srun", "--ntasks=<nodes>", "--ntasks-per-node=1",
+                                     "--kill-on-bad-exit=1"]
+  assert "not checked before the tasks start" in out.stderr  # no venv in SAGE_JAX_DIR
   assert not (tmp_path / "logs").exists()
   real = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
   assert real.returncode == 2 and real.stderr.startswith(
@@ -263,6 +265,32 @@ def test_multinode_dry_run():
             "exec python -m sage_jax.train --config=configs/sage.py:qwen2.5-7b "
             "--workdir=/shared/run") in remote
     assert f"echo $$ > logs/h{i}.pid" in remote  # what Ctrl-C at the launcher signals
+  # user@host: the host's name is the coordinator's address and names its files.
+  out = _run(["bash", "launch/multinode.sh", "--workdir=/shared/run"],
+             {"HOSTS": "me@h0 h1", "DRY_RUN": "1"})
+  (_, host, remote), _ = [shlex.split(line) for line in out.strip().splitlines()]
+  assert host == "me@h0" and "JAX_COORDINATOR_ADDRESS=h0:12345 " in remote
+  assert "echo $$ > logs/h0.pid" in remote and "> logs/h0.log" in remote
+
+
+def test_multinode_exits_with_the_first_failing_hosts_status_and_names_each(tmp_path):
+  bin_dir, code = tmp_path / "bin", tmp_path / "code"
+  bin_dir.mkdir()
+  (bin_dir / "ssh").write_text('#!/bin/sh\nshift\nexec bash -c "$*"\n')
+  (bin_dir / "ssh").chmod(0o755)
+  (code / ".venv" / "bin").mkdir(parents=True)
+  (code / ".venv" / "bin" / "activate").write_text("")
+  (code / "job.py").write_text("import os, sys\n"
+                               "sys.exit([0, 5, 3][int(os.environ['JAX_PROCESS_ID'])])\n")
+  env = {**os.environ, "HOSTS": "h0 u@h1 h2", "SAGE_JAX_DIR": str(code),
+         "SAGE_JAX_MODULE": "job",
+         "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+  done = subprocess.run(["bash", "launch/multinode.sh", "--workdir=w"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 5, done.stderr
+  assert (f"multinode.sh: u@h1 exited with status 5 (its log: {code}/logs/h1.log there)"
+          in done.stderr), done.stderr
+  assert "h2 exited with status 3" in done.stderr and "h0 exited" not in done.stderr
 
 
 def test_multinode_ctrl_c_stops_every_host_process_once(tmp_path):
