@@ -118,6 +118,22 @@ def test_without_siblings_of_its_shape_the_values_stated_in_the_instruction_are_
   assert "label = " not in definition and "label.lower()" in definition
 
 
+def test_a_key_the_data_is_read_by_is_not_a_parameter_however_it_is_used():
+  """A field's name tested with `in`, or read with `.get`, is the data's key when the function
+  also reads the data by it, though the instruction says the word."""
+  solution = (
+      "def solution(apis, requester):\n"
+      "    profile = apis.venmo.show_profile(email='a@b.c', access_token='t')\n"
+      "    note = profile.get('note', '')\n"
+      "    if 'message' in profile and profile['message'] == 'no account':\n"
+      "        apis.phone.send_text_message(phone_number='1', message='Get on venmo.')\n"
+      "    apis.supervisor.complete_task(answer=note)\n")
+  instruction = "Send the message 'Get on venmo.' and tell me the note on my profile."
+  name, definition, call = gold_solutions.official_skill(solution, instruction)
+  assert call == f"{name}('Get on venmo.')"
+  assert "'message' in profile" in definition and "profile.get('note', '')" in definition
+
+
 def test_helpers_of_the_solution_file_travel_with_the_skill(pool, official_root):  # noqa: F811
   """A solution file's helper functions and constants that the solution reads (and those they
   read) are carried with the skill, in the file's order; the others, and those that only

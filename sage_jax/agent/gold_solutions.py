@@ -196,6 +196,20 @@ def _varying_part(texts: list[str]) -> tuple[int, int]:
   return start, end
 
 
+def _data_keys(fn: ast.FunctionDef) -> set[str]:
+  """The strings the function reads data fields by: subscript keys (`profile["message"]`) and
+  the first argument of `.get`, `.pop` and `.setdefault`."""
+  keys = set()
+  for node in ast.walk(fn):
+    key = (node.slice if isinstance(node, ast.Subscript) else
+           node.args[0] if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                            and node.func.attr in ("get", "pop", "setdefault") and node.args)
+           else None)
+    if isinstance(key, ast.Constant) and isinstance(key.value, str):
+      keys.add(key.value)
+  return keys
+
+
 def _masked(fn: ast.FunctionDef) -> str:
   """The function's structure with its literals blanked (same for sibling tasks' solutions
   written from one template)."""
@@ -361,12 +375,12 @@ def official_skill(solution: str, instruction: str,
     cuts = {id(constants[i]): _varying_part([constants[i].value, *(o[i].value for o in others)])
             for i in varying if id(constants[i]) in pieces}
   else:
-    # A key (`passwords["phone"]`, `song["title"]`) names a field of the data, not a value
-    # of the task, even where the instruction says the word. f-string pieces stay as written.
-    chosen = [c for c in constants if id(c) not in pieces
-              and _in_instruction(c.value, instruction)
-              and not (isinstance(parents.get(id(c)), ast.Subscript)
-                       and parents[id(c)].slice is c)]
+    # A key (`passwords["phone"]`, `song["title"]`, `"message" in profile` beside
+    # `profile["message"]`) names a field of the data, not a value of the task, even where
+    # the instruction says the word. f-string pieces stay as written.
+    keys = _data_keys(fn)
+    chosen = [c for c in constants if id(c) not in pieces and c.value not in keys
+              and _in_instruction(c.value, instruction)]
 
   def value(c: ast.Constant) -> str | int | float:
     if id(c) not in cuts:
