@@ -137,9 +137,9 @@ def finish() -> None:
 
 def _slurm_task_gpus() -> list[int] | None:
   """Every GPU the SLURM task sees (CUDA_VISIBLE_DEVICES, else the node's /dev/nvidia<N>) when
-  it has a node of its own, or when SLURM gave each task GPUs of its own (--gpus-per-task,
-  --gpu-bind: it sees fewer than JAX's choice, GPU <SLURM_LOCALID>, needs); None otherwise
-  (JAX's choice, for tasks that share their node's GPUs)."""
+  it has a node of its own, or when SLURM gave each task GPUs of its own (it sees
+  --gpus-per-task of them, or fewer than JAX's choice, GPU <SLURM_LOCALID>, needs:
+  --gpu-bind); None otherwise (JAX's choice, for tasks that share their node's GPUs)."""
   if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
     return None
   visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -148,7 +148,8 @@ def _slurm_task_gpus() -> list[int] | None:
   # The step's counts (what JAX's detection reads), else the allocation's.
   nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 0)
   alone = nodes and int(os.environ.get("SLURM_NTASKS") or 0) == nodes
-  bound = (os.environ.get("SLURM_GPUS_PER_TASK")
+  per_task = os.environ.get("SLURM_GPUS_PER_TASK", "")
+  bound = ((per_task.isdigit() and int(per_task) == count)
            or int(os.environ.get("SLURM_LOCALID") or 0) >= count)
   return list(range(count)) if count and (alone or bound) else None
 

@@ -87,6 +87,10 @@ def test_tasks_sharing_a_node_take_one_gpu_each_or_the_gpus_slurm_gave_them():
   job = random.randrange(10_000, 1_000_000)
   bound = [{**_one_node(i, job, ("0,1", "2,3")[i]), "SLURM_GPUS_PER_TASK": "2"} for i in (0, 1)]
   assert _run(bound) == [["0", "2", "0,1"], ["1", "2", "0,1"]]
+  # --gpus-per-task with --gpu-bind=none: every task sees the node's GPUs, JAX's choice.
+  job = random.randrange(10_000, 1_000_000)
+  shared = [{**_one_node(i, job, "0,1,2,3"), "SLURM_GPUS_PER_TASK": "2"} for i in (0, 1)]
+  assert _run(shared) == [["0", "2", "0"], ["1", "2", "1"]]
 
 
 def test_a_batch_scripts_own_shell_runs_one_process():
