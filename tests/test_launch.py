@@ -273,18 +273,25 @@ def test_multinode_dry_run():
   assert "echo $$ > logs/h0.pid" in remote and "> logs/h0.log" in remote
 
 
-def test_multinode_exits_with_the_first_failing_hosts_status_and_names_each(tmp_path):
+def _hosts_here(tmp_path, hosts: str, job: str, ssh: str = "bash") -> tuple:
+  """(the launcher's environment, the checkout): `ssh` here runs the command on this machine
+  (`ssh` = "setsid bash": in a session of its own, as a remote shell runs beyond the reach of
+  the launcher's terminal), in a checkout whose module `job` holds `job`."""
   bin_dir, code = tmp_path / "bin", tmp_path / "code"
   bin_dir.mkdir()
-  (bin_dir / "ssh").write_text('#!/bin/sh\nshift\nexec bash -c "$*"\n')
+  (bin_dir / "ssh").write_text(f'#!/bin/sh\nshift\nexec {ssh} -c "$*"\n')
   (bin_dir / "ssh").chmod(0o755)
   (code / ".venv" / "bin").mkdir(parents=True)
   (code / ".venv" / "bin" / "activate").write_text("")
-  (code / "job.py").write_text("import os, sys\n"
-                               "sys.exit([0, 5, 3][int(os.environ['JAX_PROCESS_ID'])])\n")
-  env = {**os.environ, "HOSTS": "h0 u@h1 h2", "SAGE_JAX_DIR": str(code),
-         "SAGE_JAX_MODULE": "job",
+  (code / "job.py").write_text(job)
+  env = {**os.environ, "HOSTS": hosts, "SAGE_JAX_DIR": str(code), "SAGE_JAX_MODULE": "job",
          "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+  return env, code
+
+
+def test_multinode_exits_with_the_first_failing_hosts_status_and_names_each(tmp_path):
+  env, code = _hosts_here(tmp_path, "h0 u@h1 h2", "import os, sys\n"
+                          "sys.exit([0, 5, 3][int(os.environ['JAX_PROCESS_ID'])])\n")
   done = subprocess.run(["bash", "launch/multinode.sh", "--workdir=w"], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=120)
   assert done.returncode == 5, done.stderr
@@ -298,22 +305,14 @@ def test_multinode_ctrl_c_stops_every_host_process_once(tmp_path):
   by saving a checkpoint after its step); `ssh` here runs the command in a session of its
   own on this machine, as a remote shell runs beyond the reach of the launcher's terminal."""
   import signal  # noqa: PLC0415
-  import time  # noqa: PLC0415
-  bin_dir, code = tmp_path / "bin", tmp_path / "code"
-  bin_dir.mkdir()
-  (bin_dir / "ssh").write_text('#!/bin/sh\nshift\nexec setsid bash -c "$*"\n')
-  (bin_dir / "ssh").chmod(0o755)
-  (code / ".venv" / "bin").mkdir(parents=True)
-  (code / ".venv" / "bin" / "activate").write_text("")
-  (code / "job.py").write_text(
+  env, code = _hosts_here(
+      tmp_path, "h0 h1",
       "import os, signal, sys, time\n"
       "def stop(*_):\n"
       "  open(f'stopped_{os.environ[\"JAX_PROCESS_ID\"]}', 'a').write('SIGTERM\\n')\n"
       "  sys.exit(143)\n"
       "signal.signal(signal.SIGTERM, stop)\n"
-      "time.sleep(300)\n")
-  env = {**os.environ, "HOSTS": "h0 h1", "SAGE_JAX_DIR": str(code), "SAGE_JAX_MODULE": "job",
-         "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+      "time.sleep(300)\n", ssh="setsid bash")
   # As from a terminal: SIGINT at its default (a job started in the background, as CI may
   # start this test, inherits it ignored, and bash cannot trap a signal ignored at entry).
   launcher = subprocess.Popen(["bash", "launch/multinode.sh", "--workdir=w"], cwd=REPO, env=env,
