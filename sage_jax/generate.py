@@ -13,11 +13,11 @@ a user message in Qwen's ChatML; --nochat completes raw text.
 
 An HF directory's generation_config.json gives the sampling defaults, as it does for
 transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p, top_k
-(transformers' 1.0, 1.0 and 50 for those it leaves out or sets to null) and min_p; its repetition_penalty
-(greedy too); its max_new_tokens, else its max_length less the prompt's length. A flag given
-on the command line wins. Generation stops at every one of its eos_token_id (else at
-`<|im_end|>` and `<|endoftext|>`). A log line says where each setting came from; settings the
-sampler does not apply (beams, typical_p...) are named in a warning.
+(transformers' 1.0, 1.0 and 50 for those it leaves out or sets to null) and min_p; its
+repetition_penalty (greedy too); its max_new_tokens, else its max_length less the prompt's
+length. A flag given on the command line wins. Generation stops at every one of its
+eos_token_id (else at `<|im_end|>` and `<|endoftext|>`). A log line says where each setting
+came from; settings the sampler does not apply (beams, typical_p...) are named in a warning.
 """
 
 from __future__ import annotations
