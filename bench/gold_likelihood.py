@@ -60,8 +60,9 @@ def gold_updates(run, model, examples) -> list[dict]:
             or appworld.scenario_id(expert.task_of_id(e.id)) in _GOLD_SCENARIOS.value]
   grpo_config = dataclasses.replace(run.grpo, temperature=_TEMPERATURE.value,
                                     recompute_old_logprobs=True)
-  trainer = rl_loop.grpo_trainer(model, grpo_config, dataclasses.replace(
-      run.optimizer, learning_rate=_GOLD_LR.value), run.trainer)
+  optimizer = dataclasses.replace(run.optimizer, learning_rate=_GOLD_LR.value)
+  trainer = rl_loop.grpo_trainer(model, grpo_config, optimizer.for_updates(
+      _GOLD_UPDATES.value * grpo_config.num_mini_batches), run.trainer)
   records = [{"tokens": e.tokens, "loss_mask": e.loss_mask, "advantage": 1.0} for e in chosen]
   out = []
   for update in range(1, _GOLD_UPDATES.value + 1):

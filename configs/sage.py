@@ -35,6 +35,12 @@ scores of one 16k-token row of the 7B are 30 GB per layer.
 from sage_jax import run_config
 
 
+# The real-model presets' SFT runs epochs of expert data whose size is known only once the
+# expert has played (3 epochs of 90-150 trajectories at batch 64 are 5-8 updates): its warmup
+# is a tenth of the updates, then a cosine decay to a tenth of the peak at the last one.
+SFT_SCHEDULE = dict(warmup_ratio=0.1, schedule="cosine", end_lr_ratio=0.1)
+
+
 def get_config(preset: str = "demo"):
   c = run_config.defaults()
   c.reward.variant = "sage"
@@ -125,7 +131,7 @@ def apply_preset(c, preset: str):
     c.grpo.group_size = 4
     c.pipeline.chains_per_step = 8
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10)
-    c.sft_optimizer.update(learning_rate=1e-5, warmup_steps=10)
+    c.sft_optimizer.update(learning_rate=1e-5, **SFT_SCHEDULE)
     c.sft.update(num_epochs=3, batch_size=8)
     c.rl.update(total_steps=200, eval_every=20)
     c.checkpoint.update(save_every=20)
@@ -141,7 +147,7 @@ def apply_preset(c, preset: str):
     # 4 rows of 16k per micro-batch: one per data x fsdp slice of the 8 GPUs.
     c.batch.update(micro_batch_tokens=65536, row_multiple=4)
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10)
-    c.sft_optimizer.update(learning_rate=1e-5, warmup_steps=20)
+    c.sft_optimizer.update(learning_rate=1e-5, **SFT_SCHEDULE)
     c.sft.update(num_epochs=3, batch_size=32)
     c.rl.update(total_steps=300, eval_every=25)
     c.checkpoint.update(save_every=25)
@@ -160,7 +166,7 @@ def apply_preset(c, preset: str):
     # 8 rows of 16k per micro-batch: one per fsdp slice (8 hosts x 4 chips, tensor 4).
     c.batch.update(micro_batch_tokens=131072, row_multiple=8)
     c.optimizer.update(learning_rate=1e-6, warmup_steps=10)
-    c.sft_optimizer.update(learning_rate=1e-5, warmup_steps=20)
+    c.sft_optimizer.update(learning_rate=1e-5, **SFT_SCHEDULE)
     c.sft.update(num_epochs=3, batch_size=64)
     c.rl.update(total_steps=300, eval_every=25)
     c.checkpoint.update(save_every=25)
@@ -181,7 +187,7 @@ def apply_preset(c, preset: str):
     # 8 rows of 16k per micro-batch: one per GPU.
     c.batch.update(micro_batch_tokens=131072, row_multiple=8)
     c.optimizer.update(learning_rate=1e-5, warmup_steps=10)
-    c.sft_optimizer.update(learning_rate=1e-4, warmup_steps=20)
+    c.sft_optimizer.update(learning_rate=1e-4, **SFT_SCHEDULE)
     c.sft.update(num_epochs=3, batch_size=64)
     c.rl.update(total_steps=300, eval_every=25)
     c.checkpoint.update(save_every=25)

@@ -83,6 +83,7 @@ from sage_jax.tools import memory_plan
 from sage_jax.train import rl_loop
 from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.loop import LoopResult
+from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.state import abstract_like
 from sage_jax.weights import loader
 
@@ -134,6 +135,16 @@ def preempted_exit_code(stop_signal: int | None) -> int:
   ended it (130 after Ctrl-C); 143 (SIGTERM's) on a process that another one's signal or a
   preemption notice stopped. Either way a scheduler or retry loop sees an unfinished run."""
   return 128 + (stop_signal or signal.SIGTERM)
+
+
+def stage_optimizer(config: OptimizerConfig, total_updates: int, section: str,
+                    stage: str) -> OptimizerConfig:
+  """`config` (the run's `section`) for the `total_updates` of `stage`, with a warning when
+  the stage ends before its warmup does."""
+  if reason := config.never_peaks(total_updates):
+    logging.warning("config.%s: the %s stage never reaches its peak learning rate: %s",
+                    section, stage, reason)
+  return config.for_updates(total_updates)
 
 
 def _write_json(path, value: Any) -> None:
@@ -510,8 +521,10 @@ class Pipeline:
 
   def sft(self) -> LoopResult:
     run = self.run
-    trainer = sft_loop.sft_trainer(self.model, run.sft, run.sft_optimizer, run.trainer,
-                                   mesh=self.mesh)
+    examples = self.expert_examples()
+    optimizer = stage_optimizer(run.sft_optimizer, run.sft.steps_for(len(examples)),
+                                "sft_optimizer", "SFT")
+    trainer = sft_loop.sft_trainer(self.model, run.sft, optimizer, run.trainer, mesh=self.mesh)
     directory = self.workdir / "sft"
     checkpointer = self._sft_checkpointer(run_config=self.config_dict)
 
@@ -522,7 +535,7 @@ class Pipeline:
 
     try:
       result = sft_loop.run_sft(
-          trainer, self.expert_examples(), config=run.sft, batch_config=self.batch_config,
+          trainer, examples, config=run.sft, batch_config=self.batch_config,
           evaluate=dev if run.sft.eval_every else None, checkpointer=checkpointer,
           metrics=dataclasses.replace(run.metrics, log_dir=os.fspath(directory)))
     finally:
@@ -585,8 +598,9 @@ class Pipeline:
       self.read_sft_result("KL's reference (grpo.kl_coef > 0)")
     elif not self.saved_steps("rl"):
       self.read_sft_result("the model RL starts from")
-    trainer = rl_loop.grpo_trainer(self.model, run.grpo, run.optimizer, run.trainer,
-                                   mesh=self.mesh)
+    optimizer = stage_optimizer(run.optimizer, run.rl.total_steps * run.grpo.num_mini_batches,
+                                "optimizer", "RL")
+    trainer = rl_loop.grpo_trainer(self.model, run.grpo, optimizer, run.trainer, mesh=self.mesh)
     task_ids = self.train_task_ids()
     k = run.rollout.effective_chain_length
     if short := [s for s, ids in appworld.group_by_scenario(task_ids).items() if len(ids) < k]:

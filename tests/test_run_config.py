@@ -15,6 +15,7 @@ import pytest
 from sage_jax import run_config
 from sage_jax.configurable import ConfigError
 from sage_jax.sft.expert import ExpertConfig
+from sage_jax.train.optimizer import make_schedule
 from sage_jax.weights import loader
 from sage_jax.weights.loader import ModelSpec, build_model
 
@@ -45,6 +46,21 @@ def test_every_preset_resolves(name, preset, devices):
             run.reward.variant) == (3 if preset == "demo" else 2, True, "sage")
   else:
     assert run.pipeline.stages == ("sft",)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_presets_stages_reach_their_peak_learning_rate(preset):
+  """An epoch-counted SFT's length comes from its data: 35 expert trajectories of the mini
+  world, 90 and 150 of AppWorld's train split (with `expert.firsts`, every task played first
+  too). At each, as in RL, the schedule reaches the learning rate the preset names."""
+  run = run_config.resolve(_config("sage", preset), num_devices=PRESETS[preset])
+  stages = [(run.optimizer, run.rl.total_steps * run.grpo.num_mini_batches)]
+  stages += [(run.sft_optimizer, run.sft.steps_for(n)) for n in (35, 90, 150)]
+  for optimizer, updates in stages:
+    assert optimizer.never_peaks(updates) is None, (optimizer, updates)
+    schedule = make_schedule(optimizer.for_updates(updates))
+    assert max(float(schedule(i)) for i in range(updates)) == pytest.approx(
+        optimizer.learning_rate)
 
 
 @pytest.mark.parametrize("preset", ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-32b-lora"])

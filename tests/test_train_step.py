@@ -437,10 +437,31 @@ def test_schedules():
   s = opt.make_schedule(opt.OptimizerConfig(learning_rate=1.0, schedule="linear",
                                             decay_steps=4))
   assert [float(s(i)) for i in (0, 2, 4, 9)] == [1.0, 0.5, 0.0, 0.0]
-  with pytest.raises(ValueError, match="decay_steps"):
-    opt.OptimizerConfig(schedule="cosine")
+  with pytest.raises(ValueError, match="needs the stage's number of updates"):
+    opt.make_schedule(opt.OptimizerConfig(schedule="cosine"))
   with pytest.raises(ValueError, match="never decays"):  # the schedule was left at constant
     opt.OptimizerConfig(decay_steps=1000)
+  with pytest.raises(ValueError, match="both set the warmup"):
+    opt.OptimizerConfig(warmup_steps=2, warmup_ratio=0.1)
+
+
+def test_a_schedule_sized_by_its_stage():
+  """warmup_ratio and a decay to the last update (decay_steps 0) take the stage's length: a
+  tenth of 40 updates warm up, and the cosine reaches its end at update 39."""
+  config = opt.OptimizerConfig(learning_rate=1.0, warmup_ratio=0.1, schedule="cosine",
+                               end_lr_ratio=0.1)
+  sized = config.for_updates(40)
+  assert (sized.warmup_steps, sized.decay_steps, sized.warmup_ratio) == (4, 36, 0.0)
+  s = opt.make_schedule(sized)
+  assert [float(s(i)) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+  assert float(s(39)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 35 / 36)))
+  assert float(s(40)) == pytest.approx(0.1)
+  assert config.never_peaks(40) is None
+  # Fixed warmup steps longer than the stage: named, with how far the learning rate gets.
+  short = opt.OptimizerConfig(learning_rate=1e-5, warmup_steps=20)
+  assert short.for_updates(8) == short
+  assert "its 8 updates end inside its 20-update warmup: the learning rate reaches 0.4 of" in (
+      short.never_peaks(8))
 
 
 def test_weight_decay_mask_and_clipping():

@@ -20,7 +20,9 @@ class OptimizerConfig:
   learning_rate: peak learning rate (after warmup).
   schedule: "constant", "cosine" or "linear" decay after warmup.
   warmup_steps: linear warmup from 0 to the peak over this many updates.
-  decay_steps: length of the cosine / linear decay after warmup (required for those).
+  warmup_ratio: the warmup as a fraction of the stage's updates instead (an epoch-counted
+    SFT's length is known only once its data is).
+  decay_steps: length of the cosine / linear decay after warmup; 0: to the stage's last update.
   end_lr_ratio: final learning rate of a decay as a fraction of the peak.
   b1, b2, eps: Adam moments.
   weight_decay: decoupled weight decay (AdamW).
@@ -31,6 +33,7 @@ class OptimizerConfig:
   learning_rate: float = 1e-6
   schedule: Schedule = "constant"
   warmup_steps: int = 0
+  warmup_ratio: float = 0.0
   decay_steps: int = 0
   end_lr_ratio: float = 0.0
   b1: float = 0.9
@@ -45,8 +48,11 @@ class OptimizerConfig:
       raise ValueError(f"{self}: learning_rate, warmup_steps and decay_steps must be >= 0")
     if self.schedule not in ("constant", "cosine", "linear"):
       raise ValueError(f"schedule={self.schedule!r}; expected constant, cosine or linear")
-    if self.schedule != "constant" and self.decay_steps <= 0:
-      raise ValueError(f"schedule={self.schedule!r} needs decay_steps > 0")
+    if not 0 <= self.warmup_ratio < 1:
+      raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+    if self.warmup_steps and self.warmup_ratio:
+      raise ValueError(f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio} "
+                       "both set the warmup: set one of them")
     if self.schedule == "constant" and (self.decay_steps or self.end_lr_ratio):
       raise ValueError(f"schedule='constant' never decays: decay_steps={self.decay_steps} and "
                        f"end_lr_ratio={self.end_lr_ratio} would do nothing; set schedule to "
@@ -62,8 +68,31 @@ class OptimizerConfig:
                        f"{self.end_lr_ratio} in [0, 1]")
 
 
+  def for_updates(self, total_updates: int) -> OptimizerConfig:
+    """This config for a stage of `total_updates` optimiser updates: `warmup_ratio` of them
+    warm up, and a decay of decay_steps 0 ends at the last one."""
+    warmup = self.warmup_steps or round(self.warmup_ratio * total_updates)
+    decay = self.decay_steps
+    if self.schedule != "constant" and not decay:
+      decay = max(1, total_updates - warmup)
+    return dataclasses.replace(self, warmup_steps=warmup, warmup_ratio=0.0, decay_steps=decay)
+
+  def never_peaks(self, total_updates: int) -> str | None:
+    """Why a stage of `total_updates` updates would end before this schedule reaches its peak
+    learning rate (None when it does not)."""
+    warmup = self.for_updates(total_updates).warmup_steps
+    if warmup <= total_updates:
+      return None
+    return (f"its {total_updates} updates end inside its {warmup}-update warmup: the learning "
+            f"rate reaches {total_updates / warmup:.2g} of learning_rate={self.learning_rate} "
+            "at most; set warmup_ratio (a fraction of the updates) or fewer warmup_steps")
+
+
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
   """Learning rate as a function of the update count (0-based)."""
+  if config.warmup_ratio or (config.schedule != "constant" and not config.decay_steps):
+    raise ValueError(f"{config}: a warmup_ratio, or a decay to the last update (decay_steps 0), "
+                     "needs the stage's number of updates: OptimizerConfig.for_updates")
   peak = config.learning_rate
   if config.schedule == "constant":
     after = optax.constant_schedule(peak)
