@@ -473,10 +473,25 @@ class Pipeline:
           if failed:
             logging.warning("expert %s: %d later tasks' extra plays failed and were left out: "
                             "%s", extra, len(failed), failed[:10])
+        trajectories = self._fitting(trajectories)
         if multihost.is_lead():
           sft_data.write_jsonl(path, trajectories)
       multihost.sync_barrier("expert_trajectories")
     return path
+
+  def _fitting(self, trajectories: list) -> list:
+    """The expert's trajectories that fit the run's `engine.max_len`, which bounds what SFT
+    trains on: a scripted play has longer budgets (`gold_solutions.SCRIPTED_BUDGET_FLOORS`),
+    and a file holding a longer one would stop this run and every rerun of it."""
+    max_len = self.run.engine.max_len
+    long = sft_data.longer_than((sft_data.tokenize(t, self.tokenizer) for t in trajectories),
+                                max_len)
+    if long:
+      logging.warning("expert trajectories: %d longer than config.engine.max_len=%d tokens left "
+                      "out: %s", len(long), max_len,
+                      ", ".join(f"{i} ({n} tokens)" for i, n in long[:10]))
+    dropped = {i for i, _ in long}
+    return [t for t in trajectories if t.id not in dropped]
 
   def train_task_ids(self) -> list[str]:
     """The train split's tasks, cut to its first `train_scenarios` scenarios."""
@@ -522,6 +537,13 @@ class Pipeline:
   def sft(self) -> LoopResult:
     run = self.run
     examples = self.expert_examples()
+    longest = max(examples, key=lambda e: len(e.tokens), default=None)
+    if longest and len(longest.tokens) - 1 > self.batch_config.length_buckets[-1]:
+      raise run_config.ConfigError(
+          f"config.batch.length_buckets: the largest, {self.batch_config.length_buckets[-1]}, "
+          f"holds fewer positions than the SFT example {longest.id} needs "
+          f"({len(longest.tokens) - 1}); SFT would fail at the first batch holding it. Add a "
+          "bucket that large")
     optimizer = stage_optimizer(run.sft_optimizer, run.sft.steps_for(len(examples)),
                                 "sft_optimizer", "SFT")
     trainer = sft_loop.sft_trainer(self.model, run.sft, optimizer, run.trainer, mesh=self.mesh)

@@ -6,6 +6,7 @@ the scenarios it trains on."""
 import asyncio
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -389,6 +390,40 @@ def test_a_run_plays_only_the_scenarios_it_trains_on(mini_root, tok, tmp_path, m
   with pytest.raises(ConfigError, match=r"config.pipeline.train_scenarios: 1 -> 2"):
     pipeline.Pipeline(_demo_run(train_split="dev", train_scenarios=2), str(workdir))
   assert (workdir / "expert_trajectories.jsonl").read_text() == made
+
+
+def test_expert_trajectories_longer_than_the_engine_are_left_out(mini_root, tok, tmp_path,
+                                                                 caplog):
+  """A scripted play's budgets exceed a run's (`SCRIPTED_BUDGET_FLOORS`), and SFT trains on
+  trajectories of at most `engine.max_len` tokens: the longer ones are left out of the SFT data
+  a run makes, named in a warning, so that the run (and every rerun, which reads that file)
+  trains on the rest. The demo's dev scenario plays to 611-847 tokens. An SFT example the
+  largest length bucket cannot hold stops SFT before it trains, naming the key."""
+  from sage_jax import pipeline  # noqa: PLC0415
+
+  c = _demo_run(train_split="dev", train_scenarios=1, stages=("sft",))
+  c.engine.update(max_len=800, prefill_buckets=(64, 256, 512))
+  c.agent.max_episode_tokens = 800
+  c.batch.length_buckets = (256, 512)
+  workdir = tmp_path / "run"
+  with caplog.at_level("WARNING"):
+    pipe = pipeline.Pipeline(c, str(workdir))
+  try:
+    kept = {e.id: len(e.tokens) for e in pipe.expert_examples()}
+    with pytest.raises(ConfigError, match=r"config.batch.length_buckets: the largest, 512, "
+                                          r"holds fewer positions than the SFT example"):
+      pipe.sft()
+  finally:
+    pipe.close()
+  warned = [r.getMessage() for r in caplog.records if "longer than config.engine.max_len=800"
+            in r.getMessage()]
+  assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+  dropped = re.findall(r"(\S+) \((\d+) tokens\)", warned[0])
+  assert dropped and kept and all(n <= 800 for n in kept.values())
+  assert all(int(n) > 800 for _, n in dropped)
+  trained = appworld.first_scenarios(appworld.read_split(mini_root, "dev"), 1)
+  assert sorted(map(expert.task_of_id, [*kept, *(i for i, _ in dropped)])) == sorted(
+      trained + trained[1:])  # the gold plays and the later tasks' rewrites
 
 
 def test_a_given_files_other_scenarios_are_left_out_of_sft(gold, mini_root, tok, tmp_path):

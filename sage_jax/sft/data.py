@@ -179,12 +179,15 @@ def load_examples(path: str | os.PathLike, tokenizer: Tokenizer,
   """Tokenised trajectories of a JSONL file; with `max_len`, longer ones raise (nothing is
   silently cut: a cut trajectory would teach the model to stop mid-task)."""
   examples = [tokenize(t, tokenizer) for t in read_jsonl(path)]
-  if max_len is not None:
-    long = [(e.id, len(e.tokens)) for e in examples if len(e.tokens) > max_len]
-    if long:
-      raise FormatError(f"{path}: {len(long)} trajectories exceed {max_len} tokens, e.g. "
-                        f"{long[0][0]} with {long[0][1]}")
+  if max_len is not None and (long := longer_than(examples, max_len)):
+    raise FormatError(f"{path}: {len(long)} trajectories exceed {max_len} tokens (the "
+                      f"engine's max_len), e.g. {long[0][0]} with {long[0][1]}")
   return examples
+
+
+def longer_than(examples: Iterable[SFTExample], max_len: int) -> list[tuple[str, int]]:
+  """(id, tokens) of each example longer than `max_len` tokens."""
+  return [(e.id, len(e.tokens)) for e in examples if len(e.tokens) > max_len]
 
 
 def fingerprint(examples: Sequence[SFTExample]) -> str:
