@@ -392,8 +392,7 @@ def test_a_run_plays_only_the_scenarios_it_trains_on(mini_root, tok, tmp_path, m
   assert (workdir / "expert_trajectories.jsonl").read_text() == made
 
 
-def test_expert_trajectories_longer_than_the_engine_are_left_out(mini_root, tok, tmp_path,
-                                                                 caplog):
+def test_expert_trajectories_longer_than_the_engine_are_left_out(mini_root, tmp_path, caplog):
   """A scripted play's budgets exceed a run's (`SCRIPTED_BUDGET_FLOORS`), and SFT trains on
   trajectories of at most `engine.max_len` tokens: the longer ones are left out of the SFT data
   a run makes, named in a warning, so that the run (and every rerun, which reads that file)
