@@ -482,15 +482,22 @@ class Pipeline:
   def _fitting(self, trajectories: list) -> list:
     """The expert's trajectories that fit the run's `engine.max_len`, which bounds what SFT
     trains on: a scripted play has longer budgets (`gold_solutions.SCRIPTED_BUDGET_FLOORS`),
-    and a file holding a longer one would stop this run and every rerun of it."""
-    max_len = self.run.engine.max_len
-    long = sft_data.longer_than((sft_data.tokenize(t, self.tokenizer) for t in trajectories),
-                                max_len)
+    and a file holding a longer one would stop this run and every rerun of it. Replies longer
+    than the run's turns (`agent.max_turn_tokens`, which cuts a rollout's) are named."""
+    max_len, turn = self.run.engine.max_len, self.run.agent.max_turn_tokens
+    examples = [sft_data.tokenize(t, self.tokenizer) for t in trajectories]
+    long = sft_data.longer_than(examples, max_len)
     if long:
       logging.warning("expert trajectories: %d longer than config.engine.max_len=%d tokens left "
                       "out: %s", len(long), max_len,
                       ", ".join(f"{i} ({n} tokens)" for i, n in long[:10]))
     dropped = {i for i, _ in long}
+    if cut := [(e.id, n) for e in examples if e.id not in dropped
+               and (n := sft_data.longest_reply(e)) > turn]:
+      logging.warning("expert trajectories: %d hold a reply longer than "
+                      "config.agent.max_turn_tokens=%d, which the run's rollouts would cut (SFT "
+                      "trains on it whole): %s", len(cut), turn,
+                      ", ".join(f"{i} ({n} tokens)" for i, n in cut[:10]))
     return [t for t in trajectories if t.id not in dropped]
 
   def train_task_ids(self) -> list[str]:

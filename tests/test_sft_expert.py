@@ -396,13 +396,14 @@ def test_expert_trajectories_longer_than_the_engine_are_left_out(mini_root, tmp_
   """A scripted play's budgets exceed a run's (`SCRIPTED_BUDGET_FLOORS`), and SFT trains on
   trajectories of at most `engine.max_len` tokens: the longer ones are left out of the SFT data
   a run makes, named in a warning, so that the run (and every rerun, which reads that file)
-  trains on the rest. The demo's dev scenario plays to 611-847 tokens. An SFT example the
+  trains on the rest. The demo's dev scenario plays to 611-847 tokens. Replies a rollout would
+  cut (agent.max_turn_tokens) are named. An SFT example the
   largest length bucket cannot hold stops SFT before it trains, naming the key."""
   from sage_jax import pipeline  # noqa: PLC0415
 
   c = _demo_run(train_split="dev", train_scenarios=1, stages=("sft",))
   c.engine.update(max_len=800, prefill_buckets=(64, 256, 512))
-  c.agent.max_episode_tokens = 800
+  c.agent.update(max_episode_tokens=800, max_turn_tokens=32)
   c.batch.length_buckets = (256, 512)
   workdir = tmp_path / "run"
   with caplog.at_level("WARNING"):
@@ -423,6 +424,11 @@ def test_expert_trajectories_longer_than_the_engine_are_left_out(mini_root, tmp_
   trained = appworld.first_scenarios(appworld.read_split(mini_root, "dev"), 1)
   assert sorted(map(expert.task_of_id, [*kept, *(i for i, _ in dropped)])) == sorted(
       trained + trained[1:])  # the gold plays and the later tasks' rewrites
+  # Their replies (41 and 42 tokens, calling the skill) are longer than this run's turns.
+  cut = [r.getMessage() for r in caplog.records
+         if "reply longer than config.agent.max_turn_tokens=32" in r.getMessage()]
+  assert len(cut) == 1 and {i for i, _ in re.findall(r"(\S+) \((\d+) tokens\)", cut[0])
+                            } == set(kept), cut
 
 
 def test_a_given_files_other_scenarios_are_left_out_of_sft(gold, mini_root, tok, tmp_path):

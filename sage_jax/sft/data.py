@@ -190,6 +190,14 @@ def longer_than(examples: Iterable[SFTExample], max_len: int) -> list[tuple[str,
   return [(e.id, len(e.tokens)) for e in examples if len(e.tokens) > max_len]
 
 
+def longest_reply(example: SFTExample) -> int:
+  """Tokens of the example's longest assistant turn: a run of its loss mask, the end token
+  included (what a turn generates)."""
+  edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(example.loss_mask, np.int8),
+                                                 [0]])))
+  return int((edges[1::2] - edges[::2]).max(initial=0))
+
+
 def fingerprint(examples: Sequence[SFTExample]) -> str:
   """How many examples, and a digest of their ids, tokens and loss masks in order."""
   digest = hashlib.sha256()
