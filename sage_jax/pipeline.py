@@ -281,8 +281,9 @@ class Pipeline:
     return root
 
   def _check_expert_file(self) -> dict | None:
-    """A given SFT file that the pending SFT stage reads, validated and cut to the training
-    scenarios as SFT cuts it (not tokenised), before config.json records the run: a file SFT
+    """A given SFT file that the pending SFT stage reads, validated, cut to the training
+    scenarios as SFT cuts it and its lengths checked (with Qwen2.5's tokenizer: a compact
+    vocabulary cut from it tokenises alike), before config.json records the run: a file SFT
     would fail on, after the evaluations before training, fails now naming its key, which
     a rerun could no longer change. So does a file whose contents changed since the run
     first read it (its record, `EXPERT_FILE_RECORD`), once SFT has saved a step or a compact
@@ -293,6 +294,9 @@ class Pipeline:
     try:
       digest = hashlib.sha256(storage.path(path).read_bytes()).hexdigest()
       trajectories = self._of_training_scenarios(sft_data.read_jsonl(path))
+      tokenizer = Tokenizer()
+      long = sft_data.longer_than((sft_data.tokenize(t, tokenizer) for t in trajectories),
+                                  self.run.engine.max_len)
     except (OSError, ValueError) as e:  # unreadable, not the format, ids of no AppWorld task
       raise run_config.ConfigError(f"config.pipeline.expert_trajectories: {e}") from e
     if not trajectories:
@@ -300,6 +304,12 @@ class Pipeline:
           f"config.pipeline.expert_trajectories: {path} holds no trajectory of the scenarios "
           f"the run trains on (pipeline.train_split {self.run.pipeline.train_split!r}, "
           f"train_scenarios {self.run.pipeline.train_scenarios})")
+    if long:
+      raise run_config.ConfigError(
+          f"config.pipeline.expert_trajectories: {path} holds {len(long)} trajectories longer "
+          f"than config.engine.max_len={self.run.engine.max_len} tokens (e.g. {long[0][0]}, "
+          f"{long[0][1]} tokens), and SFT trains on whole trajectories: raise engine.max_len, "
+          "or leave them out of the file")
     recorded = _read_json_on_lead(self.workdir / EXPERT_FILE_RECORD) or {}
     sft_steps = self.saved_steps("sft")
     cut = multihost.from_lead(lambda: compact_tokenizer.is_complete(

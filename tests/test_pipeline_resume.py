@@ -259,18 +259,28 @@ def test_a_run_that_failed_before_training_leaves_its_workdir_to_the_next(
 
 def test_a_given_sft_file_sft_would_fail_on_fails_before_the_run_is_recorded(
     tmp_path, demo_expert_file):  # noqa: F811
-  """A pipeline.expert_trajectories file that is not SFT data, or holds nothing of the
-  scenarios the run trains on, fails naming its key before config.json records the run (and
-  before the evaluations before training): the key is not resumable, and a rerun may still
-  give another file."""
+  """A pipeline.expert_trajectories file that is not SFT data, holds nothing of the scenarios
+  the run trains on, or holds trajectories longer than engine.max_len, fails naming its key
+  before config.json records the run (and before the evaluations before training): the key
+  is not resumable, and a rerun may still give another file."""
   workdir, given = tmp_path / "run", tmp_path / "expert.jsonl"
   trajectory = json.loads(open(demo_expert_file).readline())
   c = _sft_on_file(str(given))
   c.pipeline.eval_before = True
   key = re.escape("config.pipeline.expert_trajectories: ")
+
+  def lengthened(line: str) -> str:  # its last reply 1000 lines longer
+    t = json.loads(line)
+    last = max(i for i, m in enumerate(t["messages"]) if m["role"] == "assistant")
+    t["messages"][last]["content"] += "\nx = 1" * 1000
+    return json.dumps(t) + "\n"
+
   for text, error in (("this is not json\n", rf"{key}{re.escape(str(given))}:1: not JSON"),
                       (json.dumps({**trajectory, "id": "zzz_1"}) + "\n",
-                       rf"{key}.* holds no trajectory of the scenarios the run trains on")):
+                       rf"{key}.* holds no trajectory of the scenarios the run trains on"),
+                      ("".join(map(lengthened, open(demo_expert_file))),
+                       rf"{key}.* holds \d+ trajectories longer than config.engine.max_len=2048 "
+                       r"tokens \(e.g. \S+, \d+ tokens\)")):
     given.write_text(text)
     with pytest.raises(ConfigError, match=error):
       pipeline.Pipeline(c, str(workdir))
