@@ -485,6 +485,11 @@ def test_retrieval_sweep_evaluates_one_trained_run(tmp_path):
   assert f"--run={run} --step=2 --config=configs/eval.py:run --workdir=r/query_ngram" in slurm
   with pytest.raises(config_file.ConfigFileError, match="no checkpoint to evaluate"):
     sweep.load_sweep(f"configs/sweeps/retrieval.py:{tmp_path / 'untrained'}")
+  # A step the run does not have (or has not finished saving): every arm would fail.
+  for step in ("999", "12"):
+    with pytest.raises(config_file.ConfigFileError,
+                       match=rf"no finished checkpoint step {step}; its steps: \[2, 10\]"):
+      sweep.load_sweep(f"configs/sweeps/retrieval.py:{run}:{step}")
   with pytest.raises(config_file.ConfigFileError, match="evaluates a trained run"):
     sweep.load_sweep("configs/sweeps/retrieval.py")
   wrong = subprocess.run([sys.executable, "launch/sweep.py", "--module=sage_jax.train",

@@ -17,17 +17,19 @@ STRATEGIES = ("same_scenario", "query_ngram", "query_embedding", "skill_embeddin
 CHECKPOINTS = "checkpoints"  # the RL checkpoints under a run's workdir
 
 
-def latest_step(run_dir: str) -> int:
-  """The run's latest finished RL checkpoint (a local directory or a bucket's: there, orbax
-  writes a step in place and marks it finished last, so a save under way is not one)."""
+def checkpoint_step(run_dir: str, step: str) -> int:
+  """`step`, or (empty) the run's latest, of its finished RL checkpoints (a local directory or
+  a bucket's: there, orbax writes a step in place and marks it finished last, so a save
+  under way is not one)."""
   directory = storage.path(run_dir) / CHECKPOINTS
   steps = sorted(int(p.name) for p in directory.iterdir()
                  if p.name.isdigit() and ocp_path.step.is_path_finalized(p)
                  ) if directory.is_dir() else []
   if not steps:
-    raise ValueError(f"{directory}: no checkpoint to evaluate; train the run first, or name "
-                     "a step (retrieval.py:RUN_DIR:STEP)")
-  return steps[-1]
+    raise ValueError(f"{directory}: no checkpoint to evaluate; train the run first")
+  if step and int(step) not in steps:
+    raise ValueError(f"{directory}: no finished checkpoint step {step}; its steps: {steps}")
+  return int(step) if step else steps[-1]
 
 
 def get_sweep(run_dir: str = "", step: str = ""):
@@ -41,6 +43,6 @@ def get_sweep(run_dir: str = "", step: str = ""):
   return {
       "config": "configs/eval.py:run",
       "module": "sage_jax.evaluate",
-      "flags": {"run": run_dir, "step": int(step) if step else latest_step(run_dir)},
+      "flags": {"run": run_dir, "step": checkpoint_step(run_dir, step)},
       "axes": [{s: {"retrieval.strategy": s} for s in STRATEGIES}],
   }
