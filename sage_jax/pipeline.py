@@ -272,9 +272,14 @@ class Pipeline:
       splits[p.train_split] = "pipeline.train_split"
     for split, key in splits.items():
       try:
-        appworld.read_split(root, split)
+        task_ids = appworld.read_split(root, split)
       except (OSError, ValueError) as e:
         raise run_config.ConfigError(f"config.{key}: {e}") from e
+      scenarios = len(appworld.group_by_scenario(task_ids))
+      if split == p.train_split and p.train_scenarios > scenarios:
+        raise run_config.ConfigError(
+            f"config.pipeline.train_scenarios: {p.train_scenarios}, but the {split!r} split of "
+            f"{root} has {scenarios} scenarios; set at most {scenarios} (0: all of them)")
     if p.expert_trajectories and not storage.path(p.expert_trajectories).exists():
       raise run_config.ConfigError(
           f"config.pipeline.expert_trajectories: {p.expert_trajectories}: no such file")

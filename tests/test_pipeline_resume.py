@@ -230,15 +230,22 @@ def test_a_directory_holding_another_config_json_is_no_workdir(
 
 def test_a_run_that_failed_before_training_leaves_its_workdir_to_the_next(
     tmp_path, demo_expert_file, caplog):  # noqa: F811
-  """A bad pipeline.data fails naming its key, before config.json records the run. A workdir
-  whose run stopped before it saved or evaluated anything (its config.json alone) takes the
-  next config, whatever it changes; once it holds a result, that config is the experiment's."""
+  """A bad pipeline.data, or more train_scenarios than its train split has, fails naming its
+  key, before config.json records the run. A workdir whose run stopped before it saved or
+  evaluated anything (its config.json alone) takes the next config, whatever it changes; once
+  it holds a result, that config is the experiment's."""
   workdir = tmp_path / "run"
   bad = _sft_on_file(demo_expert_file)
   bad.pipeline.data = str(tmp_path / "nonexistent")
   with pytest.raises(ConfigError, match=re.escape(
       f"config.pipeline.data: {bad.pipeline.data!r} holds no AppWorld data")):
     pipeline.Pipeline(bad, str(workdir))
+  assert not (workdir / "config.json").exists()
+  more = _sft_on_file(demo_expert_file)  # the mini world's train split has 7 scenarios
+  more.pipeline.train_scenarios = 8
+  with pytest.raises(ConfigError, match=r"config.pipeline.train_scenarios: 8, but the 'train' "
+                                        r"split of \S+ has 7 scenarios; set at most 7"):
+    pipeline.Pipeline(more, str(workdir))
   assert not (workdir / "config.json").exists()
   # What a run that crashed before its first checkpoint leaves: its config.json.
   stopped = _sft_on_file(demo_expert_file)
