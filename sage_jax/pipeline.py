@@ -560,7 +560,7 @@ class Pipeline:
     run = self.run
     examples = self.expert_examples()
     longest = max(examples, key=lambda e: len(e.tokens), default=None)
-    if longest and len(longest.tokens) - 1 > self.batch_config.length_buckets[-1]:
+    if longest is not None and len(longest.tokens) - 1 > self.batch_config.length_buckets[-1]:
       raise run_config.ConfigError(
           f"config.batch.length_buckets: the largest, {self.batch_config.length_buckets[-1]}, "
           f"holds fewer positions than the SFT example {longest.id} needs "

@@ -38,8 +38,8 @@ class SFTConfig:
   """total_steps: optimiser updates (0: `num_epochs` passes over the data, rounded up to
   whole batches: the last batch is completed from the next pass's order, so at most
   batch_size - 1 examples more). num_epochs: used when total_steps is 0. batch_size: sequences
-  per update. loss_aggregation: "token-mean"
-  (every assistant token of the batch weighs the same) or "seq-mean-token-mean".
+  per update. loss_aggregation: "token-mean" (every assistant token of the batch weighs the
+  same) or "seq-mean-token-mean".
   eval_every: evaluation every this many steps (0 = never). save_every: a checkpoint every
   this many steps (0 = the run's `checkpoint.save_every`; SFT steps are often far shorter
   than RL steps). seed: data order. logprob_chunk: tokens per chunk of the logits

@@ -67,7 +67,6 @@ class OptimizerConfig:
                        f"weight_decay={self.weight_decay} >= 0, end_lr_ratio="
                        f"{self.end_lr_ratio} in [0, 1]")
 
-
   def for_updates(self, total_updates: int) -> OptimizerConfig:
     """This config for a stage of `total_updates` optimiser updates: `warmup_ratio` of them
     warm up, and a decay of decay_steps 0 ends at the last one."""
