@@ -155,6 +155,10 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
   (--stage, --step) as the run's sampler holds it. Else an HF directory (its own tokenizer and
   generation_config.json where it has them), a .gguf file or the bundled model."""
   FLAGS = flags.FLAGS
+  try:
+    run_checkpoint.check_not_checkpoints(spec)
+  except FileNotFoundError as e:
+    raise app.UsageError(f"--model={e}") from None
   recorded = run_checkpoint.run_config_at(spec)
   if recorded is not None:
     for name in ("tensor", "param_dtype"):  # this host's mesh instead of the run's

@@ -168,9 +168,9 @@ class Pipeline:
   def __init__(self, config: Any, workdir: str):
     self.config = config
     self.run = run_config.resolve(config, jax.device_count(), jax.local_device_count())
-    memory_plan.check_fits(self.run, jax.local_devices()[0])
-    # Before config.json records the run:
+    # Before config.json records the run (the weights first: the plan reads their shapes):
     loader.check_weights(self.run.model)
+    memory_plan.check_fits(self.run, jax.local_devices()[0])
     loader.check_tokenizer(self.run.model)
     check_evaluation_reports(self.run)
     self.workdir = storage.open_workdir(workdir, flag="--workdir")

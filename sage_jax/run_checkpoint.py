@@ -30,21 +30,59 @@ RETIRED_KEYS = {"expert.use_library": "agent.use_library"}
 
 def run_config_at(path: str) -> ml_collections.ConfigDict | None:
   """The config of the training run whose workdir `path` is; None when it is not one (e.g. a
-  model's directory, whose config.json has no pipeline section)."""
+  model's directory, whose config.json has no pipeline section). One of the run's checkpoint
+  directories holds a copy of it too (`checkpoints_of` tells them apart)."""
   directory = storage.path(path)
   config = storage.read_json(directory / "config.json") if directory.is_dir() else None
-  if not (isinstance(config, dict) and "pipeline" in config):
+  if run_config.not_a_run(config) is not None:
     return None
   return _without_retired_keys(config)
 
 
+def checkpoints_of(path: str) -> tuple[str, str] | None:
+  """(workdir, stage) when `path` is the `stage` checkpoint directory (`STAGE_DIRS`) of the
+  training run in `workdir`: its copy of the run's config.json makes it look like a workdir.
+  None for anything else."""
+  directory = storage.path(path)
+  for stage, stage_dir in STAGE_DIRS.items():
+    workdir = directory
+    for _ in stage_dir.split("/"):
+      workdir = workdir.parent
+    if workdir / stage_dir == directory and run_config_at(os.fspath(workdir)) is not None:
+      return os.fspath(workdir), stage
+  return None
+
+
 def read_config(run_dir: str) -> ml_collections.ConfigDict:
-  """The run's config.json, less its `RETIRED_KEYS`; a directory without one is not a
-  training run."""
-  config = storage.read_json(storage.path(run_dir) / "config.json")
+  """The run's config.json, less its `RETIRED_KEYS`. What is not a training run's workdir fails
+  naming what it is: a directory without config.json, a model's (a run's HF export,
+  <workdir>/hf), one of a run's checkpoint directories."""
+  directory = storage.path(run_dir)
+  config = storage.read_json(directory / "config.json")
   if config is None:
     raise FileNotFoundError(f"{run_dir}: not a training run's workdir (no config.json)")
+  looks = run_config.not_a_run(config)
+  if looks is not None:
+    run = os.fspath(directory.parent)
+    model = isinstance(config, dict) and "model_type" in config
+    raise FileNotFoundError(
+        f"{run_dir}{' is a model export,' if model else ':'} not a training run's workdir "
+        f"(its config.json looks like {looks}): pass the workdir of the run"
+        + (f", {run}" if run_config_at(run) is not None
+           else " it was exported from" if model else ""))
+  check_not_checkpoints(run_dir)
   return _without_retired_keys(config)
+
+
+def check_not_checkpoints(path: str) -> None:
+  """Fails when `path`, given as a run's workdir, is one of the run's checkpoint directories
+  (`checkpoints_of`), naming the workdir to give instead."""
+  if (found := checkpoints_of(path)) is not None:
+    workdir, stage = found
+    raise FileNotFoundError(
+        f"{path} is the {stage} checkpoint directory of the run in {workdir}, not a "
+        f"training run's workdir: pass the run's workdir, {workdir}"
+        + (" (with --stage=sft)" if stage == "sft" else ""))
 
 
 def _without_retired_keys(config: dict) -> ml_collections.ConfigDict:

@@ -201,16 +201,25 @@ def _comparable(config: dict) -> dict[str, Any]:
   return flat
 
 
+def not_a_run(recorded: Any) -> str | None:
+  """What `recorded`, a directory's config.json, looks like when it is not a training run's
+  config (it has no `pipeline` section, as `run_checkpoint.run_config_at` tells them apart):
+  "an HF model config (...)" for a model's directory, such as a run's HF export; None for a
+  run's config."""
+  if isinstance(recorded, dict) and "pipeline" in recorded:
+    return None
+  return (f"an HF model config (model_type {recorded['model_type']!r})"
+          if isinstance(recorded, dict) and "model_type" in recorded
+          else "some other file (no `pipeline` section)")
+
+
 def check_recorded(recorded: Any, source: str) -> None:
   """Raises ConfigError when `recorded`, the config.json found in a --workdir (at `source`), is
-  not a training run's (it has no `pipeline` section, as `run_checkpoint.run_config_at`
-  tells them apart): that directory is something else, such as a run's HF export, and
-  recording a run there would overwrite its file."""
-  if isinstance(recorded, dict) and "pipeline" in recorded:
+  not a training run's (`not_a_run`): that directory is something else, such as a run's HF
+  export, and recording a run there would overwrite its file."""
+  looks = not_a_run(recorded)
+  if looks is None:
     return
-  looks = (f"an HF model config (model_type {recorded['model_type']!r})"
-           if isinstance(recorded, dict) and "model_type" in recorded
-           else "some other file (no `pipeline` section)")
   raise ConfigError(
       f"{source} is not a training run's config: it looks like {looks}, so this directory "
       "is not a run's workdir (a run's HF export, <workdir>/hf, is a model). Nothing was "

@@ -3,6 +3,7 @@ is or contains the run's workdir or the source model: replacing deletes what is 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,11 +12,17 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from sage_jax import export, storage
+from sage_jax import export, run_checkpoint, run_config, storage
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.model import lora
+from sage_jax.train import state as state_lib
+from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.weights import gguf_import, hf, loader
 from sage_jax.weights.peft_adapter import save_peft_adapter
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from configs import sage as sage_configs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +140,7 @@ def _run_dir(tmp_path, spec=""):
   """A run's workdir as far as the export reads it before restoring a checkpoint."""
   workdir = tmp_path / "runs" / "x"
   precious = _foreign(workdir)
-  (workdir / "config.json").write_text(json.dumps({"model": {"spec": spec}}))
+  (workdir / "config.json").write_text(json.dumps({"model": {"spec": spec}, "pipeline": {}}))
   (workdir / hf.EXPORT_MARKER).write_text("{}")  # the workdir is refused even so
   return workdir, precious
 
@@ -155,16 +162,73 @@ def test_run_export_refuses_the_source_model(tmp_path, model):
   assert (tmp_path / "base" / "config.json").exists()
 
 
+def _cli(module, *args):
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
 def test_export_cli_refuses_the_workdir(tmp_path):
   workdir, precious = _run_dir(tmp_path)
-  result = subprocess.run(
-      [sys.executable, "-m", "sage_jax.export", f"--workdir={workdir}", f"--out={workdir}",
-       "--dtype=bfloat16"], capture_output=True, text=True,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  result = _cli("sage_jax.export", f"--workdir={workdir}", f"--out={workdir}",
+                "--dtype=bfloat16")
   assert result.returncode != 0
   assert f"{workdir}: exporting there would delete {workdir}" in result.stderr
   assert "Traceback" not in result.stderr  # one line, not a traceback
   assert precious.exists()
+
+
+def _tiny_run(workdir, checkpoints):
+  """A training run's workdir as the pipeline leaves it: its config.json and, for each stage
+  of `checkpoints` (stage -> steps), that stage's checkpoint directory, with the copy of
+  config.json the run's checkpointer writes, holding those steps of a tiny model."""
+  import optax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  config = sage_configs.get_config("demo")
+  config.model.update(preset="tiny", vocabulary="full")
+  run = run_config.resolve(config)
+  recorded = run_config.with_seeds(config, run)
+  workdir.mkdir(parents=True)
+  (workdir / "config.json").write_text(json.dumps(recorded, default=str))
+  state = state_lib.create_train_state(nnx.state(loader.build_model(run.model)),
+                                       optax.sgd(0.1), seed=0)
+  for stage, steps in checkpoints.items():
+    saver = Checkpointer(CheckpointConfig(
+        directory=str(workdir / run_checkpoint.STAGE_DIRS[stage]), async_save=False),
+        run_config=recorded)
+    for step in steps:
+      saver.save(step, state)
+    saver.close()
+  return workdir
+
+
+def test_a_model_export_or_checkpoint_directory_given_as_the_run_is_named(model, tmp_path):
+  """`export --workdir` and `evaluate --run` given a run's HF export (a model: its config.json
+  is no run's) or one of the run's checkpoint directories (which hold a copy of the run's
+  config.json) say what it is, and which workdir to pass, in one line; so does `generate
+  --model` given a checkpoint directory (it samples a run's workdir or a model)."""
+  run = _tiny_run(tmp_path / "run", {"rl": [1], "sft": [1]})
+  hf.save_hf(model, str(run / "hf"))
+  model_export = (f"{run / 'hf'} is a model export, not a training run's workdir (its "
+                  "config.json looks like an HF model config (model_type 'qwen2')): pass the "
+                  f"workdir of the run, {run}")
+  checkpoints = (f"{run / 'checkpoints'} is the rl checkpoint directory of the run in {run}, "
+                 f"not a training run's workdir: pass the run's workdir, {run}")
+  for given, error in ((run / "hf", model_export), (run / "checkpoints", checkpoints)):
+    refused = _cli("sage_jax.export", f"--workdir={given}", f"--out={tmp_path / 'out'}")
+    assert refused.returncode != 0 and error in refused.stderr, refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr
+  evaluated = _cli("sage_jax.evaluate", f"--run={run / 'hf'}", "--config=configs/eval.py:run",
+                   f"--workdir={tmp_path / 'eval'}")
+  assert evaluated.returncode != 0 and model_export in evaluated.stderr, evaluated.stderr[-2000:]
+  generated = _cli("sage_jax.generate", f"--model={run / 'checkpoints'}", "--prompt=hi")
+  assert generated.returncode != 0 and f"--model={checkpoints}" in generated.stderr, (
+      generated.stderr[-2000:])
+  with pytest.raises(FileNotFoundError, match=re.escape(
+      f"{run / 'sft' / 'checkpoints'} is the sft checkpoint directory of the run in {run}, not "
+      f"a training run's workdir: pass the run's workdir, {run} (with --stage=sft)")):
+    run_checkpoint.read_config(str(run / "sft" / "checkpoints"))
+  assert not (tmp_path / "out").exists() and not (tmp_path / "eval").exists()
 
 
 def test_write_model_exports_in_the_dtype_asked_for(model, tmp_path):
@@ -241,9 +305,6 @@ def test_a_remote_output_directory_is_checked_too(gcs_url, model):
 
 def test_the_model_card_of_untrained_weights_says_no_stage_trained():
   """A run's export before any stage trained (stages=() or eval only) holds the base model."""
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from configs import sage as sage_configs  # noqa: PLC0415
-
   config = sage_configs.get_config("demo")
   card = export.model_card(config, None, 0, {})
   assert "- Checkpoint: none (the base model's weights, untrained)" in card
@@ -253,9 +314,6 @@ def test_the_model_card_of_untrained_weights_says_no_stage_trained():
 def test_the_model_card_shows_the_run_s_evaluation_only_for_the_weights_it_evaluated():
   """summary.json's before/after table is of the pipeline's final weights: an export of an
   earlier checkpoint (--stage=sft --step=N) names the checkpoint it is of instead."""
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from configs import sage as sage_configs  # noqa: PLC0415
-
   config = sage_configs.get_config("demo")
   table = "| metric | dev before | dev after |\n|---|---|---|\n| tgc | 0 | 100 |"
   summary = {"weights": {"run": "/runs/a", "stage": "rl", "step": 10}, "table": table}

@@ -98,6 +98,48 @@ def test_a_spec_that_names_no_weights_here_fails_naming_its_key(tmp_path):
     loader.check_weights(model(str(tmp_path / "weights.bin")))
 
 
+def _train(*args):
+  """`python -m sage_jax.train` on one CPU device, as a user runs it."""
+  return subprocess.run([sys.executable, "-m", "sage_jax.train", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=300,
+                        env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                             "JAX_PLATFORMS": "cpu"})
+
+
+def test_a_training_runs_directory_given_as_the_weights_names_its_export(tmp_path):
+  """model.spec naming a training run's workdir or one of its checkpoint directories (each
+  holds the run's config.json, not a model's) fails at the run's start in one line naming the
+  run's export and the command that makes one, before anything is written or started."""
+  import json  # noqa: PLC0415
+
+  from sage_jax import run_checkpoint  # noqa: PLC0415
+  from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: PLC0415
+
+  run = tmp_path / "run"
+  run.mkdir()
+  recorded = _recorded(_config("sage", "demo"))
+  (run / "config.json").write_text(json.dumps(recorded, default=str))
+  for stage in ("rl", "sft"):  # the copy of the run's config.json each stage's saver writes
+    Checkpointer(CheckpointConfig(directory=str(run / run_checkpoint.STAGE_DIRS[stage])),
+                 run_config=recorded).close()
+  for given, what, stage in (
+      (run, "a training run's workdir", ""),
+      (run / "checkpoints", f"the rl checkpoint directory of the training run in {run}", ""),
+      (run / "sft" / "checkpoints", f"the sft checkpoint directory of the training run in {run}",
+       " --stage=sft")):
+    with pytest.raises(ConfigError, match=re.escape(
+        f"config.model.spec: {str(given)!r} is {what}, not model weights: pass the run's HF "
+        f"export ({run}/hf), or export a checkpoint with `python -m sage_jax.export "
+        f"--workdir={run}{stage} --out=DIR`")):
+      loader.check_weights(ModelSpec(spec=str(given)))
+  out = _train("--config=configs/sage.py:qwen2.5-coder-0.5b", f"--config.model.spec={run}",
+               f"--workdir={tmp_path / 'new'}")
+  assert out.returncode != 0
+  assert (f"ConfigError: config.model.spec: {str(run)!r} is a training run's workdir, not model "
+          "weights") in out.stderr, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr and not (tmp_path / "new").exists()
+
+
 def test_unknown_preset_names_the_known_ones():
   with pytest.raises(ValueError, match="unknown preset 'big'; known: demo"):
     _config("sage", "big")
@@ -513,19 +555,13 @@ def test_train_refuses_to_resume_a_workdir_under_another_experiment(tmp_path):
   (workdir / "eval_before" / "eval_dev.json").write_text("{}")  # the run has a result
   text = json.dumps(_recorded(config), default=str)
   (workdir / "config.json").write_text(text)
-  out = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
-                        f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300, env={**{k: v for k, v in os.environ.items()
-                                            if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"})
+  out = _train("--config=configs/sage.py:demo", f"--workdir={workdir}")
   assert out.returncode != 0
   assert "config.grpo.group_size: 8 -> 4" in out.stderr, out.stderr[-3000:]
   assert (workdir / "config.json").read_text() == text  # the record stays
   # Not resuming is no way around it: a new run would mix with the one the workdir holds.
-  fresh = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
-                          f"--workdir={workdir}", "--config.checkpoint.resume=false"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300,
-                         env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-                              "JAX_PLATFORMS": "cpu"})
+  fresh = _train("--config=configs/sage.py:demo", f"--workdir={workdir}",
+                 "--config.checkpoint.resume=false")
   assert fresh.returncode != 0
   assert (f"--workdir {workdir} holds a run ({workdir}/config.json; eval_before/eval_dev.json),"
           " and checkpoint.resume=False starts a new one") in fresh.stderr, fresh.stderr[-3000:]

@@ -235,13 +235,33 @@ def model_config(spec: ModelSpec, vocab_size: int | None = None) -> Qwen2Config:
 def check_weights(spec: ModelSpec) -> None:
   """Fails unless `spec.spec`, where set, names weights this host can load: a run checks it at
   its start, before AppWorld starts and config.json records the run. (`run_config.resolve`
-  does not: a launcher resolves configs for hosts whose disks it does not see.)"""
+  does not: a launcher resolves configs for hosts whose disks it does not see.) A training
+  run's workdir or checkpoint directory is no HF directory: the run's export is."""
   path = spec.spec
+  if path and os.path.isdir(path):
+    _check_not_a_run(path)
   if not path or path == BUNDLED_0P5B or weights_format(path):
     return
   raise ConfigError(f"config.model.spec: {path!r} is not an HF checkpoint directory, a .gguf "
                     f"file or {BUNDLED_0P5B!r}" + ("" if os.path.exists(path)
                                                    else " (no such path on this host)"))
+
+
+def _check_not_a_run(path: str) -> None:
+  """Fails when directory `path` is a training run's workdir or one of its checkpoint
+  directories (their config.json is the run's, not a model's)."""
+  # run_checkpoint builds its models through this module.
+  from sage_jax import run_checkpoint  # noqa: PLC0415
+  if run_checkpoint.run_config_at(path) is None:
+    return
+  workdir, stage = run_checkpoint.checkpoints_of(path) or (path, None)
+  what = (f"the {stage} checkpoint directory of the training run in {workdir}" if stage
+          else "a training run's workdir")
+  raise ConfigError(
+      f"config.model.spec: {path!r} is {what}, not model weights: pass the run's HF export "
+      f"({os.path.join(workdir, 'hf')}), or export a checkpoint with `python -m "
+      f"sage_jax.export --workdir={workdir}{' --stage=sft' if stage == 'sft' else ''} "
+      "--out=DIR`")
 
 
 def check_tokenizer(spec: ModelSpec) -> None:
