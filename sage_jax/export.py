@@ -1,6 +1,7 @@
 """Exports a training run's checkpoint to Hugging Face format.
 
-  python -m sage_jax.export --workdir=RUN [--step=N] [--stage=rl|sft] [--dtype=D] --out=HF_DIR
+  python -m sage_jax.export --workdir=RUN [--step=N] [--stage=rl|sft] [--dtype=D] \
+      [--overwrite] --out=HF_DIR
 
 Restores the latest (or given) checkpoint of RUN with the config saved beside it, writes
 config.json, generation_config.json, sharded safetensors and the tokenizer files
@@ -15,8 +16,9 @@ are in the dtype of the HF checkpoint the run started from (its config.json's: b
 the Qwen2.5 releases, whatever the run's param_dtype), else (a random init, a .gguf file, the
 bundled model) in the run's param_dtype; --dtype overrides both. RUN and HF_DIR may be remote
 (gs://...): the files are written locally, then uploaded (`sage_jax.storage`). HF_DIR is
-replaced only if it is missing, empty or a previous export, and never when it is or contains
-RUN or the source model (`hf.check_export_target`).
+replaced only if it is missing, empty or a previous export of the same checkpoint (its
+sage_jax_export.json records the run, stage and step; --overwrite replaces an export of
+another), and never when it is or contains RUN or the source model (`hf.check_export_target`).
 """
 
 from __future__ import annotations
@@ -37,12 +39,42 @@ from sage_jax.weights.peft_adapter import write_peft_adapter
 ADAPTER_DIR = "lora_adapter"
 
 
-def check_target(out: str, keep: Sequence[str] = ()) -> None:
+def export_of(workdir: str | os.PathLike, stage: str | None, step: int) -> dict:
+  """What an export of checkpoint `stage` `step` of the run in `workdir` is of (stage None: the
+  run's starting weights), as its `hf.EXPORT_MARKER` records it."""
+  return {"run": os.fspath(storage.path(workdir)), "stage": stage, "step": int(step)}
+
+
+def _described(of) -> str:
+  if not isinstance(of, dict) or "run" not in of:
+    return "no recorded run (an export of another kind, or by an earlier version)"
+  return f"run {of['run']}, " + (f"{of['stage']} step {of['step']}" if of["stage"]
+                                 else "its starting weights")
+
+
+def _check_previous(out: str, of: Mapping) -> None:
+  """Fails when `out` holds an export of other weights than `of` (`export_of`), as its marker
+  records (an export that records nothing counts as other weights): replacing it would lose,
+  say, a run's final model to another run's checkpoint."""
+  marker = storage.read_json(storage.path(out) / hf.EXPORT_MARKER)
+  previous = marker.get("of") if isinstance(marker, dict) else None
+  if marker is not None and previous != of:
+    raise hf.ExportError(
+        f"{out} holds the export of {_described(previous)}, and this one is of "
+        f"{_described(of)}: exporting there would replace it; choose another --out, or pass "
+        "--overwrite to replace it")
+
+
+def check_target(out: str, keep: Sequence[str] = (), of: Mapping | None = None,
+                 remedy: str = hf.CHOOSE_ANOTHER) -> None:
   """`hf.check_export_target` on every process, failing on all when it fails on any: a local
   `out` may exist on one host only, and a host that stopped alone would leave the others
-  waiting in the gathers."""
+  waiting in the gathers. With `of`, a previous export at `out` must be of the same weights
+  (`_check_previous`)."""
   try:
-    hf.check_export_target(out, keep)
+    hf.check_export_target(out, keep, remedy)
+    if of is not None:
+      _check_previous(out, of)
     refused = None
   except hf.ExportError as e:
     refused = e
@@ -62,7 +94,8 @@ def source_dtype(base_model: str) -> str | None:
 
 def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
                 base_model: str = "", dtype: str | None = None,
-                text_files: Mapping[str, str] | None = None) -> None:
+                text_files: Mapping[str, str] | None = None, of: dict | None = None,
+                overwrite: bool = False) -> None:
   """The HF directory of `model`, whose ids are `tokenizer_dir`'s, in `dtype` (default: the
   dtype `base_model` is stored in, `source_dtype` as process 0 reads it, else the model's
   param_dtype: float32 master weights trained from a bfloat16 release export as bfloat16, as
@@ -70,14 +103,17 @@ def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
   run loaded, where it is an HF directory whose tokenizer encodes as `tokenizer_dir`'s
   (`hf.write_hf`), else `tokenizer_dir`; with LoRA, the adapters merged in and also alone
   under `out/lora_adapter` in PEFT's format, naming `base_model` as others load it
-  (`loader.release`); `text_files` (name -> text) beside them. Every file is written before
-  the directory takes `out`'s place (`hf.export_dir`), so an interrupted export never looks
-  complete. Every process calls it (the gathers are collective); process 0 writes."""
-  check_target(out)  # A remote `out` is replaced by the staged copy, unseen by export_dir.
+  (`loader.release`); `text_files` (name -> text) beside them. `of` (`export_of`): the weights
+  the export is of, which its marker records; a previous export at `out` of others is
+  refused, unless `overwrite`. Every file is written before the directory takes `out`'s place
+  (`hf.export_dir`), so an interrupted export never looks complete. Every process calls it
+  (the gathers are collective); process 0 writes."""
+  # A remote `out` is replaced by the staged copy, unseen by export_dir.
+  check_target(out, of=None if overwrite else of)
   dtype = dtype or multihost.from_lead(lambda: source_dtype(base_model))
   writer = jax.process_index() == 0
   with (storage.staged_dir(out, writer=writer) as local,
-        hf.export_dir(local, writer=writer) as directory):
+        hf.export_dir(local, writer=writer, of=of) as directory):
     hf.write_hf(model, directory, dtype=dtype, tokenizer_dir=os.fspath(tokenizer_dir),
                 source_dir=base_model or None)
     if model.config.lora.enabled:
@@ -90,20 +126,24 @@ def write_model(model, out: str, tokenizer_dir: str | os.PathLike, *,
 
 
 def export(workdir: str, out: str, step: int | None = None, stage: str = "rl",
-           dtype: str | None = None) -> dict:
+           dtype: str | None = None, overwrite: bool = False) -> dict:
   """Writes the checkpoint's model to `out` (in `dtype`, default `write_model`'s) with
   the run's config (sage_jax_config.json) and a model card (README.md); returns what was
-  exported."""
+  exported. A previous export at `out` of another run, stage or step is replaced only with
+  `overwrite`."""
   config = run_checkpoint.read_config(workdir)
   # Checked before the restore, which can take minutes for a large model.
   check_target(out, keep=[p for p in (workdir, config.model.spec) if p])
+  step = run_checkpoint.checkpoint_step(workdir, stage, step)
+  of = export_of(workdir, stage, step)
+  check_target(out, of=None if overwrite else of)
   run = run_config.resolve(config)
   # write_model gathers each tensor and process 0 writes.
   model, step = run_checkpoint.restore_model(workdir, run, step, stage)
   summary = storage.read_json(storage.path(workdir) / "summary.json") or {}
   write_model(model, out, run_checkpoint.tokenizer_dir(workdir, run),
               base_model=config.model.spec, dtype=dtype,
-              text_files=run_files(config, stage, step, summary))
+              text_files=run_files(config, stage, step, summary), of=of, overwrite=overwrite)
   return {"out": out, "stage": stage, "step": step}
 
 
@@ -151,7 +191,7 @@ def main(argv) -> None:
   multihost.initialize()
   try:
     result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage,
-                    flags.FLAGS.dtype)
+                    flags.FLAGS.dtype, flags.FLAGS.overwrite)
   except (FileNotFoundError, hf.ExportError) as e:  # not a run, no such step, a bad --out
     raise app.UsageError(str(e)) from e
   multihost.finish()
@@ -166,4 +206,6 @@ if __name__ == "__main__":
   flags.DEFINE_enum("stage", "rl", list(run_checkpoint.STAGE_DIRS), "Which stage's checkpoints.")
   flags.DEFINE_enum("dtype", None, list(hf.NP_DTYPES), "Dtype of the exported weights "
                     "(default: the source checkpoint's, else the run's param_dtype).")
+  flags.DEFINE_bool("overwrite", False, "Replace a previous export at --out of another run, "
+                    "stage or step (never a directory that is not an export).")
   app.run(main)

@@ -85,7 +85,7 @@ from sage_jax.train.checkpoint import CheckpointConfig, Checkpointer
 from sage_jax.train.loop import LoopResult
 from sage_jax.train.optimizer import OptimizerConfig
 from sage_jax.train.state import abstract_like
-from sage_jax.weights import loader
+from sage_jax.weights import hf, loader
 
 # The sections of a run's config that decide what an evaluation measures: a report made under
 # others is made again.
@@ -189,6 +189,8 @@ class Pipeline:
           "evaluations would mix with the new run's. Use a new --workdir, or remove that one")
     if recorded is not None:
       run_config.check_resume(recorded, self.config_dict, f"{workdir}/config.json")
+    if self.run.pipeline.export:
+      self._check_export_dir()
     self.sft_pending = self._check_saved_stages(workdir)
     self.root = self._check_data()
     expert_file = self._check_expert_file()
@@ -246,6 +248,18 @@ class Pipeline:
               + sorted(os.fspath(path.relative_to(w)) for path in w.glob("eval_*/eval_*.json")))
 
     return found + multihost.from_lead(files)
+
+  def _check_export_dir(self) -> None:
+    """Fails unless the export the run ends with may replace <workdir>/hf: a file or a
+    directory that is not an export there (a model put in its place) would otherwise stop the
+    run at its end, after every stage has trained and evaluated."""
+    out = self.workdir / "hf"
+    try:
+      export.check_target(os.fspath(out), remedy=(
+          "the run exports its model there when it ends (config.pipeline.export): move it "
+          "away, or set --config.pipeline.export=false"))
+    except hf.ExportError as e:
+      raise storage.WorkdirError(str(e)) from None
 
   def _check_data(self) -> str:
     """The AppWorld root of `pipeline.data`, checked with the splits the run reads there and
@@ -715,9 +729,11 @@ class Pipeline:
     if _read_json_on_lead(out / EXPORT_RECORD) == record:
       return os.fspath(out)
     self.read_sft_result("the model exported")
+    # <workdir>/hf is the run's own: it replaces the export of the run's earlier weights.
     export.write_model(self.model, os.fspath(out), compact_tokenizer.run_tokenizer_dir(
         self.workdir, self.run.model.vocabulary), base_model=self.run.model.spec,
-        text_files=files)
+        text_files=files, of=export.export_of(self.workdir, held["stage"], held["step"]),
+        overwrite=True)
     _write_json(out / EXPORT_RECORD, record)
     return os.fspath(out)
 

@@ -202,6 +202,40 @@ def _tiny_run(workdir, checkpoints):
   return workdir
 
 
+def test_an_export_replaces_only_an_export_of_the_same_checkpoint(model, tmp_path):
+  """A run's export records the run, stage and step it is of: exporting another run's or
+  another checkpoint over it (run B's SFT over run A's final model) is refused in one line
+  naming both, before the restore, unless --overwrite; an export that records none (by an
+  earlier version, or not of a run) counts as another. The same checkpoint is exported again
+  over its own export."""
+  a = _tiny_run(tmp_path / "a", {"rl": [1, 2]})
+  b = _tiny_run(tmp_path / "b", {"sft": [1]})
+  out = a / "hf"
+  export.export(str(a), str(out))
+  of_a = {"run": str(a), "stage": "rl", "step": 2}
+  assert json.load(open(out / hf.EXPORT_MARKER))["of"] == of_a
+  export.export(str(a), str(out))  # the same checkpoint again
+  with pytest.raises(hf.ExportError, match=rf"holds the export of run {a}, rl step 2, and this "
+                                           rf"one is of run {a}, rl step 1"):
+    export.export(str(a), str(out), step=1)
+  files = {f: (out / f).stat().st_mtime_ns for f in os.listdir(out)}
+  refused = _cli("sage_jax.export", f"--workdir={b}", "--stage=sft", f"--out={out}")
+  assert refused.returncode != 0
+  assert (f"{out} holds the export of run {a}, rl step 2, and this one is of run {b}, sft step "
+          "1: exporting there would replace it; choose another --out, or pass --overwrite to "
+          "replace it") in refused.stderr, refused.stderr[-2000:]
+  assert "Traceback" not in refused.stderr
+  assert {f: (out / f).stat().st_mtime_ns for f in os.listdir(out)} == files
+  replaced = _cli("sage_jax.export", f"--workdir={b}", "--stage=sft", f"--out={out}",
+                  "--overwrite")
+  assert replaced.returncode == 0, replaced.stderr[-2000:]
+  assert json.load(open(out / hf.EXPORT_MARKER))["of"] == {"run": str(b), "stage": "sft",
+                                                           "step": 1}
+  hf.save_hf(model, str(tmp_path / "unrecorded"))
+  with pytest.raises(hf.ExportError, match=r"unrecorded holds the export of no recorded run"):
+    export.export(str(a), str(tmp_path / "unrecorded"))
+
+
 def test_a_model_export_or_checkpoint_directory_given_as_the_run_is_named(model, tmp_path):
   """`export --workdir` and `evaluate --run` given a run's HF export (a model: its config.json
   is no run's) or one of the run's checkpoint directories (which hold a copy of the run's

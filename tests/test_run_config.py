@@ -140,6 +140,35 @@ def test_a_training_runs_directory_given_as_the_weights_names_its_export(tmp_pat
   assert "Traceback" not in out.stderr and not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("found", ["a file", "a model no export wrote"])
+def test_a_workdir_whose_export_directory_holds_something_else_fails_at_the_start(
+    tmp_path, found):
+  """<workdir>/hf, which the run's export replaces when the run ends, holding a file or a
+  directory that is no export fails the run at its start in one line, before config.json
+  records the run, not at its end after every stage has trained. (Here a run with no stage
+  and no evaluation, which would otherwise go straight to its export.)"""
+  workdir = tmp_path / "run"
+  hf = workdir / "hf"
+  if found == "a file":
+    workdir.mkdir()
+    hf.write_text("notes")
+    problem = f"{hf} is a file, not a directory an export can replace"
+  else:
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text('{"model_type": "qwen2"}')
+    problem = f"{hf} is not empty and is not a previous export (it has no sage_jax_export.json)"
+  out = _train("--config=configs/sage.py:demo", f"--workdir={workdir}",
+               "--config.pipeline.stages=()", "--config.pipeline.eval_before=false",
+               "--config.pipeline.eval_after=false", "--config.pipeline.eval_train=false",
+               "--config.pipeline.plot=false", "--config.model.vocabulary=full")
+  assert out.returncode != 0
+  assert (f"WorkdirError: {problem}; the run exports its model there when it ends "
+          "(config.pipeline.export): move it away, or set --config.pipeline.export=false"
+          ) in out.stderr, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr
+  assert sorted(os.listdir(workdir)) == ["hf"]
+
+
 def test_unknown_preset_names_the_known_ones():
   with pytest.raises(ValueError, match="unknown preset 'big'; known: demo"):
     _config("sage", "big")

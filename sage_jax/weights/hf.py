@@ -278,23 +278,31 @@ class ExportError(ValueError):
   """An export that would delete files it did not write."""
 
 
+# What an export refused by `check_export_target` is told to do, unless its caller knows better.
+CHOOSE_ANOTHER = "choose another output directory or remove it"
+
+
 def _resolved(p: str | os.PathLike) -> epath.Path:
   return storage.path(p if storage.is_remote(p) else os.path.realpath(p))
 
 
-def check_export_target(out_dir: str | os.PathLike, keep: Iterable[str] = ()) -> None:
+def check_export_target(out_dir: str | os.PathLike, keep: Iterable[str] = (),
+                        remedy: str = CHOOSE_ANOTHER) -> None:
   """Fails unless an export may replace `out_dir` (local or remote): it must be missing, empty
   or a previous export (it holds `EXPORT_MARKER`), and must not be or contain any path in
-  `keep` (the run's workdir, the source model), since replacing deletes what is there."""
+  `keep` (the run's workdir, the source model), since replacing deletes what is there.
+  `remedy` ends the message of a target that is no directory or export."""
   out = _resolved(out_dir)
   for path in keep:
     kept = _resolved(path)
     if out == kept or out in kept.parents:
       raise ExportError(f"{out_dir}: exporting there would delete {path}; choose another "
                         "output directory")
+  if out.exists() and not out.is_dir():
+    raise ExportError(f"{out_dir} is a file, not a directory an export can replace; {remedy}")
   if out.exists() and any(out.iterdir()) and not (out / EXPORT_MARKER).exists():
     raise ExportError(f"{out_dir} is not empty and is not a previous export (it has no "
-                      f"{EXPORT_MARKER}); choose another output directory or remove it")
+                      f"{EXPORT_MARKER}); {remedy}")
 
 
 def _remove_abandoned(out_dir: str) -> None:
@@ -319,12 +327,14 @@ def _running(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
+def export_dir(out_dir: str, *, writer: bool = True,
+               of: dict | None = None) -> Iterator[str | None]:
   """A new directory beside local `out_dir` to write an export into (None where `writer` is
   false: processes that only join the gathers). When the block ends, the export is marked as
-  ours and swapped in for `out_dir` (which `check_export_target` allowed), so an interrupted
-  export never looks complete; on an error the new directory is removed and `out_dir` is
-  left as it was. The name is new each time: no directory beside `out_dir` is replaced."""
+  ours (the marker records `of`, what the export is of, where given) and swapped in for
+  `out_dir` (which `check_export_target` allowed), so an interrupted export never looks
+  complete; on an error the new directory is removed and `out_dir` is left as it was. The
+  name is new each time: no directory beside `out_dir` is replaced."""
   if not writer:
     yield None
     return
@@ -335,8 +345,8 @@ def export_dir(out_dir: str, *, writer: bool = True) -> Iterator[str | None]:
   try:
     yield tmp
     with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-      json.dump({"written_by": "sage_jax", "note": "a later export may replace this directory"},
-                f, indent=2)
+      json.dump({"written_by": "sage_jax", "note": "a later export may replace this directory",
+                 **({"of": of} if of is not None else {})}, f, indent=2)
     _with_default_modes(tmp)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
