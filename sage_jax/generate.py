@@ -8,8 +8,10 @@ r"""Completes one prompt with the sampler engine and prints the completion.
 the bundled model's name, or a training run's workdir: its checkpoint of --stage (rl or sft)
 at --step (default: the latest), with the run's tokenizer, on the run's sampler mesh unless
 --tensor or --param_dtype replace its keys. A checkpoint is loaded straight onto --tensor of
-the host's devices, sharded over them, in --param_dtype. With --chat (default) the prompt is
-a user message in Qwen's ChatML; --nochat completes raw text.
+the host's devices, sharded over them, in --param_dtype. An HF directory without
+tokenizer.json samples with Qwen2.5's tokenizer, which its vocabulary must hold. With --chat
+(default) the prompt is a user message in Qwen's ChatML; --nochat completes raw text. A prompt
+must leave room for a new token in the model's context.
 
 An HF directory's generation_config.json gives the sampling defaults, as it does for
 transformers' `generate`: greedy unless it sets do_sample, else its temperature, top_p, top_k
@@ -34,6 +36,7 @@ from jax.sharding import Mesh
 from sage_jax import multihost, run_checkpoint, run_config
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.configurable import ConfigError
+from sage_jax.model.config import CheckpointError, Qwen2Config
 from sage_jax.model.qwen2 import Qwen2
 from sage_jax.sampler import Engine, EngineConfig, SamplingParams
 from sage_jax.weights import gguf_import, hf, loader
@@ -183,34 +186,69 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
     raise app.UsageError(f"--step and --stage choose a checkpoint of a training run's workdir; "
                          f"--model={spec} is not one")
   path = loader.resolve(spec)
-  if not os.path.exists(path):
-    raise app.UsageError(f"--model={spec}: no such directory or file (expected an HF checkpoint "
-                         f"directory, a .gguf file, a training run's workdir or "
-                         f"{loader.BUNDLED_0P5B!r})")
-  if loader.weights_format(path) == "gguf":  # sampled with Qwen2.5's tokenizer: its own?
-    try:
+  weights = loader.weights_format(path)
+  if weights is None:
+    problem = ("no such directory or file" if not os.path.exists(path)
+               else "neither a directory nor a .gguf file")
+    raise app.UsageError(f"--model={spec}: {problem} (expected an HF checkpoint directory, a "
+                         f".gguf file, a training run's workdir or {loader.BUNDLED_0P5B!r})")
+  try:
+    if weights == "gguf":  # sampled with Qwen2.5's tokenizer: its own?
       gguf_import.check_vocabulary(path)
-    except gguf_import.GGUFError as e:
-      raise app.UsageError(f"--model={spec}: {e}") from e
-  tok_dir = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+      tok = tokenizer_lib.Tokenizer()
+    else:
+      tok = directory_tokenizer(path, Qwen2Config.from_hf(path).vocab_size)
+  except (CheckpointError, gguf_import.GGUFError) as e:
+    raise app.UsageError(f"--model={spec}: {e}") from None
   mesh_config = multihost.SamplerMeshConfig(tensor=FLAGS.tensor, param_dtype=FLAGS.param_dtype)
   try:
     mesh_config.check_host(jax.local_device_count(), 1)
   except ConfigError as e:
     raise app.UsageError(f"--tensor={FLAGS.tensor}: {e}") from None
-  return (tokenizer_lib.Tokenizer(tok_dir), *hf.read_generation_config(path),
-          lambda: multihost.load_sampling_model(loader.ModelSpec(spec=path), mesh_config,
-                                                num_slots=1))
+
+  def load() -> tuple[Qwen2, Mesh]:
+    try:
+      return multihost.load_sampling_model(loader.ModelSpec(spec=path), mesh_config, num_slots=1)
+    except (CheckpointError, gguf_import.GGUFError) as e:  # a shard missing, a tensor's shape
+      raise app.UsageError(f"--model={spec}: {e}") from None
+
+  return (tok, *hf.read_generation_config(path), load)
+
+
+def directory_tokenizer(path: str, vocab_size: int) -> tokenizer_lib.Tokenizer:
+  """The tokenizer of HF directory `path`, whose model has `vocab_size` ids: its own, else
+  Qwen2.5's (a Qwen2.5 checkpoint saved without one), which must fit that vocabulary: raises
+  CheckpointError up front, not at the first id the model has no row for."""
+  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    return tokenizer_lib.Tokenizer(path)
+  tok = tokenizer_lib.Tokenizer()
+  if vocab_size < tok.vocab_size:
+    raise CheckpointError(
+        f"no tokenizer.json there, and the model's vocabulary ({vocab_size} ids) is smaller "
+        f"than that of Qwen2.5's tokenizer ({tok.vocab_size}), which stands in for a missing "
+        "one (a compact-vocabulary export without its tokenizer?): put the checkpoint's "
+        "tokenizer files (tokenizer.json, tokenizer_config.json) there")
+  logging.warning("%s has no tokenizer.json: sampling with Qwen2.5's tokenizer, right for a "
+                  "Qwen2.5 checkpoint only", path)
+  return tok
 
 
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS
+  if not FLAGS.chat and not FLAGS.prompt:
+    raise app.UsageError("--prompt is empty: with --nochat there is no text to complete")
   multihost.initialize()  # several processes: each generates on its own devices
   tok, generation_path, generation, load_model = source(FLAGS.model)
   ids = prompt_ids(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
   sampling, stop = sampling_settings(generation_path, generation, tok, len(ids))
   model, mesh = load_model()
+  context = model.config.max_position_embeddings
+  if len(ids) >= context:  # the engine would end it at once, as context_full
+    chatml = " as a ChatML conversation" if FLAGS.chat else ""
+    raise app.UsageError(f"--prompt: {len(ids)} tokens{chatml}, and the model's context "
+                         f"(max_position_embeddings) is {context}: no room for a new token "
+                         f"after it; shorten the prompt to fewer than {context} tokens")
   if mesh is not None:
     logging.info("Sampling on %d of this host's devices: %s", mesh.size,
                  ", ".join(f"{axis}={size}" for axis, size in mesh.shape.items()))

@@ -2,7 +2,9 @@
 transformers does), flags given on the command line winning, and stops at every eos id the
 file names."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -216,3 +218,67 @@ def test_a_tensor_size_that_does_not_divide_the_hosts_devices_is_refused(checkpo
   assert out.returncode != 0
   assert "--tensor=3: config.sampler_mesh.tensor: 3 does not divide the 8 devices" in out.stderr
   assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def _one_line_refusal(out: subprocess.CompletedProcess, message: str) -> None:
+  """The command failed with `message`, before it sampled, and without a traceback."""
+  assert out.returncode != 0 and message in out.stderr, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr and "finish:" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_prompt_the_models_context_cannot_hold_is_refused(checkpoint, tmp_path):
+  """The engine would end it at once (context_full) with an empty completion."""
+  directory, _ = checkpoint
+  short = tmp_path / "short"
+  shutil.copytree(directory, short)
+  config = json.loads((short / "config.json").read_text())
+  (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+  long_prompt = PROMPT * 30
+  length = len(tokenizer_lib.Tokenizer(directory).encode(long_prompt))
+  assert length > 64
+  _one_line_refusal(_run(short, f"--prompt={long_prompt}", generation={}),
+                    f"--prompt: {length} tokens, and the model's context "
+                    "(max_position_embeddings) is 64")
+  text, _ = _generate(short, "--max_new_tokens=4")  # a prompt it holds still completes
+  assert text
+
+
+def test_an_empty_prompt_is_refused_before_the_model_loads(checkpoint):
+  directory, _ = checkpoint
+  out = _run(directory, "--prompt=", generation={})
+  _one_line_refusal(out, "--prompt is empty: with --nochat there is no text to complete")
+  assert "Sampling settings" not in out.stderr
+
+
+def test_what_is_not_a_loadable_model_is_named_in_one_line(checkpoint, tmp_path):
+  directory, _ = checkpoint
+  (tmp_path / "empty").mkdir()
+  _one_line_refusal(_run(tmp_path / "empty"),
+                    f"--model={tmp_path / 'empty'}: {tmp_path / 'empty'}/config.json: not found")
+  (tmp_path / "notes.txt").write_text("not a model")
+  _one_line_refusal(_run(tmp_path / "notes.txt"), f"--model={tmp_path / 'notes.txt'}: neither "
+                                                  "a directory nor a .gguf file")
+  no_weights = tmp_path / "no_weights"
+  shutil.copytree(directory, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+  _one_line_refusal(_run(no_weights, generation={}), f"--model={no_weights}: {no_weights}: "
+                                                     "neither model.safetensors nor")
+
+
+def test_a_directory_without_a_tokenizer_samples_with_qwen25s_when_its_vocabulary_fits(
+    checkpoint, tmp_path):
+  """A Qwen2.5 checkpoint saved without its tokenizer completes as with it, and says which
+  tokenizer it took; a smaller vocabulary (a compact export that lost its tokenizer) is
+  refused before the model loads, not at the first id the model has no row for."""
+  directory, greedy = checkpoint
+  bare = tmp_path / "bare"
+  shutil.copytree(directory, bare, ignore=shutil.ignore_patterns(
+      "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "*.jinja"))
+  text, log = _generate(bare, "--max_new_tokens=8", generation={})
+  assert text == tokenizer_lib.Tokenizer(directory).decode(greedy)
+  assert (f"{bare} has no tokenizer.json: sampling with Qwen2.5's tokenizer, right for a "
+          "Qwen2.5 checkpoint only") in log, log
+  compact = tmp_path / "compact"
+  tiny_hf_model(str(compact), vocab=512, seed=0)
+  _one_line_refusal(_run(compact), f"--model={compact}: no tokenizer.json there, and the "
+                                   "model's vocabulary (512 ids) is smaller than that of "
+                                   "Qwen2.5's tokenizer (151665)")
