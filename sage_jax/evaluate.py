@@ -16,6 +16,8 @@ run's values of those keys. The merged config is validated as a training run's i
 
 A stopped evaluation (a preemption, a crash) resumes when the same command runs again: the
 scenarios it finished are kept in DIR and only the others are played (`sage_jax.eval.progress`).
+A finished report in DIR of an evaluation with other settings or another checkpoint is refused
+(`sage_jax.eval.runner.check_report`): each evaluation has a --workdir of its own.
 See `sage_jax.eval.runner` for what runs and what is written into DIR.
 """
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sage_jax import multihost, stopping
+from sage_jax import multihost, stopping, storage
 from sage_jax.agent import AgentConfig, ScriptedPolicy
 from sage_jax.agent.gold_solutions import scripted_agent
 from sage_jax.configurable import ConfigError
@@ -115,6 +115,43 @@ def test_a_stopped_evaluation_resumes_with_the_scenarios_it_finished(pool, tmp_p
   assert library(out) == library(tmp_path / "whole")
 
 
+def test_a_finished_report_of_other_settings_is_refused_before_anything_plays(
+    pool, tmp_path, monkeypatch):
+  """A second evaluation into a workdir would replace the first one's report, transcripts
+  and library: one of other settings (or weights) is refused, naming the report, before it
+  plays; the same evaluation runs again and writes them anew, and in a training run's own
+  directory (`replace_other`) another evaluation replaces them."""
+  config = functools.partial(_retrieving, max_scenarios=1, appworld_check=False)
+  first = evaluate.evaluate(config("same_scenario"), str(tmp_path), pool=pool, resume=True)
+  written = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+  assert "eval_dev.json" in written and "transcripts_dev.jsonl" in written
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("an evaluation refused by the workdir's report played a scenario")
+
+  with monkeypatch.context() as refused:
+    refused.setattr(rollout, "run_chain", refuse)
+    with pytest.raises(storage.WorkdirError,
+                       match=f"{tmp_path} holds eval_dev.json, the report of a finished "
+                             r"evaluation of the dev split with other settings .* use another "
+                             f"--workdir \\(or remove {tmp_path / 'eval_dev.json'}"):
+      evaluate.evaluate(config("query_ngram"), str(tmp_path), pool=pool, resume=True)
+    other_weights = config("same_scenario")
+    with pytest.raises(storage.WorkdirError, match="with other settings or another checkpoint"):
+      evaluate.evaluate(other_weights, str(tmp_path), pool=pool, resume=True,
+                        checkpoint={"run": "r", "stage": "rl", "step": 1})
+  assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == written
+  assert not (tmp_path / "eval_dev_progress").exists()
+  # How fast it runs may change, as for a stopped evaluation's kept scenarios.
+  again = evaluate.evaluate(config("same_scenario", max_concurrent_scenarios=1), str(tmp_path),
+                            pool=pool, resume=True)
+  assert again["records"] == first["records"]
+  replaced = evaluate.evaluate(config("query_ngram"), str(tmp_path), pool=pool, resume=True,
+                               replace_other=True)
+  assert replaced["retrieval"] == "query_ngram"
+  assert json.loads((tmp_path / "eval_dev.json").read_text())["retrieval"] == "query_ngram"
+
+
 def test_an_evaluation_stopped_before_its_report_reports_without_starting_anything(
     mini_root, tmp_path, monkeypatch):  # noqa: F811
   """Stopped after its last scenario, before its report was written (AppWorld's check of a
@@ -153,7 +190,8 @@ def test_kept_scenarios_of_other_settings_are_refused_or_replaced(tmp_path):
   other = progress.fingerprint({"eval": {"split": "dev"}}, {"stage": "rl", "step": 2})
   assert other != base
   progress.Progress(tmp_path, "dev", base).record(0, [], [])
-  with pytest.raises(ValueError, match=f"{tmp_path / 'eval_dev_progress'} holds scenarios"):
+  with pytest.raises(storage.WorkdirError,  # the command says it in one line
+                     match=f"{tmp_path / 'eval_dev_progress'} holds scenarios"):
     progress.Progress(tmp_path, "dev", other).finished()
   assert progress.Progress(tmp_path, "dev", base).finished()[0]["records"] == []
   assert progress.Progress(tmp_path, "dev", other).finished(replace_other=True) == {}
@@ -251,8 +289,20 @@ def test_eval_command_scores_the_scripted_expert(mini_root, tmp_path):
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
-  overall = json.loads((tmp_path / "eval_dev.json").read_text())["metrics"]["overall"]
+  report = (tmp_path / "eval_dev.json").read_text()
+  overall = json.loads(report)["metrics"]["overall"]
   assert (overall["num_tasks"], overall["tgc"], overall["sgc"]) == (3, 100.0, 100.0)
+  # Another evaluation into the same workdir would replace this one's report.
+  other = subprocess.run([sys.executable, "-m", "sage_jax.evaluate",
+                          "--config=configs/eval.py:demo", f"--workdir={tmp_path}",
+                          "--config.eval.max_scenarios=1",
+                          "--config.retrieval.strategy=query_ngram"],
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, timeout=600)
+  assert other.returncode != 0 and "Traceback" not in other.stderr, other.stderr[-3000:]
+  assert (f"WorkdirError: {tmp_path} holds eval_dev.json, the report of a finished evaluation "
+          "of the dev split with other settings") in other.stderr, other.stderr[-3000:]
+  assert (tmp_path / "eval_dev.json").read_text() == report
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -53,7 +53,7 @@ class Progress:
 
   def finished(self, replace_other: bool = False) -> dict[int, dict]:
     """Scenario index -> {"records": [...], "skills": [...]}, from the files there. Raises
-    ValueError when a file belongs to another evaluation, or (`replace_other`: a directory
+    WorkdirError when a file belongs to another evaluation, or (`replace_other`: a directory
     that only its owner evaluates in) removes them all."""
     if not self.directory.exists():
       return {}
@@ -66,7 +66,7 @@ class Progress:
         self.clear()
         return {}
       if value["key"] != self.key:
-        raise ValueError(
+        raise storage.WorkdirError(
             f"{self.directory} holds scenarios finished by an evaluation with other settings "
             f"or another checkpoint ({entry.name}); remove it to start this one afresh, or "
             "use another workdir")

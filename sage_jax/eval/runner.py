@@ -191,11 +191,18 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   `resume`: keep each finished scenario in the workdir, and play only those a stopped run of
   the same evaluation did not finish (`sage_jax.eval.progress`); scenarios kept there by an
   evaluation with other settings are refused, or with `replace_other` (a training run's own
-  evaluation directories) removed."""
+  evaluation directories) removed. The finished report of an evaluation of the split with
+  other settings is refused too (`check_report`), unless `replace_other`."""
   s = _sections(config)
   ev, retrieval_cfg = s["eval"], s["retrieval"]
   agent_cfg = ev.agent(s["agent"])
   out = storage.open_workdir(workdir)
+  plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  settings_key = lambda sections, weights: progress_lib.fingerprint(
+      {name: sections.get(name) for name in s}, weights)
+  key = settings_key(plain, checkpoint)
+  if not replace_other:
+    multihost.from_lead(lambda: check_report(out, ev.split, key, settings_key))
   root = appworld.resolve_root(ev.data)
   task_ids = appworld.first_scenarios(appworld.read_split(root, ev.split), ev.max_scenarios)
   scenarios = list(appworld.group_by_scenario(task_ids).values())
@@ -209,9 +216,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
                  "evaluation will not resume (it does with eval.max_concurrent_scenarios=1)",
                  max_concurrent)
   elif resume:
-    plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    progress = progress_lib.Progress(out, ev.split, progress_lib.fingerprint(
-        {name: plain.get(name) for name in s}, checkpoint))
+    progress = progress_lib.Progress(out, ev.split, key)
     on_disk = multihost.from_lead(lambda: progress.finished(replace_other))
     # An earlier run may have played more scenarios (max_scenarios).
     finished = {i: entry for i, entry in on_disk.items() if i < len(scenarios)}
@@ -327,7 +332,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
                     if compared else None)
     if disagreement:
       report["appworld_disagrees"] = disagreement
-  report["config"] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  report["config"] = plain
   report["records"] = [r.summary() for r in records]
   skills = [s for part in multihost.allgather_objects(library.to_list()) for s in part]
   name = f"eval_{ev.split}"
@@ -345,6 +350,22 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   if disagreement:  # after the report is written: the episodes' results are kept
     raise RuntimeError(f"{disagreement} (report: {out / name}.json)")
   return report
+
+
+def check_report(workdir: storage.PathLike, split: str, key: str,
+                 settings_key: Callable[[dict, dict | None], str]) -> None:
+  """Raises WorkdirError when `workdir` holds the finished report of an evaluation of `split`
+  whose settings and checkpoint (`settings_key(config, checkpoint)`, as `progress` keys its
+  scenarios) are not `key`'s: its report, transcripts and library would be replaced by
+  another evaluation's. The same evaluation run again writes them anew."""
+  report_path = storage.path(workdir) / f"eval_{split}.json"
+  report = storage.read_json(report_path)
+  if report is not None and settings_key(report.get("config") or {},
+                                         report.get("checkpoint")) != key:
+    raise storage.WorkdirError(
+        f"{workdir} holds {report_path.name}, the report of a finished evaluation of the "
+        f"{split} split with other settings or another checkpoint, which this one would "
+        f"replace: use another --workdir (or remove {report_path} to replace it)")
 
 
 def appworld_checked(records: Sequence[EpisodeRecord]) -> list[EpisodeRecord]:
