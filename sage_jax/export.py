@@ -192,7 +192,8 @@ def main(argv) -> None:
   try:
     result = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.step, flags.FLAGS.stage,
                     flags.FLAGS.dtype, flags.FLAGS.overwrite)
-  except (FileNotFoundError, hf.ExportError) as e:  # not a run, no such step, a bad --out
+  # Not a run, a config.json that is not JSON, no such step, a bad --out.
+  except (FileNotFoundError, storage.WorkdirError, hf.ExportError) as e:
     raise app.UsageError(str(e)) from e
   multihost.finish()
   if multihost.is_lead():

@@ -33,7 +33,7 @@ import jax
 from absl import app, flags, logging
 from jax.sharding import Mesh
 
-from sage_jax import multihost, run_checkpoint, run_config
+from sage_jax import multihost, run_checkpoint, run_config, storage
 from sage_jax import tokenizer as tokenizer_lib
 from sage_jax.configurable import ConfigError
 from sage_jax.model.config import CheckpointError, Qwen2Config
@@ -160,9 +160,11 @@ def source(spec: str) -> tuple[tokenizer_lib.Tokenizer, str | None, dict[str, An
   FLAGS = flags.FLAGS
   try:
     run_checkpoint.check_not_checkpoints(spec)
+    recorded = run_checkpoint.run_config_at(spec)
   except FileNotFoundError as e:
     raise app.UsageError(f"--model={e}") from None
-  recorded = run_checkpoint.run_config_at(spec)
+  except storage.WorkdirError as e:  # a config.json that is not JSON
+    raise app.UsageError(f"--model={spec}: {e}") from None
   if recorded is not None:
     for name in ("tensor", "param_dtype"):  # this host's mesh instead of the run's
       if FLAGS[name].present:

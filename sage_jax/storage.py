@@ -34,7 +34,8 @@ PathLike = str | os.PathLike
 
 
 class WorkdirError(ValueError):
-  """A workdir that cannot be used; the message names it and the problem."""
+  """A workdir, or a file in it, that cannot be used; the message names it and the
+  problem."""
 
 
 def is_remote(p: PathLike) -> bool:
@@ -94,9 +95,15 @@ def _open_dir(workdir: PathLike) -> epath.Path:
 
 
 def read_json(p: PathLike) -> Any | None:
-  """The JSON value of file `p`, or None if there is none."""
+  """The JSON value of file `p`, or None if there is none; a file that is not valid JSON (cut
+  short, edited) raises WorkdirError naming it."""
   p = path(p)
-  return json.loads(p.read_text(encoding="utf-8")) if p.exists() else None
+  if not p.exists():
+    return None
+  try:
+    return json.loads(p.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise WorkdirError(f"{p}: not valid JSON ({e}); repair or remove it") from e
 
 
 def write_text(p: PathLike, text: str) -> None:

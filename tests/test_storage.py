@@ -1,8 +1,10 @@
 """sage_jax.storage on a local directory and on a fake GCS bucket: whole-file writes, reads,
-mirrors of growing files, staged directories, and the checks a workdir gets at startup."""
+mirrors of growing files, staged directories, and the checks a workdir gets at startup
+(its JSON files readable)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -11,6 +13,22 @@ import pytest
 
 from sage_jax import storage
 from tests import fake_gcs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Commands on one CPU device (not the test session's 8 simulated ones: they only slow the
+# startup down).
+ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _cli(module, *args, timeout=300):
+  return subprocess.run([sys.executable, "-m", f"sage_jax.{module}", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout, env=ONE_DEVICE)
+
+
+def _last_line(done):
+  """The one line a command that failed with a known error ends with."""
+  assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  return done.stderr.strip().splitlines()[-1]
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -88,11 +106,26 @@ def test_a_workdir_that_is_a_file_ends_the_run_in_one_line(tmp_path):
   (tmp_path / "a_file").write_text("x")
   with pytest.raises(storage.WorkdirError, match=r"a_file: not a directory$"):
     storage.open_workdir(tmp_path / "a_file")
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  done = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config=configs/sage.py:demo",
-                         f"--workdir={tmp_path / 'a_file'}"], capture_output=True, text=True,
-                        timeout=300, cwd=repo,
-                        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
-  assert done.returncode != 0 and "Traceback" not in done.stderr
-  assert done.stderr.strip().splitlines()[-1] == (
-      f"WorkdirError: --workdir={tmp_path / 'a_file'}: not a directory")
+  done = _cli("train", "--config=configs/sage.py:demo", f"--workdir={tmp_path / 'a_file'}")
+  assert _last_line(done) == f"WorkdirError: --workdir={tmp_path / 'a_file'}: not a directory"
+
+
+def test_a_json_file_that_does_not_parse_is_named(tmp_path):
+  """A cut-short config.json (a disk that filled, an edit) fails each command that reads it
+  in one line naming the file, instead of json's error naming neither file nor command."""
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text('{"model": {"spec": ')
+  message = f"{run / 'config.json'}: not valid JSON (Expecting value: line 1 column 20"
+  with pytest.raises(storage.WorkdirError,
+                     match=rf"^{re.escape(message)}.*; repair or remove it$"):
+    storage.read_json(run / "config.json")
+  for module, args in (
+      ("train", ["--config=configs/sage.py:demo", f"--workdir={run}"]),
+      ("evaluate", [f"--run={run}", "--config=configs/eval.py:run",
+                    f"--workdir={tmp_path / 'eval'}"]),
+      ("export", [f"--workdir={run}", f"--out={tmp_path / 'hf'}"]),
+      ("generate", [f"--model={run}", "--prompt=hi"])):
+    line = _last_line(_cli(module, *args))
+    assert message in line, (module, line)
+  assert sorted(os.listdir(tmp_path)) == ["run"]
