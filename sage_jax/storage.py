@@ -81,6 +81,13 @@ def _open_dir(workdir: PathLike) -> epath.Path:
       root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
       raise WorkdirError(f"{workdir}: cannot be made: {e.strerror or e}") from e
+    try:  # a read-only mount, another user's directory
+      fd, probe = tempfile.mkstemp(prefix=".write_test-", dir=root)
+      os.close(fd)
+      os.remove(probe)
+    except OSError as e:
+      raise WorkdirError(f"{workdir}: cannot be written to ({e.strerror or e}); use a "
+                         "directory this user can write") from e
     return root
   scheme, rest = os.fspath(root).split("://", 1)
   bucket = epath.Path(f"{scheme}://{rest.split('/', 1)[0]}")

@@ -1,6 +1,6 @@
 """sage_jax.storage on a local directory and on a fake GCS bucket: whole-file writes, reads,
 mirrors of growing files, staged directories, and the checks a workdir gets at startup
-(its JSON files readable)."""
+(writable, its JSON files readable)."""
 
 import json
 import os
@@ -18,6 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Commands on one CPU device (not the test session's 8 simulated ones: they only slow the
 # startup down).
 ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+# An existing directory where writing fails, for root too (sysfs makes no files).
+UNWRITABLE = "/sys/kernel"
 
 
 def _cli(module, *args, timeout=300):
@@ -108,6 +110,20 @@ def test_a_workdir_that_is_a_file_ends_the_run_in_one_line(tmp_path):
     storage.open_workdir(tmp_path / "a_file")
   done = _cli("train", "--config=configs/sage.py:demo", f"--workdir={tmp_path / 'a_file'}")
   assert _last_line(done) == f"WorkdirError: --workdir={tmp_path / 'a_file'}: not a directory"
+
+
+@pytest.mark.skipif(not os.path.isdir(UNWRITABLE), reason=f"no {UNWRITABLE}")
+def test_an_unwritable_workdir_ends_the_run_in_one_line():
+  """Checked by a test write when the workdir opens, not when the first file is written (a
+  raw OSError in training; in an evaluation, AppWorld's template dying with its outputs
+  directory)."""
+  message = f"{UNWRITABLE}: cannot be written to (Permission denied); use a directory"
+  with pytest.raises(storage.WorkdirError, match=re.escape(message)):
+    storage.open_workdir(UNWRITABLE)
+  train = _cli("train", "--config=configs/sage.py:demo", f"--workdir={UNWRITABLE}")
+  assert _last_line(train).startswith(f"WorkdirError: --workdir={message}")
+  evaluation = _cli("evaluate", "--config=configs/eval.py:demo", f"--workdir={UNWRITABLE}")
+  assert _last_line(evaluation).startswith(f"WorkdirError: {message}")
 
 
 def test_a_json_file_that_does_not_parse_is_named(tmp_path):
