@@ -18,6 +18,7 @@ under the workdir:
   <workdir>/hf/lora_adapter/         a LoRA run's adapters in PEFT's format
   <workdir>/plots/training.png       curves (RL; sft.png: SFT's)
   <workdir>/summary.json             the before/after table, and the checkpoint it is of
+  <workdir>/workdir.lock             held by the run while it runs (`storage.WorkdirLock`)
 
 DIR is a local path or a URL that etils.epath handles, e.g. gs://bucket/run (`sage_jax.storage`;
 AppWorld's working files then stay on each host).
@@ -174,10 +175,23 @@ class Pipeline:
     loader.check_tokenizer(self.run.model)
     check_evaluation_reports(self.run)
     self.workdir = storage.open_workdir(workdir, flag="--workdir")
-    self.config_dict = run_config.with_seeds(config, self.run)
     recorded = _read_json_on_lead(self.workdir / "config.json")
-    if recorded is not None:
+    if recorded is not None:  # a model's directory gets no lock file either
       run_config.check_recorded(recorded, f"{workdir}/config.json")
+    # Held until `close`: a second run on this workdir stops here, before it writes anything.
+    self._workdir_lock = multihost.all_succeed(lambda: storage.WorkdirLock(
+        self.workdir, "--workdir", hold=multihost.is_lead()))
+    try:
+      self._start(config, workdir, recorded)
+    except BaseException:
+      self._workdir_lock.release()
+      raise
+
+  def _start(self, config: Any, workdir: str, recorded: dict | None) -> None:
+    """The rest of `__init__`, with the workdir held: checks it against the run it holds
+    (`recorded`, its config.json), records this one, and builds the mesh, AppWorld pool,
+    model and sampler."""
+    self.config_dict = run_config.with_seeds(config, self.run)
     if recorded is not None and not (progress := self.progress()):
       logging.warning("%s/config.json records a run that stopped before it saved or evaluated "
                       "anything: this config replaces it", workdir)
@@ -357,8 +371,12 @@ class Pipeline:
     return self._pool.start_in_background()
 
   def close(self) -> None:
-    self.driver.close()
-    self._pool.close()
+    """Stops the sampler and AppWorld, and lets another run take the workdir."""
+    try:
+      self.driver.close()
+      self._pool.close()
+    finally:
+      self._workdir_lock.release()
 
   def saved_steps(self, stage: str) -> list[int]:
     """The checkpoint steps of `stage` in the workdir (read without cleaning anything up;
@@ -454,7 +472,7 @@ class Pipeline:
       metrics = runner.evaluate(config, out, pool=self.pool, policy=self.eval_policy,
                                 engine=self.engine, tokenizer=self.tokenizer,
                                 checkpoint=self.weights_from, resume=True,
-                                replace_other=True)["metrics"]
+                                replace_other=True, hold_workdir=False)["metrics"]
     return metrics["overall"]
 
   def compact_tokenizer_dir(self) -> str:
@@ -798,14 +816,14 @@ def run(config: Any, workdir: str) -> dict:
       summary["export"] = pipe.export(summary)
     elif p.export:
       pipe.export(summary)  # every process joins the gathers
+    if p.plot and multihost.is_lead():
+      summary["plots"] = plot.plot_stages(os.fspath(pipe.workdir))
+    summary["weights"] = pipe.weights_from or {"stage": None, "step": 0}
+    summary["elapsed_s"] = round(time.time() - started, 1)
+    summary["table"] = summary_table(summary)
+    _write_json(pipe.workdir / "summary.json", summary)
   finally:
-    pipe.close()
-  if p.plot and multihost.is_lead():
-    summary["plots"] = plot.plot_stages(os.fspath(pipe.workdir))
-  summary["weights"] = pipe.weights_from or {"stage": None, "step": 0}
-  summary["elapsed_s"] = round(time.time() - started, 1)
-  summary["table"] = summary_table(summary)
-  _write_json(pipe.workdir / "summary.json", summary)
+    pipe.close()  # after the last write: the workdir is held until then
   return summary
 
 

@@ -14,6 +14,9 @@ object store has no rename and no append, so:
   then replaces the remote one: `staged_dir`;
 - host-local things (AppWorld's outputs, process logs) stay on the host: `local_subdir`.
 
+A local (or NFS) workdir is held by one run at a time (`WorkdirLock`); an object store has no
+lock to take, so two runs on one `gs://` workdir are not stopped.
+
 gcsfs caches directory listings, which go stale when tensorstore or another host writes
 into the bucket; listings are read rarely here (checkpoint steps, a step's files), so
 that cache is off for gcs:// unless configured otherwise (`FSSPEC_GCS_USE_LISTINGS_CACHE`).
@@ -22,15 +25,22 @@ that cache is off for gcs:// unless configured otherwise (`FSSPEC_GCS_USE_LISTIN
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from typing import Any, Iterator
 
 from etils import epath
 
 PathLike = str | os.PathLike
+
+
+# The file in a local workdir that `WorkdirLock` locks; it names the holder.
+LOCK_FILE = "workdir.lock"
 
 
 class WorkdirError(ValueError):
@@ -99,6 +109,52 @@ def _open_dir(workdir: PathLike) -> epath.Path:
     raise WorkdirError(f"{workdir}: bucket {bucket} does not exist or cannot be reached "
                        f"with these credentials")
   return root
+
+
+class WorkdirLock:
+  """Process 0's hold on a local (or NFS) workdir while a run or an evaluation writes into
+  it: an exclusive flock on `<workdir>/workdir.lock`, which names the holder. Another run on
+  the same workdir (a resubmitted job overlapping a live one) fails here, before it writes or
+  starts anything; the kernel drops the lock when the process ends, however it ends, so a
+  crashed or killed run leaves no stale lock (the file stays). Nothing is held for a remote
+  workdir (no lock to take) or with `hold` False (the other processes of a run, which share
+  the workdir). `flag`, the command-line flag that gave the workdir, starts the error."""
+
+  def __init__(self, workdir: PathLike, flag: str = "", hold: bool = True):
+    self._file = None
+    if not hold or is_remote(workdir):
+      return
+    lock_path = os.path.join(os.fspath(path(workdir)), LOCK_FILE)
+    name = f"{flag}={workdir}" if flag else os.fspath(workdir)
+    try:
+      f = open(lock_path, "a+", encoding="utf-8")
+    except OSError as e:  # another user's lock file
+      raise WorkdirError(f"{name}: {lock_path} cannot be opened ({e.strerror or e})") from e
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
+      holder = f.read().strip() or "another process"
+      f.close()
+      raise WorkdirError(f"{name}: in use by another run ({holder}; {lock_path}): wait for "
+                         f"it to end or stop it, or use another {flag or 'workdir'}") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    self._file = f
+
+  def release(self) -> None:
+    """Lets another run take the workdir; idempotent."""
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+  def __enter__(self) -> WorkdirLock:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.release()
 
 
 def read_json(p: PathLike) -> Any | None:

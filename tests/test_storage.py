@@ -1,12 +1,14 @@
 """sage_jax.storage on a local directory and on a fake GCS bucket: whole-file writes, reads,
-mirrors of growing files, staged directories, and the checks a workdir gets at startup
-(writable, its JSON files readable)."""
+mirrors of growing files, staged directories, and the checks a workdir gets at startup (one
+run at a time, writable, its JSON files readable)."""
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -124,6 +126,53 @@ def test_an_unwritable_workdir_ends_the_run_in_one_line():
   assert _last_line(train).startswith(f"WorkdirError: --workdir={message}")
   evaluation = _cli("evaluate", "--config=configs/eval.py:demo", f"--workdir={UNWRITABLE}")
   assert _last_line(evaluation).startswith(f"WorkdirError: {message}")
+
+
+def test_a_workdir_lock_is_held_until_released(tmp_path):
+  """Two holders conflict (in one process too); a released lock is taken again. Nothing is
+  held for a bucket, nor by a run's other processes (`hold=False`). (The next test kills a
+  holder.)"""
+  workdir = storage.open_workdir(tmp_path / "run")
+  with storage.WorkdirLock(workdir, "--workdir") as held:
+    holder = f"pid {os.getpid()} on host "
+    assert (workdir / storage.LOCK_FILE).read_text().startswith(holder)
+    in_use = f"--workdir={workdir}: in use by another run ({holder}"
+    with pytest.raises(storage.WorkdirError, match=f"^{re.escape(in_use)}"):
+      storage.WorkdirLock(workdir, "--workdir")
+    storage.WorkdirLock(workdir, hold=False).release()
+    held.release()
+    storage.WorkdirLock(workdir).release()
+  storage.WorkdirLock("gs://bucket/run").release()
+
+
+def test_a_second_run_on_a_workdir_fails_while_the_first_runs(tmp_path):
+  """A resubmitted job overlapping a live one on the same workdir: the second command, a
+  training or an evaluation, fails at once in one line naming the run that holds the workdir
+  and writes nothing there; once that run is killed (SIGKILL: no cleanup), the workdir is
+  free."""
+  workdir = tmp_path / "run"
+  lock = workdir / storage.LOCK_FILE
+  train = ["--config=configs/sage.py:demo", f"--workdir={workdir}"]
+  first = subprocess.Popen([sys.executable, "-m", "sage_jax.train", *train], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env=ONE_DEVICE)
+  try:
+    deadline = time.monotonic() + 120
+    while not (lock.exists() and lock.read_text().startswith(f"pid {first.pid} ")
+               and (workdir / "config.json").exists()):
+      assert time.monotonic() < deadline and first.poll() is None, first.communicate()[1]
+      time.sleep(0.1)
+    recorded = (workdir / "config.json").read_text()  # the first run's
+    held = f"{workdir}: in use by another run (pid {first.pid} on host "
+    assert _last_line(_cli("train", *train)).startswith(f"WorkdirError: --workdir={held}")
+    evaluation = _cli("evaluate", "--config=configs/eval.py:demo", f"--workdir={workdir}")
+    assert _last_line(evaluation).startswith(f"WorkdirError: {held}")
+    assert first.poll() is None and (workdir / "config.json").read_text() == recorded
+    assert not (workdir / "eval_dev.json").exists()
+  finally:
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+  storage.WorkdirLock(workdir, "--workdir").release()
 
 
 def test_a_json_file_that_does_not_parse_is_named(tmp_path):

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from etils import epath
 
 from sage_jax import configurable, multihost, storage
 from sage_jax.agent.config import AgentConfig, RetrievalConfig
@@ -179,7 +180,8 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
              policy: Any = None, engine: Any = None,
              make_engine: Callable[[], Engine] | None = None,
              tokenizer: Tokenizer | None = None, checkpoint: dict | None = None,
-             resume: bool = False, replace_other: bool = False) -> dict:
+             resume: bool = False, replace_other: bool = False,
+             hold_workdir: bool = True) -> dict:
   """Runs the evaluation described by `config` (a ConfigDict or mapping of sections) and
   writes the reports into `workdir`; returns the report. `pool` / `policy` / `tokenizer`
   may be given (tests and the training pipeline share them); otherwise they are built from
@@ -192,11 +194,26 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   the same evaluation did not finish (`sage_jax.eval.progress`); scenarios kept there by an
   evaluation with other settings are refused, or with `replace_other` (a training run's own
   evaluation directories) removed. The finished report of an evaluation of the split with
-  other settings is refused too (`check_report`), unless `replace_other`."""
+  other settings is refused too (`check_report`), unless `replace_other`. `hold_workdir`:
+  process 0 holds `workdir` while the evaluation runs (`storage.WorkdirLock`: another run
+  there fails at once); the training pipeline, which holds its run's workdir, evaluates into
+  it without."""
   s = _sections(config)
+  out = storage.open_workdir(workdir)
+  with multihost.all_succeed(lambda: storage.WorkdirLock(
+      out, hold=hold_workdir and multihost.is_lead())):
+    return _evaluate(config, s, out, pool=pool, policy=policy, engine=engine,
+                     make_engine=make_engine, tokenizer=tokenizer, checkpoint=checkpoint,
+                     resume=resume, replace_other=replace_other)
+
+
+def _evaluate(config: Any, s: dict[str, Any], out: epath.Path, *,
+              pool: appworld.EnvPool | None, policy: Any, engine: Any,
+              make_engine: Callable[[], Engine] | None, tokenizer: Tokenizer | None,
+              checkpoint: dict | None, resume: bool, replace_other: bool) -> dict:
+  """`evaluate` of `config`'s sections `s` into the workdir `out`, opened and held."""
   ev, retrieval_cfg = s["eval"], s["retrieval"]
   agent_cfg = ev.agent(s["agent"])
-  out = storage.open_workdir(workdir)
   plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   settings_key = lambda sections, weights: progress_lib.fingerprint(
       {name: sections.get(name) for name in s}, weights)
@@ -238,7 +255,7 @@ def evaluate(config: Any, workdir: str, *, pool: appworld.EnvPool | None = None,
   tokenizer = tokenizer or Tokenizer()
   own_pool = None
   if pool is None:  # several processes: each pool keeps its outputs on its own host
-    own_pool = appworld.EnvPool(multihost.pool_config(s["pool"], root, workdir))
+    own_pool = appworld.EnvPool(multihost.pool_config(s["pool"], root, out))
   # A process with no scenario to play (every one kept by a stopped run; across scenarios,
   # any but process 0) starts no AppWorld and loads no model of its own: it only reports.
   # A trained run's checkpoint (`make_engine`) is read unless no process plays any.
