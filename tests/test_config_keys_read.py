@@ -51,6 +51,10 @@ ALLOWED_OVERWRITES = {
                           "pipeline.train_scenarios",
     "model.param_dtype": "a model loaded to be sampled alone (evaluation, generation) is held "
                          "in sampler_mesh.param_dtype, as a training run's sampling copy is",
+    **{f"{section}.{key}": "OptimizerConfig.for_updates resolves warmup_ratio and a decay to "
+                           "the last update into steps once the stage's length is known"
+       for section in ("optimizer", "sft_optimizer")
+       for key in ("warmup_steps", "warmup_ratio", "decay_steps")},
 }
 
 

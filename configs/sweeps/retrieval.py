@@ -20,16 +20,19 @@ CHECKPOINTS = "checkpoints"  # the RL checkpoints under a run's workdir
 def checkpoint_step(run_dir: str, step: str) -> int:
   """`step`, or (empty) the run's latest, of its finished RL checkpoints (a local directory or
   a bucket's: there, orbax writes a step in place and marks it finished last, so a save
-  under way is not one)."""
+  under way is not one). A named step is checked where the run has checkpoints here."""
   directory = storage.path(run_dir) / CHECKPOINTS
   steps = sorted(int(p.name) for p in directory.iterdir()
                  if p.name.isdigit() and ocp_path.step.is_path_finalized(p)
                  ) if directory.is_dir() else []
+  if step:  # checked where the run's checkpoints can be seen from here
+    if steps and int(step) not in steps:
+      raise ValueError(f"{directory}: no finished checkpoint step {step}; its steps: {steps}")
+    return int(step)
   if not steps:
-    raise ValueError(f"{directory}: no checkpoint to evaluate; train the run first")
-  if step and int(step) not in steps:
-    raise ValueError(f"{directory}: no finished checkpoint step {step}; its steps: {steps}")
-  return int(step) if step else steps[-1]
+    raise ValueError(f"{directory}: no checkpoint to evaluate; train the run first, or name "
+                     "a step (retrieval.py:RUN_DIR:STEP)")
+  return steps[-1]
 
 
 def get_sweep(run_dir: str = "", step: str = ""):
